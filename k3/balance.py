@@ -1,0 +1,610 @@
+"""Expert load balancing for K3 routers (spec §3.6: bias trained with Quantile Balancing).
+
+Routing selects top-k experts of ``scores + bias`` (the bias never enters the combine weights). A balancer
+adjusts each router's ``e_score_correction_bias`` buffer between optimizer steps so that every expert receives
+about ``k·T/n`` of the ``T`` tokens of a step.
+
+Quantile Balancing (QB), closed form per step:
+
+* route with the current bias; the cutoff of token i is ``α_i`` = the (k+1)-th largest value of ``s_i + b``
+  (computed *with* the current bias, so the update is a fixed-point iteration in the bias, not a one-shot
+  estimate that ignores the other experts' biases);
+* margin ``m_ij = s_ij − α_i``: expert j would win token i's last slot iff ``b_j > −m_ij``;
+* ``b̂_j = −q_j`` where ``q_j`` is the threshold with exactly ``K = round(k·T/n)`` margins of column j above it
+  (the empirical ``(1 − k/n)``-quantile; midpoint between the K-th and (K+1)-th largest margin);
+* ``b = b̂ − mean(b̂)``, used from the next step on; frozen at inference (no balancer attached / eval mode).
+
+Fixed point: the map is shift-equivariant (``b̂(b + c) = b̂(b) + c``), so a fixed point of the centred map
+satisfies ``b̂(b*) = b* + c``. Expert j's load under ``b*`` equals the number of margins above ``−b*_j`` and
+margins are monotone in the bias, so ``c ≥ 0`` gives every load ``≤ K`` and ``c ≤ 0`` every load ``≥ K``;
+loads sum to ``k·T = n·K``, hence every expert gets ``K`` tokens (up to ties). ``tests/test_balance.py`` checks it.
+
+Balancers (``make_balancer(name, **kw)``):
+
+``qb``        exact quantile from all margins of the step (kept in memory; all-gathered across ranks).
+``qb_hist``   per-expert histogram (``bins`` bins + under/overflow) over a window around the current
+              threshold ``−b_j`` whose half-width is recomputed each step from the last update size; counts
+              (plus the loads) are summed over micro-batches and across data-parallel ranks with one
+              all-reduce per layer, then the quantile is interpolated linearly inside its bin.
+``qb_ema``    exact QB whose bias is an exponential moving average of the per-step QB solutions (less
+              sampling noise from small batches, slower to follow drift). ``qb``/``qb_hist`` accept ``ema=``.
+``sign``      DeepSeek-V3 rule ``b ← b − γ·sign(load − mean load)`` (``gamma``, default 1e-3).
+``aux_loss``  switch-style loss ``coef · n · Σ_j f_j P_j`` returned by :meth:`Balancer.aux_loss`; bias untouched.
+``none``      statistics/metrics only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from k3.errors import CheckpointError, K3ConfigError
+
+__all__ = [
+    "BALANCERS",
+    "Balancer",
+    "QBBalancer",
+    "QBHistBalancer",
+    "SignBalancer",
+    "AuxLossBalancer",
+    "NoneBalancer",
+    "make_balancer",
+    "qb_bias",
+    "qb_thresholds",
+    "hist_thresholds",
+    "route_cutoffs",
+    "margin_histogram",
+    "load_stats",
+    "find_routers",
+]
+
+BIAS_BUFFER = "e_score_correction_bias"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pure functions
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _check_scores(scores_TE: torch.Tensor, top_k: int, bias_E: torch.Tensor | None = None) -> None:
+    if scores_TE.dim() != 2:
+        raise K3ConfigError(f"scores must be [T, n], got shape {tuple(scores_TE.shape)}")
+    n = scores_TE.shape[1]
+    if not 1 <= top_k < n:
+        raise K3ConfigError(f"top_k must be in [1, n-1] = [1, {n - 1}], got {top_k}")
+    if bias_E is not None and tuple(bias_E.shape) != (n,):
+        raise K3ConfigError(f"bias must be [{n}], got shape {tuple(bias_E.shape)}")
+
+
+def route_cutoffs(
+    scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, topk_idx_Tk: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k selection of ``scores + bias`` and each token's cutoff α (the (k+1)-th largest biased score).
+
+    When the router's ``topk_idx_Tk`` is given, α is the max biased score over the unselected experts
+    (one masked max, no second top-k). Returns ``(topk_idx_Tk int64, alpha_T fp32)``.
+    """
+    biased_TE = scores_TE.float() + bias_E.float()
+    if topk_idx_Tk is None:
+        vals_Tk1, idx_Tk1 = torch.topk(biased_TE, top_k + 1, dim=1)
+        return idx_Tk1[:, :top_k], vals_Tk1[:, top_k]
+    masked_TE = biased_TE.scatter(1, topk_idx_Tk, float("-inf"))
+    return topk_idx_Tk, masked_TE.amax(dim=1)
+
+
+def _target_count(total_tokens: int | float, top_k: int, n: int) -> torch.Tensor | int:
+    return int(round(top_k * float(total_tokens) / n))
+
+
+def qb_thresholds(margins_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per-expert threshold with exactly ``K = round(k·T/n)`` margins above it (midpoint of the K-th and
+    (K+1)-th largest margin of each column). ``margins_TE`` fp32 [T, n] -> [n] fp32."""
+    T, n = margins_TE.shape
+    K = _target_count(T, top_k, n)
+    K = min(max(K, 1), T - 1) if T > 1 else 0
+    if T <= 1:
+        return margins_TE.float().mean(0)
+    vals_KE = torch.topk(margins_TE.float(), K + 1, dim=0).values  # descending
+    return 0.5 * (vals_KE[K - 1] + vals_KE[K])
+
+
+def qb_bias(scores: torch.Tensor, top_k: int, bias: torch.Tensor) -> torch.Tensor:
+    """One exact Quantile-Balancing update.
+
+    ``scores`` fp32 [T, n] (router scores, no bias), ``bias`` [n] the bias the tokens were routed with.
+    Returns the new mean-zero bias [n] fp32 (to be used from the next step on)."""
+    _check_scores(scores, top_k, bias)
+    scores_TE = scores.detach().float()
+    bias_E = bias.detach().float()
+    _, alpha_T = route_cutoffs(scores_TE, bias_E, top_k)
+    q_E = qb_thresholds(scores_TE - alpha_T[:, None], top_k)
+    bhat_E = -q_E
+    return bhat_E - bhat_E.mean()
+
+
+def margin_histogram(margins_TE: torch.Tensor, lo_E: torch.Tensor, width: float, bins: int) -> torch.Tensor:
+    """Counts [n, bins+2] int64 of each column of ``margins_TE`` in bins ``[lo_j + r·w, lo_j + (r+1)·w)``;
+    column 0 counts everything below ``lo_j`` and column ``bins+1`` everything at/above ``lo_j + bins·w``."""
+    T, n = margins_TE.shape
+    pos_TE = torch.floor((margins_TE.float() - lo_E.float()) / width)
+    pos_TE = pos_TE.clamp_(-1, bins).to(torch.int64) + 1
+    flat_T = (pos_TE + torch.arange(n, dtype=torch.int64) * (bins + 2)).reshape(-1)
+    return torch.bincount(flat_T, minlength=n * (bins + 2)).view(n, bins + 2)
+
+
+def hist_thresholds(
+    hist_EB: torch.Tensor, lo_E: torch.Tensor, width: float, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Threshold per expert from a margin histogram (layout of :func:`margin_histogram`) with ``k·T/n``
+    counts above it, interpolating linearly inside the bin. Returns ``(thresholds_E fp32, clamped_E bool)``;
+    ``clamped`` marks experts whose threshold fell in the under/overflow bin (clamped to the window edge)."""
+    n, B2 = hist_EB.shape
+    bins = B2 - 2
+    counts_EB = hist_EB.to(torch.float64)
+    T = float(counts_EB[0].sum())
+    K = float(_target_count(T, top_k, n))
+    # above_EB[:, r] = number of margins in bins > r (strictly above bin r)
+    tail_EB = counts_EB.flip(1).cumsum(1).flip(1)  # tail[r] = sum of bins >= r
+    above_EB = torch.cat([tail_EB[:, 1:], torch.zeros(n, 1, dtype=torch.float64)], dim=1)
+    # the bin r in 1..bins with above[r] < K <= above[r] + count[r]
+    inside_EB = (above_EB < K) & (above_EB + counts_EB >= K)
+    inside_EB[:, 0] = False
+    inside_EB[:, bins + 1] = False
+    has_E = inside_EB.any(1)
+    r_E = inside_EB.to(torch.int8).argmax(1)
+    a_E = above_EB.gather(1, r_E[:, None])[:, 0]
+    c_E = counts_EB.gather(1, r_E[:, None])[:, 0].clamp_min(1.0)
+    upper_E = lo_E.double() + r_E.double() * width  # bin r (1-based) spans [lo+(r-1)w, lo+r w)
+    thr_E = upper_E - width * (K - a_E) / c_E
+    overflow_E = counts_EB[:, bins + 1] >= K  # quantile above the window
+    hi_E = lo_E.double() + bins * width
+    thr_E = torch.where(has_E, thr_E, torch.where(overflow_E, hi_E, lo_E.double()))
+    return thr_E.float(), ~has_E
+
+
+def load_stats(load_E: torch.Tensor, bias_E: torch.Tensor | None = None) -> dict[str, float]:
+    """MaxVio = (max − mean)/mean, min load / mean, dead experts (load 0), bias range."""
+    load = load_E.double()
+    mean = float(load.mean())
+    out = {
+        "maxvio": float((load.max() - mean) / mean) if mean > 0 else 0.0,
+        "min_load_ratio": float(load.min() / mean) if mean > 0 else 0.0,
+        "dead_experts": float((load == 0).sum()),
+    }
+    if bias_E is not None:
+        out["bias_range"] = float(bias_E.max() - bias_E.min())
+    return out
+
+
+def find_routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module with a ``e_score_correction_bias`` buffer and ``top_k``/``num_experts`` attributes."""
+    found = []
+    for name, mod in model.named_modules():
+        if BIAS_BUFFER in dict(mod.named_buffers(recurse=False)) and hasattr(mod, "top_k") and hasattr(
+            mod, "num_experts"
+        ):
+            found.append((name, mod))
+    return found
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Distributed helpers (default process group)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _dist_world() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def _all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    if _dist_world() > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def _all_gather_rows(x_TE: torch.Tensor) -> torch.Tensor:
+    """Concatenate the rows of ``x_TE`` of every rank (rank order); row counts may differ."""
+    world = _dist_world()
+    if world == 1:
+        return x_TE
+    import torch.distributed as dist
+
+    n_rows = torch.tensor([x_TE.shape[0]], dtype=torch.int64)
+    sizes = [torch.zeros_like(n_rows) for _ in range(world)]
+    dist.all_gather(sizes, n_rows)
+    rows = [int(s) for s in sizes]
+    pad = max(rows)
+    padded = torch.zeros(pad, x_TE.shape[1], dtype=x_TE.dtype)
+    padded[: x_TE.shape[0]] = x_TE
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[:r] for g, r in zip(gathered, rows)], dim=0)
+
+
+def _in_backward() -> bool:
+    """True while autograd runs backward (e.g. activation-checkpoint recomputation): skip statistics then."""
+    try:
+        return torch._C._current_graph_task_id() != -1
+    except AttributeError:  # pragma: no cover - older torch
+        return False
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Balancers
+# ------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Router:
+    name: str
+    module: nn.Module
+    top_k: int
+    num_experts: int
+    handle: Any = None
+    load_E: torch.Tensor | None = None  # int64 counts since last step
+    tokens: int = 0
+    margins: list = field(default_factory=list)  # qb: detached fp32 [N, E] chunks
+    hist_EB: torch.Tensor | None = None  # qb_hist
+    lo_E: torch.Tensor | None = None
+    width: float = 0.0
+    half_width: float | None = None  # qb_hist window state
+    aux_terms: list = field(default_factory=list)
+    last: dict = field(default_factory=dict)
+
+    @property
+    def bias(self) -> torch.Tensor:
+        return getattr(self.module, BIAS_BUFFER)
+
+
+class Balancer:
+    """Base class: hooks, load accounting, metrics, checkpoint state. Subclasses implement ``_observe_extra``
+    and ``_new_bias``."""
+
+    name = "base"
+    needs_margins = False
+
+    def __init__(self, collect_in_eval: bool = False):
+        self.collect_in_eval = bool(collect_in_eval)
+        self.routers: list[_Router] = []
+        self.num_steps = 0
+        self._pending_state: dict[str, dict] = {}
+
+    # ---- integration ---------------------------------------------------------------------------------------
+    def attach(self, model: nn.Module) -> "Balancer":
+        """Register a forward hook on every router of ``model``. Returns self."""
+        routers = find_routers(model)
+        if not routers:
+            raise K3ConfigError(
+                f"no router found: need a module with buffer '{BIAS_BUFFER}' and attributes top_k, num_experts"
+            )
+        for name, mod in routers:
+            r = _Router(name=name, module=mod, top_k=int(mod.top_k), num_experts=int(mod.num_experts))
+            if tuple(r.bias.shape) != (r.num_experts,):
+                raise K3ConfigError(f"{name}.{BIAS_BUFFER} has shape {tuple(r.bias.shape)}, want [{r.num_experts}]")
+            r.handle = mod.register_forward_hook(self._make_hook(r))
+            self.routers.append(r)
+            if name in self._pending_state:
+                self._load_router_state(r, self._pending_state.pop(name))
+        return self
+
+    def detach(self) -> None:
+        """Remove all hooks and drop unconsumed statistics."""
+        for r in self.routers:
+            if r.handle is not None:
+                r.handle.remove()
+        self.routers = []
+
+    def _make_hook(self, r: _Router) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not (module.training or self.collect_in_eval) or _in_backward():
+                return None
+            topk_idx_Nk, _topk_weight_Nk, scores_NE = output[0], output[1], output[2]
+            scores_NE = scores_NE.reshape(-1, r.num_experts)
+            topk_idx_Nk = topk_idx_Nk.reshape(-1, r.top_k)
+            self._observe(r, topk_idx_Nk, scores_NE)
+            return None  # never modifies the router output
+
+        return hook
+
+    def _observe(self, r: _Router, topk_idx_Nk: torch.Tensor, scores_NE: torch.Tensor) -> None:
+        idx = topk_idx_Nk.detach()
+        load = torch.bincount(idx.reshape(-1).to(torch.int64), minlength=r.num_experts)
+        r.load_E = load if r.load_E is None else r.load_E + load
+        r.tokens += idx.shape[0]
+        self._observe_extra(r, idx, scores_NE)
+
+    def _observe_extra(self, r: _Router, idx_Nk: torch.Tensor, scores_NE: torch.Tensor) -> None:
+        pass
+
+    # ---- step ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update every router's bias in place from the statistics gathered since the last step."""
+        for r in self.routers:
+            load_E = self._global_load(r)
+            if load_E is None:
+                continue
+            old_bias_E = r.bias.detach().clone()
+            new_bias_E = self._new_bias(r, load_E, old_bias_E)
+            if new_bias_E is not None:
+                r.bias.copy_(new_bias_E.to(r.bias.dtype))
+            r.last = load_stats(load_E, r.bias.detach().float())
+            r.last["tokens"] = float(load_E.sum()) / r.top_k
+            self._reset(r)
+        self.num_steps += 1
+
+    def _global_load(self, r: _Router) -> torch.Tensor | None:
+        """Summed loads of the step over micro-batches and ranks (one all-reduce). None if nothing observed
+        on any rank (every rank must call step())."""
+        local = r.load_E if r.load_E is not None else torch.zeros(r.num_experts, dtype=torch.int64)
+        if _dist_world() > 1:
+            local = _all_reduce_sum(local.clone())
+        return local if int(local.sum()) > 0 else None
+
+    def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor | None:
+        return None
+
+    def _reset(self, r: _Router) -> None:
+        r.load_E = None
+        r.tokens = 0
+        r.margins = []
+        r.hist_EB = None
+        r.aux_terms = []
+
+    # ---- aux loss ------------------------------------------------------------------------------------------
+    def aux_loss(self) -> torch.Tensor:
+        """Summed auxiliary loss of the forwards since the last call (0 for bias-based balancers)."""
+        terms = [t for r in self.routers for t in r.aux_terms]
+        for r in self.routers:
+            r.aux_terms = []
+        if not terms:
+            return torch.zeros(())
+        return torch.stack([t.reshape(()) for t in terms]).sum()
+
+    # ---- metrics -------------------------------------------------------------------------------------------
+    def metrics(self, prefix: str = "balance/") -> dict[str, float]:
+        """Per-layer and aggregated (mean/max over layers) balance metrics of the last step."""
+        out: dict[str, float] = {}
+        per_key: dict[str, list[float]] = {}
+        for r in self.routers:
+            if not r.last:
+                continue
+            for key in ("maxvio", "min_load_ratio", "dead_experts", "bias_range"):
+                if key in r.last:
+                    out[f"{prefix}{r.name}/{key}"] = r.last[key]
+                    per_key.setdefault(key, []).append(r.last[key])
+        for key, vals in per_key.items():
+            out[f"{prefix}{key}_mean"] = sum(vals) / len(vals)
+            out[f"{prefix}{key}_max"] = max(vals)
+        if key_min := per_key.get("min_load_ratio"):
+            out[f"{prefix}min_load_ratio_min"] = min(key_min)
+        return out
+
+    # ---- checkpoint ----------------------------------------------------------------------------------------
+    def _router_state(self, r: _Router) -> dict:
+        return {}
+
+    def _load_router_state(self, r: _Router, state: dict) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {
+            "balancer": self.name,
+            "num_steps": self.num_steps,
+            "routers": {r.name: self._router_state(r) for r in self.routers},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("balancer") != self.name:
+            raise CheckpointError(f"balancer state is for '{state.get('balancer')}', this balancer is '{self.name}'")
+        self.num_steps = int(state.get("num_steps", 0))
+        routers = dict(state.get("routers", {}))
+        by_name = {r.name: r for r in self.routers}
+        for name, rs in routers.items():
+            if name in by_name:
+                self._load_router_state(by_name[name], rs)
+            else:  # applied when attach() finds it
+                self._pending_state[name] = rs
+
+
+class NoneBalancer(Balancer):
+    """Statistics and metrics only; the bias is never changed."""
+
+    name = "none"
+
+
+class _EMAMixin:
+    ema: float
+    ema_warmup: int
+
+    def _blend(self, r: _Router, target_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor:
+        if self.ema >= 1.0:
+            return target_E
+        # warm-up: 1/(t+1) averaging until it reaches the floor `ema` (fast start, then variance reduction)
+        beta = max(self.ema, 1.0 / (1.0 + self.num_steps / max(self.ema_warmup, 1))) if self.ema_warmup else self.ema
+        out = (1.0 - beta) * bias_E.float() + beta * target_E
+        return out - out.mean()
+
+
+class QBBalancer(_EMAMixin, Balancer):
+    """Exact Quantile Balancing: keeps every margin of the step (detached fp32 [T, n] per layer)."""
+
+    name = "qb"
+
+    def __init__(self, ema: float = 1.0, ema_warmup: int = 0, collect_in_eval: bool = False):
+        super().__init__(collect_in_eval)
+        if not 0.0 < ema <= 1.0:
+            raise K3ConfigError(f"ema must be in (0, 1], got {ema}")
+        self.ema = float(ema)
+        self.ema_warmup = int(ema_warmup)
+
+    def _observe_extra(self, r: _Router, idx_Nk: torch.Tensor, scores_NE: torch.Tensor) -> None:
+        scores = scores_NE.detach().float()
+        _, alpha_N = route_cutoffs(scores, r.bias.detach().float(), r.top_k, idx_Nk)
+        r.margins.append(scores - alpha_N[:, None])
+
+    def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor | None:
+        local = torch.cat(r.margins) if r.margins else torch.zeros(0, r.num_experts)
+        margins_TE = _all_gather_rows(local)
+        if margins_TE.shape[0] < 2:
+            return None
+        bhat_E = -qb_thresholds(margins_TE, r.top_k)
+        return self._blend(r, bhat_E - bhat_E.mean(), bias_E)
+
+
+class QBEMABalancer(QBBalancer):
+    """Exact QB with the bias averaged over steps (``ema`` floor, 1/(t+1) warm-up over ``ema_warmup`` steps)."""
+
+    name = "qb_ema"
+
+    def __init__(self, ema: float = 0.2, ema_warmup: int = 1, collect_in_eval: bool = False):
+        super().__init__(ema=ema, ema_warmup=ema_warmup, collect_in_eval=collect_in_eval)
+
+
+class QBHistBalancer(_EMAMixin, Balancer):
+    """Histogram Quantile Balancing: O(n·bins) state per layer, one all-reduce per layer per step.
+
+    Window of expert j for a step: ``[−b_j − w, −b_j + w)`` split in ``bins`` bins (+ under/overflow), ``−b_j``
+    being where the quantile lies at the fixed point. ``w`` starts at ``init_range`` and is recomputed each step
+    as ``range_factor ·`` the largest distance of a quantile from its window centre (at least ``min_range``);
+    a quantile outside the window is clamped to its edge (a trust-region step) and ``w`` doubles."""
+
+    name = "qb_hist"
+
+    def __init__(
+        self,
+        bins: int = 1000,
+        init_range: float = 1.0,
+        range_factor: float = 4.0,
+        min_range: float = 1e-3,
+        ema: float = 1.0,
+        ema_warmup: int = 0,
+        collect_in_eval: bool = False,
+    ):
+        super().__init__(collect_in_eval)
+        if bins < 2:
+            raise K3ConfigError(f"bins must be >= 2, got {bins}")
+        if not 0.0 < ema <= 1.0:
+            raise K3ConfigError(f"ema must be in (0, 1], got {ema}")
+        self.bins = int(bins)
+        self.init_range = float(init_range)
+        self.range_factor = float(range_factor)
+        self.min_range = float(min_range)
+        self.ema = float(ema)
+        self.ema_warmup = int(ema_warmup)
+
+    def _observe_extra(self, r: _Router, idx_Nk: torch.Tensor, scores_NE: torch.Tensor) -> None:
+        bias_E = r.bias.detach().float()
+        if r.hist_EB is None:  # first micro-batch of the step fixes the window
+            w = r.half_width if r.half_width is not None else self.init_range
+            r.lo_E = -bias_E - w
+            r.width = 2.0 * w / self.bins
+            r.hist_EB = torch.zeros(r.num_experts, self.bins + 2, dtype=torch.int64)
+        scores = scores_NE.detach().float()
+        _, alpha_N = route_cutoffs(scores, bias_E, r.top_k, idx_Nk)
+        r.hist_EB += margin_histogram(scores - alpha_N[:, None], r.lo_E, r.width, self.bins)
+
+    def _global_load(self, r: _Router) -> torch.Tensor | None:
+        # histogram and loads travel in one all-reduce
+        n = r.num_experts
+        if r.hist_EB is None:  # nothing seen locally; still take part in the collective
+            w = r.half_width if r.half_width is not None else self.init_range
+            r.lo_E = -r.bias.detach().float() - w
+            r.width = 2.0 * w / self.bins
+            r.hist_EB = torch.zeros(n, self.bins + 2, dtype=torch.int64)
+        load = r.load_E if r.load_E is not None else torch.zeros(n, dtype=torch.int64)
+        packed = torch.cat([r.hist_EB.reshape(-1), load])
+        packed = _all_reduce_sum(packed)
+        r.hist_EB = packed[: n * (self.bins + 2)].view(n, self.bins + 2)
+        load = packed[n * (self.bins + 2):]
+        return load if int(load.sum()) > 0 else None
+
+    def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor | None:
+        thr_E, clamped_E = hist_thresholds(r.hist_EB, r.lo_E, r.width, r.top_k)
+        w = self.bins * r.width / 2.0
+        centre_E = r.lo_E + w
+        if bool(clamped_E.any()):
+            r.half_width = 2.0 * w
+        else:
+            r.half_width = max(self.min_range, self.range_factor * float((thr_E - centre_E).abs().max()))
+        bhat_E = -thr_E
+        return self._blend(r, bhat_E - bhat_E.mean(), bias_E)
+
+    def _router_state(self, r: _Router) -> dict:
+        return {"half_width": r.half_width}
+
+    def _load_router_state(self, r: _Router, state: dict) -> None:
+        hw = state.get("half_width")
+        r.half_width = None if hw is None else float(hw)
+
+
+class SignBalancer(Balancer):
+    """DeepSeek-V3 auxiliary-loss-free rule: ``b ← b − γ·sign(load − mean load)``."""
+
+    name = "sign"
+
+    def __init__(self, gamma: float = 1e-3, collect_in_eval: bool = False):
+        super().__init__(collect_in_eval)
+        if gamma <= 0:
+            raise K3ConfigError(f"gamma must be > 0, got {gamma}")
+        self.gamma = float(gamma)
+
+    def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor:
+        load = load_E.double()
+        return bias_E.float() - self.gamma * torch.sign(load - load.mean()).float()
+
+
+class AuxLossBalancer(Balancer):
+    """Switch-style load-balancing loss ``coef · n · Σ_j f_j P_j`` per layer (f_j: fraction of the N·k
+    assignments going to j, P_j: mean normalised score of j). Equals ``coef`` when perfectly balanced.
+    The loss depends on the scores (differentiable); the bias is not touched."""
+
+    name = "aux_loss"
+
+    def __init__(self, coef: float = 1e-3, collect_in_eval: bool = False):
+        super().__init__(collect_in_eval)
+        if coef < 0:
+            raise K3ConfigError(f"coef must be >= 0, got {coef}")
+        self.coef = float(coef)
+
+    def _observe_extra(self, r: _Router, idx_Nk: torch.Tensor, scores_NE: torch.Tensor) -> None:
+        N = idx_Nk.shape[0]
+        if N == 0:
+            return
+        n = r.num_experts
+        f_E = torch.bincount(idx_Nk.reshape(-1), minlength=n).to(scores_NE.dtype) / (N * r.top_k)
+        probs_NE = scores_NE / (scores_NE.sum(-1, keepdim=True) + 1e-20)
+        P_E = probs_NE.mean(0)
+        r.aux_terms.append(self.coef * n * (f_E.detach() * P_E).sum().float())
+
+
+BALANCERS: dict[str, type[Balancer]] = {
+    "qb": QBBalancer,
+    "qb_hist": QBHistBalancer,
+    "qb_ema": QBEMABalancer,
+    "sign": SignBalancer,
+    "aux_loss": AuxLossBalancer,
+    "none": NoneBalancer,
+}
+
+
+def make_balancer(name: str, **kw: Any) -> Balancer:
+    """Balancer by config/CLI name: qb, qb_hist, qb_ema, sign, aux_loss, none. Keyword arguments go to the
+    class (e.g. ``bins=``, ``gamma=``, ``coef=``, ``ema=``); unknown ones raise K3ConfigError."""
+    key = str(name).strip().lower().replace("-", "_")
+    if key not in BALANCERS:
+        raise K3ConfigError(f"unknown balancer '{name}'; choose one of {sorted(BALANCERS)}")
+    try:
+        return BALANCERS[key](**kw)
+    except TypeError as e:
+        raise K3ConfigError(f"bad arguments for balancer '{key}': {e}") from None

@@ -1,0 +1,395 @@
+"""Save / load K3 checkpoints in the released layout (spec §4): ``config.json`` + sharded safetensors + index.
+
+* :func:`save_pretrained` writes atomically: everything goes into a hidden temp directory next to the target,
+  which then replaces the target by rename, so an interrupted save never leaves a half-written checkpoint at the
+  target path (the previous checkpoint, if any, stays loadable).
+* :func:`load_state_dict` returns an in-memory state dict; :func:`from_pretrained` builds ``K3ForCausalLM`` on the
+  meta device, materializes it empty on the requested device/dtype and streams the shards straight into its
+  parameters (one tensor at a time), so peak memory is about one model plus one tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from typing import Iterator, Mapping, Optional
+
+import torch
+import safetensors
+import safetensors.torch as _st
+
+from k3.errors import CheckpointError, K3ConfigError
+from k3.checkpoint.adapter import (PREFIX, ReleasedAssembler, default_quantization_config, is_fp32_key,
+                                   released_plan, torch_dtype)
+
+__all__ = ["save_pretrained", "load_state_dict", "from_pretrained", "load_config", "iter_checkpoint_tensors",
+           "parse_size", "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME"]
+
+log = logging.getLogger("k3.checkpoint")
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+_SHARD_FMT = "model-{:05d}-of-{:05d}.safetensors"
+_SHARD_RE = re.compile(r"^model-\d{5,}-of-\d{5,}\.safetensors$")
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def parse_size(size) -> int:
+    """``"2GB"`` -> 2_000_000_000, ``"500MiB"`` -> 524_288_000, ints pass through (bytes)."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise CheckpointError(f"max_shard_size must be positive, got {size}")
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.I)
+    if not m:
+        raise CheckpointError(f"cannot parse max_shard_size {size!r}; use e.g. '2GB', '500MB' or a byte count")
+    num, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    mult = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+            "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    n = int(num * mult)
+    if n <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
+    return n
+
+
+def _fsync_path(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _own_storage(t: torch.Tensor, seen: set) -> torch.Tensor:
+    """safetensors refuses tensors that share storage: clone views / aliases."""
+    ptr = t.untyped_storage().data_ptr()
+    if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size() or not t.is_contiguous():
+        t = t.clone(memory_format=torch.contiguous_format)
+        ptr = t.untyped_storage().data_ptr()
+    seen.add(ptr)
+    return t
+
+
+def _write_extra(tmp: str, name: str, content) -> None:
+    norm = os.path.normpath(name)
+    if os.path.isabs(norm) or norm.startswith(".."):
+        raise CheckpointError(f"extra_files name {name!r} must be a relative path inside the checkpoint directory")
+    path = os.path.join(tmp, norm)
+    os.makedirs(os.path.dirname(path) or tmp, exist_ok=True)
+    if isinstance(content, os.PathLike):
+        if not os.path.isfile(content):
+            raise CheckpointError(f"extra_files[{name!r}]: source file {os.fspath(content)} does not exist")
+        shutil.copyfile(content, path)
+    elif isinstance(content, bytes):
+        with open(path, "wb") as f:
+            f.write(content)
+    elif isinstance(content, str):
+        with open(path, "w") as f:
+            f.write(content)
+    elif isinstance(content, (dict, list)):
+        with open(path, "w") as f:
+            json.dump(content, f, indent=2)
+            f.write("\n")
+    else:
+        raise CheckpointError(f"extra_files[{name!r}]: unsupported content type {type(content).__name__} "
+                              f"(use str, bytes, dict/list for JSON, or a pathlib.Path to copy)")
+
+
+def _looks_like_checkpoint(path: str) -> bool:
+    names = set(os.listdir(path))
+    return not names or CONFIG_NAME in names or INDEX_NAME in names or SINGLE_NAME in names or \
+        any(_SHARD_RE.match(n) for n in names)
+
+
+# ------------------------------------------------------------------------------------------------ save
+def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_experts: bool = False,
+                    tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None) -> str:
+    """Write ``model`` (a ``K3ForCausalLM``, or an in-memory state dict together with ``config=``) to
+    ``save_directory`` in the released layout and return the directory path.
+
+    Files: ``config.json`` (``quantization_config`` set to the MXFP4 one when ``quantize_experts``, removed
+    otherwise), ``model-0000i-of-0000N.safetensors`` shards of at most ``max_shard_size`` each (a single tensor
+    larger than that gets its own shard) and ``model.safetensors.index.json``. ``tokenizer.save(dir)`` (or
+    ``save_pretrained``) is called into the same directory; ``extra_files`` maps relative names to str / bytes /
+    JSON-able dict|list / ``pathlib.Path`` (copied). ``dtype`` optionally casts floating tensors (fp32-kept
+    tensors stay fp32).
+
+    Atomic: written into ``.<name>.tmp-*`` next to the target, then renamed into place; an existing checkpoint
+    at the target is renamed aside first and deleted once the new one is in place. An existing non-empty
+    directory that does not look like a checkpoint is refused rather than deleted.
+    """
+    if config is None:
+        config = getattr(model, "config", None)
+        if config is None:
+            raise CheckpointError("save_pretrained: the model has no `.config`; pass config=")
+    if isinstance(model, Mapping):
+        state_dict = model
+    elif hasattr(model, "state_dict"):
+        state_dict = model.state_dict()
+    else:
+        raise CheckpointError(f"save_pretrained: expected a module or a state dict, got {type(model).__name__}")
+    limit = parse_size(max_shard_size)
+
+    overrides = {"quantization_config": (config.quantization_config or default_quantization_config())
+                 if quantize_experts else None}
+    if dtype is not None:
+        overrides["dtype"] = str(torch_dtype(dtype)).replace("torch.", "")
+    save_cfg = config.replace(**overrides)
+
+    target = os.path.abspath(os.fspath(save_directory))
+    parent, name = os.path.split(target.rstrip(os.sep))
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            raise CheckpointError(f"save_pretrained: {target} exists and is not a directory")
+        if not _looks_like_checkpoint(target):
+            raise CheckpointError(f"save_pretrained: {target} is a non-empty directory that is not a checkpoint "
+                                  f"(no {CONFIG_NAME} / safetensors); refusing to replace it")
+    os.makedirs(parent, exist_ok=True)
+
+    plan = released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
+    shards: list = []
+    cur, cur_size = [], 0
+    for e in plan:
+        if cur and cur_size + e.nbytes > limit:
+            shards.append(cur)
+            cur, cur_size = [], 0
+        cur.append(e)
+        cur_size += e.nbytes
+    if cur or not shards:
+        shards.append(cur)
+
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
+    try:
+        save_cfg.save_json(os.path.join(tmp, CONFIG_NAME))
+        weight_map, total = {}, 0
+        n = len(shards)
+        for i, entries in enumerate(shards, 1):
+            fname = _SHARD_FMT.format(i, n)
+            tensors, seen = {}, set()
+            for e in entries:
+                t = e.make()
+                if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:  # pragma: no cover - internal check
+                    raise CheckpointError(f"{e.key}: produced {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
+                tensors[e.key] = _own_storage(t, seen)
+                weight_map[e.key] = fname
+                total += e.nbytes
+            path = os.path.join(tmp, fname)
+            _st.save_file(tensors, path, metadata={"format": "pt"})
+            del tensors
+            _fsync_path(path)
+        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+            json.dump({"metadata": {"total_size": total, "format": "k3-released"},
+                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+            f.write("\n")
+        if tokenizer is not None:
+            if hasattr(tokenizer, "save") and callable(tokenizer.save):
+                tokenizer.save(tmp)
+            elif hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp)
+            else:
+                raise CheckpointError(f"tokenizer of type {type(tokenizer).__name__} has no save(dir) method")
+        for fname, content in (extra_files or {}).items():
+            _write_extra(tmp, fname, content)
+        for f in (CONFIG_NAME, INDEX_NAME):
+            _fsync_path(os.path.join(tmp, f))
+        _fsync_path(tmp)
+        _swap_into_place(tmp, target, parent, name)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _swap_into_place(tmp: str, target: str, parent: str, name: str) -> None:
+    if not os.path.exists(target):
+        os.rename(tmp, target)
+        _fsync_path(parent)
+        return
+    aside = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+    os.rmdir(aside)  # we only want a unique name
+    os.rename(target, aside)
+    try:
+        os.rename(tmp, target)
+    except BaseException:
+        os.rename(aside, target)  # put the previous checkpoint back
+        raise
+    _fsync_path(parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ load
+def load_config(directory: str):
+    """``K3Config`` from ``directory/config.json`` (errors become CheckpointError naming the path)."""
+    from k3.config import K3Config
+    _check_dir(directory)
+    path = os.path.join(directory, CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {directory}: {CONFIG_NAME} is missing")
+    try:
+        return K3Config.from_json(path)
+    except K3ConfigError as e:
+        raise CheckpointError(f"checkpoint {directory}: invalid {CONFIG_NAME}: {e}") from e
+
+
+def _check_dir(directory) -> None:
+    if not os.path.exists(directory):
+        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint path {directory} is not a directory")
+
+
+def _shard_layout(directory: str) -> dict:
+    """``{file_path: [keys] or None (= all keys)}`` from the index, or the single ``model.safetensors``."""
+    _check_dir(directory)
+    idx = os.path.join(directory, INDEX_NAME)
+    if os.path.isfile(idx):
+        try:
+            with open(idx) as f:
+                index = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint index {idx} is not valid JSON: {e}") from None
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"checkpoint index {idx} has no (or an empty) `weight_map` object")
+        layout: dict = {}
+        for key, fname in wm.items():
+            if not isinstance(fname, str) or os.path.isabs(fname) or os.path.normpath(fname).startswith(".."):
+                raise CheckpointError(f"checkpoint index {idx}: key {key!r} maps to an invalid file name {fname!r}")
+            layout.setdefault(os.path.join(directory, fname), []).append(key)
+        for path, keys in layout.items():
+            if not os.path.isfile(path):
+                raise CheckpointError(f"checkpoint index {idx} references shard {os.path.basename(path)} "
+                                      f"({len(keys)} tensors, e.g. {keys[0]}), which does not exist in {directory}")
+        return layout
+    single = os.path.join(directory, SINGLE_NAME)
+    if os.path.isfile(single):
+        return {single: None}
+    present = sorted(os.listdir(directory))
+    shards = [n for n in present if n.endswith(".safetensors")]
+    hint = f"; found shards {shards[:5]} but no {INDEX_NAME}" if shards else ""
+    raise CheckpointError(f"checkpoint {directory}: neither {INDEX_NAME} nor {SINGLE_NAME} found{hint} "
+                          f"(contents: {present[:20]})")
+
+
+def iter_checkpoint_tensors(directory: str) -> Iterator[tuple]:
+    """Yield ``(released_key, tensor, file_path)`` shard by shard (one tensor in memory at a time)."""
+    for path, keys in _shard_layout(directory).items():
+        try:
+            with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                if keys is None:
+                    keys = list(f.keys())
+                for k in keys:
+                    if k not in present:
+                        raise CheckpointError(f"checkpoint index maps {k} to {path}, but that file does not "
+                                              f"contain it")
+                    yield k, f.get_tensor(k), path
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt or truncated files
+            raise CheckpointError(f"cannot read safetensors file {path} (corrupt or truncated?): "
+                                  f"{type(e).__name__}: {e}") from e
+
+
+def load_state_dict(directory: str, config=None, dtype=None, strict: bool = False,
+                    return_extras: bool = False):
+    """In-memory state dict (docs/CONTRACTS.md names) from a checkpoint directory. ``config`` defaults to the
+    directory's ``config.json``. See :func:`k3.checkpoint.adapter.from_released` for the mapping rules."""
+    from k3.checkpoint.adapter import model_key_shapes
+    if config is None:
+        config = load_config(directory)
+    asm = ReleasedAssembler(config, targets=None, dtype=dtype, strict=strict,
+                            expected=model_key_shapes(config) if strict else None)
+    for k, t, path in iter_checkpoint_tensors(directory):
+        asm.add(k, t, source=os.path.basename(path))
+    sd = asm.finish(f"checkpoint {directory}")
+    return (sd, dict(asm.ignored)) if return_extras else sd
+
+
+def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
+    """Replace meta parameters/buffers by empty tensors on ``device`` (fp32 for the fp32-kept names, ``dtype``
+    for other floating ones), keeping tied parameters tied."""
+    memo: dict = {}
+    for mod_name, mod in model.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            store = getattr(mod, kind)
+            for n, p in list(store.items()):
+                if p is None:
+                    continue
+                full = f"{mod_name}.{n}" if mod_name else n
+                if id(p) in memo:
+                    store[n] = memo[id(p)]
+                    continue
+                td = torch.float32 if is_fp32_key(full) else (dtype if p.is_floating_point() else p.dtype)
+                new = torch.empty(p.shape, dtype=td, device=device)
+                if kind == "_parameters":
+                    new = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+                memo[id(p)] = new
+                store[n] = new
+
+
+def _cast_model(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+    model.to(device)
+    for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+        if p.is_floating_point():
+            td = torch.float32 if is_fp32_key(name) else dtype
+            if p.dtype != td:
+                p.data = p.data.to(td)
+
+
+def _has_non_persistent_buffers(model: torch.nn.Module) -> bool:
+    return any(m._non_persistent_buffers_set for m in model.modules())
+
+
+def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = True, config=None):
+    """Build ``K3ForCausalLM`` from a checkpoint directory (released layout, dense or MXFP4 experts).
+
+    ``dtype`` (default: ``config.dtype``) applies to floating parameters other than the fp32-kept ones. With
+    ``strict=True`` the model is built on the meta device and filled in place (no random init, no second copy);
+    any missing / unexpected / mis-shaped key raises CheckpointError listing them. With ``strict=False`` the model
+    is built normally so missing tensors keep their initial values (a warning lists them). Returns the model in
+    eval mode."""
+    from k3.model import K3ForCausalLM  # lazy: the model module is heavy
+
+    if config is None:
+        config = load_config(directory)
+    _shard_layout(directory)  # fail fast on a broken layout before building anything
+    td = torch_dtype(dtype) if dtype is not None else torch_dtype(config.dtype)
+    device = torch.device(device)
+
+    model = None
+    if strict:
+        try:
+            with torch.device("meta"):
+                model = K3ForCausalLM(config)
+        except Exception as e:  # a constructor that cannot run on meta: build for real instead
+            log.debug("meta-device construction failed (%s); building on %s", e, device)
+            model = None
+        if model is not None and _has_non_persistent_buffers(model):
+            log.debug("model has non-persistent buffers; building on %s instead of meta", device)
+            model = None
+        if model is not None:
+            _materialize(model, device, td)
+    if model is None:
+        with torch.device(device):
+            model = K3ForCausalLM(config)
+        _cast_model(model, td, device)
+
+    targets = model.state_dict(keep_vars=False)
+    asm = ReleasedAssembler(config, targets=targets, strict=strict)
+    for k, t, path in iter_checkpoint_tensors(directory):
+        asm.add(k, t, source=os.path.basename(path))
+    asm.finish(f"checkpoint {directory}")
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        raise CheckpointError(f"checkpoint {directory}: some model tensors were left on the meta device")  # pragma: no cover
+    model.eval()
+    return model

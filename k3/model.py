@@ -1,0 +1,228 @@
+"""K3ForCausalLM: embedding, the KDA/MLA layer pattern, Block Attention Residuals, head and (chunked) loss.
+
+What is notable (spec §3):
+- There is no residual stream. Each sub-layer reads a softmax mix (fp32) over depth sources: the embedding, the
+  completed block sums, and the current partial block sum. Blocks are `attn_res_block_size` layers long.
+  Nothing is detached.
+- 3 of 4 layers are KDA (linear attention with bounded per-channel decay), the rest NoPE Gated MLA.
+- Layer 0 has a dense SiTU-GLU FFN; the others a Stable LatentMoE.
+- Packed sequences travel as `cu_seqlens` (batch size 1) and behave exactly like separate sequences.
+- Labels are *aligned targets*: `labels[b, t]` is the token position t must predict (already shifted), -100 ignored.
+- The loss can run in token chunks under activation checkpointing, so [T, vocab] logits never exist at once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from k3.ops import f32
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from k3.config import K3Config
+from k3.nn.kda import KDAAttention
+from k3.nn.mla import MLAAttention
+from k3.nn.mlp import GLUMLP
+from k3.nn.moe import LatentMoE, init_moe_
+from k3.nn.norm import RMSNorm
+from k3.ops.attnres import attnres_mix
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class K3Output:
+    loss: Optional[torch.Tensor] = None
+    logits: Optional[torch.Tensor] = None
+    hidden_states: Optional[torch.Tensor] = None
+    num_tokens: int = 0  # tokens that contributed to the loss
+
+
+def _mix_weight(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    return f32(norm.weight) * f32(proj.weight[0])
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, layer_idx: int):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx = layer_idx
+        self.block_size = cfg.attn_res_block_size
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.self_attention_res_norm = RMSNorm(d, eps)
+        self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+        self.mlp_res_norm = RMSNorm(d, eps)
+        self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+        self.self_attn = KDAAttention(cfg, layer_idx) if self.layer_type == "kda" else MLAAttention(cfg, layer_idx)
+        if cfg.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(cfg)
+        else:
+            self.mlp = GLUMLP(d, cfg.intermediate_size, cfg.hidden_act, cfg.activation_situ_beta,
+                              cfg.activation_situ_linear_beta)
+        self.res_eps = eps
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, partial: Optional[torch.Tensor], blocks: list, cu_seqlens=None, cache=None):
+        """(partial sum of the current block, completed block sources) -> the same, after this layer (§3.2)."""
+        if blocks:
+            a_in = attnres_mix(blocks + [partial], _mix_weight(self.self_attention_res_norm,
+                                                              self.self_attention_res_proj), self.res_eps)
+        else:
+            a_in = partial
+        if self.layer_idx % self.block_size == 0:
+            blocks = blocks + [partial]
+            partial = None
+        y = self.self_attn(self.input_layernorm(a_in), cu_seqlens=cu_seqlens, cache=cache)
+        partial = y if partial is None else partial + y
+        m_in = attnres_mix(blocks + [partial], _mix_weight(self.mlp_res_norm, self.mlp_res_proj), self.res_eps)
+        partial = partial + self.ffn(self.post_attention_layernorm(m_in))
+        return partial, blocks
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config):
+        super().__init__()
+        d = cfg.hidden_size
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.gradient_checkpointing = False
+
+    def forward(self, input_ids=None, inputs_embeds=None, cu_seqlens=None, cache=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        partial, blocks = inputs_embeds, []
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layers[i] if cache is not None else None
+            if self.gradient_checkpointing and self.training:
+                partial, blocks = checkpoint(layer, partial, blocks, cu_seqlens, layer_cache, use_reentrant=False)
+            else:
+                partial, blocks = layer(partial, blocks, cu_seqlens=cu_seqlens, cache=layer_cache)
+        h = attnres_mix(blocks + [partial], _mix_weight(self.output_attn_res_norm, self.output_attn_res_proj),
+                        self.config.rms_norm_eps)
+        return self.norm(h)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3Config, init: bool = True):
+        super().__init__()
+        if not isinstance(config, K3Config):
+            raise TypeError(f"K3ForCausalLM needs a K3Config, got {type(config).__name__}")
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.loss_chunk_size = 4096  # tokens per CE chunk; 0 = one shot
+        if init:
+            self.reset_parameters()
+
+    # ---------------------------------------------------------------- init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                if name.endswith("_res_proj"):
+                    nn.init.zeros_(m.weight)  # pseudo-queries start at 0: a uniform mix over sources
+                else:
+                    nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+            elif isinstance(m, KDAAttention):
+                m.reset_gate_parameters()
+                nn.init.ones_(m.o_norm.weight)
+            elif isinstance(m, LatentMoE):
+                init_moe_(m, std)
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def set_gradient_checkpointing(self, on: bool = True) -> None:
+        self.model.gradient_checkpointing = on
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kw) -> "K3ForCausalLM":
+        from k3.checkpoint import from_pretrained
+        return from_pretrained(path, **kw)
+
+    def save_pretrained(self, path: str, **kw) -> None:
+        from k3.checkpoint import save_pretrained
+        save_pretrained(self, path, **kw)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                cache=None, logits_to_keep: int = 0, return_logits: Optional[bool] = None) -> K3Output:
+        self._check_inputs(input_ids, inputs_embeds, labels, cu_seqlens)
+        h = self.model(input_ids, inputs_embeds, cu_seqlens=cu_seqlens, cache=cache)
+        out = K3Output(hidden_states=h)
+        if labels is not None:
+            out.loss, out.num_tokens = self.loss(h, labels)
+        if return_logits is None:
+            return_logits = labels is None
+        if return_logits:
+            hk = h[:, -logits_to_keep:] if logits_to_keep else h
+            out.logits = self.lm_head(hk)
+        return out
+
+    def _check_inputs(self, input_ids, inputs_embeds, labels, cu_seqlens):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        ref = input_ids if input_ids is not None else inputs_embeds
+        if ref.dim() < 2:
+            raise ValueError(f"inputs must be [batch, seq], got shape {tuple(ref.shape)}")
+        if input_ids is not None and input_ids.numel():
+            lo, hi = int(input_ids.min()), int(input_ids.max())
+            if lo < 0 or hi >= self.config.vocab_size:
+                raise ValueError(f"input_ids out of range [0, {self.config.vocab_size}): min {lo}, max {hi}")
+        if labels is not None and tuple(labels.shape) != tuple(ref.shape[:2]):
+            raise ValueError(f"labels shape {tuple(labels.shape)} != inputs shape {tuple(ref.shape[:2])}")
+        if cu_seqlens is not None:
+            if ref.shape[0] != 1:
+                raise ValueError(f"cu_seqlens (packed sequences) needs batch size 1, got {ref.shape[0]}")
+            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != ref.shape[1] or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+                raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {ref.shape[1]}, "
+                                 f"got {cu_seqlens.tolist()[:8]}...")
+
+    def loss(self, h_BTd: torch.Tensor, labels_BT: torch.Tensor):
+        """Mean cross-entropy over non-ignored targets; computed in token chunks under checkpointing so only one
+        [chunk, vocab] logits block is alive at a time (also in backward)."""
+        h = h_BTd.reshape(-1, h_BTd.shape[-1])
+        y = labels_BT.reshape(-1)
+        n = int((y != IGNORE_INDEX).sum())
+        C = self.loss_chunk_size or h.shape[0]
+
+        def ce_sum(hc, yc):
+            return F.cross_entropy(f32(self.lm_head(hc)), yc, ignore_index=IGNORE_INDEX, reduction="sum")
+
+        total = h.new_zeros((), dtype=f32(h).dtype)
+        for s in range(0, h.shape[0], C):
+            hc, yc = h[s:s + C], y[s:s + C]
+            if torch.is_grad_enabled() and h.shape[0] > C:
+                total = total + checkpoint(ce_sum, hc, yc, use_reentrant=False)
+            else:
+                total = total + ce_sum(hc, yc)
+        return total / max(n, 1), n

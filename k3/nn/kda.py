@@ -1,0 +1,80 @@
+"""Kimi Delta Attention layer (spec §3.4): q/k/v projections + causal short conv (SiLU), low-rank decay gate
+bounded below by `gate_lower_bound`, beta = sigmoid(b_proj x), gated delta rule (k3.ops.kda.chunk_kda with the
+gate and q/k L2 norm applied in-kernel), gated output RMSNorm (fp32, weight before the cast), o_proj."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from k3.ops import f32
+from torch import nn
+
+from k3.ops.conv import causal_conv1d
+from k3.ops.kda import chunk_kda
+
+
+class KDAAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int = 0):
+        super().__init__()
+        lac = cfg.linear_attn_config
+        d, H, K = cfg.hidden_size, lac.num_heads, lac.head_dim
+        P = H * K
+        self.layer_idx, self.num_heads, self.head_dim = layer_idx, H, K
+        self.lower_bound = lac.gate_lower_bound
+        self.conv_size = lac.short_conv_kernel_size
+        self.q_proj = nn.Linear(d, P, bias=False)
+        self.k_proj = nn.Linear(d, P, bias=False)
+        self.v_proj = nn.Linear(d, P, bias=False)
+        self.q_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, self.conv_size, groups=P, bias=False)
+        self.f_a_proj = nn.Linear(d, cfg.kda_gate_low_rank, bias=False)
+        self.f_b_proj = nn.Linear(cfg.kda_gate_low_rank, P, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(P, dtype=torch.float32))
+        self.g_proj = nn.Linear(d, P, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.ones(K, dtype=torch.float32))
+        self.o_proj = nn.Linear(P, d, bias=False)
+        self.norm_eps = cfg.rms_norm_eps
+        self.backend: Optional[str] = None
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """A = 1 (A_log = 0) and dt_bias so the initial per-step decay exp(g) spans [0.5, 0.999] across channels:
+        g = lb * sigmoid(dt) => dt = logit(g / lb). A spectrum of memory lengths at init (as Mamba's dt init)."""
+        self.A_log.zero_()
+        decay = torch.empty_like(self.dt_bias).uniform_(0.5, 0.999)
+        r = (torch.log(decay) / self.lower_bound).clamp(1e-6, 1 - 1e-6)
+        self.dt_bias.copy_(torch.log(r) - torch.log1p(-r))
+        nn.init.uniform_(self.q_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
+        nn.init.uniform_(self.k_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
+        nn.init.uniform_(self.v_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
+
+    def forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache=None):
+        B, T, _ = x_BTd.shape
+        H, K = self.num_heads, self.head_dim
+        conv_state = cache.conv_state if cache is not None else (None, None, None)
+        want_state = cache is not None
+        q, sq = causal_conv1d(self.q_proj(x_BTd), self.q_conv1d.weight, conv_state[0], cu_seqlens, "silu", want_state)
+        k, sk = causal_conv1d(self.k_proj(x_BTd), self.k_conv1d.weight, conv_state[1], cu_seqlens, "silu", want_state)
+        v, sv = causal_conv1d(self.v_proj(x_BTd), self.v_conv1d.weight, conv_state[2], cu_seqlens, "silu", want_state)
+        f_BTHK = self.f_b_proj(self.f_a_proj(x_BTd)).view(B, T, H, K)
+        beta_BTH = torch.sigmoid(f32(self.b_proj(x_BTd)))
+        o_BTHK, S = chunk_kda(
+            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f_BTHK, beta_BTH,
+            scale=K ** -0.5, initial_state=cache.recurrent_state if cache is not None else None,
+            output_final_state=want_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+            backend=self.backend)
+        if cache is not None:
+            cache.conv_state = (sq, sk, sv)
+            cache.recurrent_state = S
+        o32 = f32(o_BTHK)
+        o32 = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.norm_eps) * f32(self.o_norm.weight)
+        gate = torch.sigmoid(f32(self.g_proj(x_BTd))).view(B, T, H, K)
+        y = (o32 * gate).to(x_BTd.dtype).reshape(B, T, H * K)
+        return self.o_proj(y)

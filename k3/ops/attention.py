@@ -1,0 +1,79 @@
+"""Causal softmax attention for Gated MLA (NoPE): q,k [B,T,H,Dk], v [B,T,H,Dv]; packed documents via cu_seqlens.
+
+Paths: `sdpa` (torch scaled_dot_product_attention; on CUDA it picks flash/efficient kernels, on CPU the fused
+math kernel) with query tiling so the mask is at most [tile, T]; `reference` (explicit fp32 softmax). Both never
+let a query see a later key or another document. `max_logit` (per-head max pre-softmax logit, scale included) is
+computed on request for QK-clip.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops import f32
+
+_Q_TILE = 2048
+
+
+def _doc_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=cu_seqlens.device), lens)
+
+
+def _mask(q0: int, q1: int, Tk: int, doc: Optional[torch.Tensor], device, offset: int = 0) -> torch.Tensor:
+    qi = torch.arange(q0, q1, device=device).unsqueeze(1) + offset
+    kj = torch.arange(Tk, device=device).unsqueeze(0)
+    m = kj <= qi
+    if doc is not None:
+        m = m & (doc[q0:q1].unsqueeze(1) == doc[:Tk].unsqueeze(0))
+    return m
+
+
+def attention_reference(q, k, v, scale: float, cu_seqlens=None):
+    B, T, H, _ = q.shape
+    s = torch.einsum("bthd,bshd->bhts", q.double(), k.double()) * scale
+    doc = _doc_ids(cu_seqlens, T) if cu_seqlens is not None else None
+    m = _mask(0, T, T, doc, q.device)
+    s = s.masked_fill(~m, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v.double()).to(v.dtype)
+
+
+def causal_attention(q_BTHD, k_BTHD, v_BTHE, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
+                     return_max_logit: bool = False, q_offset: int = 0):
+    """Causal attention. With q_offset>0 the queries are the last Tq positions of a length-Tk context
+    (chunked prefill against a cache: keys [0, Tk), query i sits at position q_offset + i)."""
+    B, Tq, H, D = q_BTHD.shape
+    Tk = k_BTHD.shape[1]
+    if cu_seqlens is not None and (B != 1 or q_offset):
+        raise ValueError("causal_attention: cu_seqlens needs batch size 1 and no q_offset")
+    doc = _doc_ids(cu_seqlens, Tk) if cu_seqlens is not None else None
+    low = q_BTHD.device.type == "cpu" and q_BTHD.dtype in (torch.bfloat16, torch.float16)
+    q = q_BTHD.transpose(1, 2)
+    k = k_BTHD.transpose(1, 2)
+    v = v_BTHE.transpose(1, 2)
+    if low:  # fp32 softmax on CPU (CUDA kernels accumulate in fp32 themselves)
+        q, k, v = q.float(), k.float(), v.float()
+    max_logit = None
+    if return_max_logit:
+        with torch.no_grad():
+            ml = torch.full((H,), float("-inf"), device=q.device, dtype=f32(q).dtype)
+            for q0 in range(0, Tq, _Q_TILE):
+                q1 = min(Tq, q0 + _Q_TILE)
+                s = torch.einsum("bhtd,bhsd->bhts", f32(q[:, :, q0:q1]), f32(k)) * scale
+                s = s.masked_fill(~_mask(q0, q1, Tk, doc, q.device, q_offset), float("-inf"))
+                ml = torch.maximum(ml, s.amax(dim=(0, 2, 3)))
+            max_logit = ml
+    if doc is None and Tq == Tk and q_offset == 0 and Tq <= _Q_TILE:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        outs = []
+        for q0 in range(0, Tq, _Q_TILE):
+            q1 = min(Tq, q0 + _Q_TILE)
+            kmax = min(Tk, q1 + q_offset)  # keys after the last query of the tile are never visible
+            m = _mask(q0, q1, kmax, doc, q.device, q_offset)
+            outs.append(F.scaled_dot_product_attention(q[:, :, q0:q1], k[:, :, :kmax], v[:, :, :kmax],
+                                                       attn_mask=m, scale=scale))
+        o = torch.cat(outs, 2)
+    return o.transpose(1, 2).to(v_BTHE.dtype), max_logit

@@ -1,0 +1,39 @@
+"""Block Attention Residual mixing (spec §3.3): a per-token softmax over depth sources, all in fp32.
+
+    k_s = V_s / sqrt(mean(V_s^2) + eps);  logit_s = <k_s, w>  (w = gamma * q);  out = sum_s softmax(logit)_s V_s
+
+`attnres_mix` is the fast path: it never materialises the normalised keys (logit_s = rsqrt_s * <V_s, w>) and
+streams sources one at a time; `attnres_mix_reference` is the definition, written out. Both fp32 throughout.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from k3.ops import f32
+
+
+def attnres_mix_reference(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    V_SNd = torch.stack([f32(s) for s in sources], 0)
+    k_SNd = V_SNd / torch.sqrt(V_SNd.pow(2).mean(-1, keepdim=True) + eps)
+    logit_SN = (k_SNd * f32(w)).sum(-1)
+    alpha_SN = torch.softmax(logit_SN, dim=0)
+    return (alpha_SN.unsqueeze(-1) * V_SNd).sum(0).to(sources[0].dtype)
+
+
+def attnres_mix(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    if len(sources) == 0:
+        raise ValueError("attnres_mix needs at least one source")
+    if len(sources) == 1:  # softmax over one source is 1: the mix is the source itself
+        return sources[0]
+    w32 = f32(w)
+    logits = []
+    for s in sources:
+        s32 = f32(s)
+        logits.append(torch.rsqrt(s32.pow(2).mean(-1) + eps) * (s32 @ w32))
+    alpha_SN = torch.softmax(torch.stack(logits, 0), dim=0)
+    out = alpha_SN[0].unsqueeze(-1) * f32(sources[0])
+    for i in range(1, len(sources)):  # fixed summation order
+        out = out + alpha_SN[i].unsqueeze(-1) * f32(sources[i])
+    return out.to(sources[0].dtype)

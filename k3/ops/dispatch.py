@@ -1,0 +1,60 @@
+"""One place that chooses a backend per op family, logs the choice once, and lets users override it.
+
+Order: explicit `backend=` argument > `K3_BACKEND` env var (global, or per op: `K3_BACKEND=kda:fla,moe:torch`)
+> automatic (best available for the device). Unknown names fail with the list of known ones.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable, Optional
+
+log = logging.getLogger("k3")
+_REGISTRY: dict[str, dict[str, tuple[Callable[[], bool], int]]] = {}
+_LOGGED: set = set()
+
+
+def register(op: str, name: str, available: Callable[[], bool], priority: int = 0) -> None:
+    """Register backend `name` for op family `op`; `available()` says if it can run (imports, CUDA)."""
+    _REGISTRY.setdefault(op, {})[name] = (available, priority)
+
+
+def backends(op: str) -> list[str]:
+    return sorted(_REGISTRY.get(op, {}))
+
+
+def _env_choice(op: str) -> Optional[str]:
+    env = os.environ.get("K3_BACKEND", "").strip()
+    if not env:
+        return None
+    for part in env.split(","):
+        if ":" in part:
+            o, n = part.split(":", 1)
+            if o.strip() == op:
+                return n.strip()
+        elif part.strip():
+            return part.strip()
+    return None
+
+
+def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") -> str:
+    """The backend to use for `op` on `device_type`."""
+    table = _REGISTRY.get(op, {})
+    choice = backend or _env_choice(op)
+    if choice and choice != "auto":
+        if choice not in table:
+            raise ValueError(f"unknown backend {choice!r} for {op}; known: {', '.join(sorted(table))}")
+        avail, _ = table[choice]
+        if not avail():
+            raise RuntimeError(f"backend {choice!r} for {op} is not available here "
+                               f"(missing package or device); known: {', '.join(sorted(table))}")
+        name = choice
+    else:
+        cands = [(p, n) for n, (a, p) in table.items()
+                 if (device_type == "cuda" or p <= 0) and a()]
+        name = max(cands)[1] if cands else "torch"
+    key = (op, name, device_type)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("k3: %s backend = %s (device %s)", op, name, device_type)
+    return name

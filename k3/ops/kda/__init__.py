@@ -1,0 +1,63 @@
+"""Kimi Delta Attention ops: gate, token-by-token reference/decode, and the chunked prefill/training path.
+
+Notable: `chunk_kda` validates once, then dispatches through `k3.ops.dispatch` (op family "kda"); the pure-PyTorch
+"torch" backend is always registered. A fused-kernel module registers itself with
+`register_kda_backend("fla", fn, available, priority)`, where fn takes chunk_kda's keyword arguments
+(minus `backend`) and returns (o, final_state). `recurrent_kda` is the oracle every backend is tested against.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .. import dispatch
+from .chunk import chunk_kda_torch
+from .common import l2norm, validate_kda_inputs
+from .gate import kda_gate
+from .reference import recurrent_kda
+
+__all__ = ["chunk_kda", "recurrent_kda", "kda_gate", "l2norm", "register_kda_backend", "kda_backends"]
+
+_IMPLS: dict[str, Callable] = {}
+
+
+def register_kda_backend(name: str, fn: Callable, available: Callable[[], bool] = lambda: True,
+                         priority: int = 0) -> None:
+    """Register a chunk_kda implementation. Priority > 0 is only auto-selected on CUDA (see dispatch.resolve)."""
+    _IMPLS[name] = fn
+    dispatch.register("kda", name, available, priority)
+
+
+def kda_backends() -> list[str]:
+    return sorted(_IMPLS)
+
+
+register_kda_backend("torch", chunk_kda_torch, lambda: True, priority=0)
+
+
+def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              scale: Optional[float] = None, initial_state: Optional[torch.Tensor] = None,
+              output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+              use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+              A_log: Optional[torch.Tensor] = None, dt_bias: Optional[torch.Tensor] = None,
+              lower_bound: Optional[float] = -5.0, backend: Optional[str] = None, chunk_size: int = 64):
+    """Chunkwise KDA. Same arguments and result as `recurrent_kda`, plus `backend` and `chunk_size`.
+
+    q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] per-channel log-decay (<= 0), or the raw gate input f when
+    use_gate_in_kernel (then g = kda_gate(f, A_log, dt_bias, lower_bound)); beta [B,T,H]; scale defaults to K^-0.5.
+    cu_seqlens: int [N+1] packed-sequence starts (B must be 1); initial_state [N,H,K,V].
+    Returns (o [B,T,H,V] in v.dtype, final_state [N,H,K,V] fp32 (fp64 for fp64 inputs) or None).
+    """
+    validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias)
+    if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 16:
+        raise ValueError(f"chunk_size: expected a positive multiple of 16, got {chunk_size!r}")
+    name = dispatch.resolve("kda", backend, q.device.type)
+    fn = _IMPLS.get(name)
+    if fn is None:
+        raise ValueError(f"backend: {name!r} is registered with k3.ops.dispatch for 'kda' but has no "
+                         f"implementation; use register_kda_backend (known: {', '.join(kda_backends())})")
+    return fn(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+              use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+              chunk_size=chunk_size)

@@ -1,0 +1,139 @@
+"""Chunkwise-parallel KDA in pure PyTorch (the "torch" backend of `chunk_kda`).
+
+Within a chunk of C (=64) tokens with inclusive log-decay cumsum G_t and state S0 at the chunk start, the delta
+rule is written in WY/UT form: pseudo-values u = U - W S0 with
+    (I + diag(beta) L) [W | U] = diag(beta) [k*exp(G) | v],   L_ti = sum_c k_tc k_ic exp(G_tc - G_ic)  (i < t),
+    o = (q*exp(G)) S0 + A_qk u,   A_qk,ti = sum_c q_tc k_ic exp(G_tc - G_ic)  (i <= t),
+    S_C = exp(G_C) S0 + (k*exp(G_C - G))^T u.
+Notable: L and A_qk are plain matmuls. Rows are taken in tiles of s (=16) tokens that each factor the decay
+through one reference token m inside the tile: exp(G_t - G_i) = exp(G_t - G_m) * exp(G_m - G_i). Columns before
+the tile get factors <= 1 (no overflow); inside the tile both exponents are bounded by ~s/2 steps of |g|, i.e.
+<= 40 for the K3 gate (g >= -5), far inside fp32 range. If g is steeper than the dtype allows (unbounded gate),
+the tile shrinks (down to 1 token, which is exact for any g <= 0). The loop runs over chunk positions only,
+batched over all (varlen) sequences; padding tokens have g=0, beta=0, k=0 so they change nothing. The state
+between chunks is fp32 (fp64 for fp64 inputs) whatever the input dtype. Decay exponents are differences of
+fp64 cumsums, so fp32 results stay ~1e-7 from an fp64 reference even for steep gates. Plain autograd.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .common import gather_blocks, make_layout, prepare_inputs, scatter_tokens, to_grid
+
+# Largest exponent magnitude allowed in the factored decays (leaves ~e^28 of headroom for |q|, |k| in fp32).
+_EXP_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
+_TILES = (16, 8, 4, 2)
+
+
+def tile_size(g: torch.Tensor, C: int, dt: torch.dtype) -> int:
+    """Largest row tile whose factored exponents stay within _EXP_LIMIT for the steepest decay in g."""
+    steep = max(0.0, -float(g.detach().min())) if g.numel() else 0.0
+    for s in _TILES:
+        m = (s - 1) // 2
+        if C % s == 0 and max(m, s - 1 - m) * steep <= _EXP_LIMIT[dt]:
+            return s
+    return 1
+
+
+def _unit_lower_inverse(N_BCC: torch.Tensor, bs: int = 16) -> torch.Tensor:
+    """(I + N)^-1 for strictly lower N: forward substitution inside bs-row diagonal blocks, then block rows.
+
+    Much faster on CPU than batched LAPACK trsm for many small matrices; exact up to rounding.
+    """
+    C = N_BCC.shape[-1]
+    bs = min(bs, C)
+    n = C // bs
+    eye_CC = torch.eye(C, dtype=N_BCC.dtype, device=N_BCC.device)
+    Nd_Bnss = torch.stack([N_BCC[..., b * bs:(b + 1) * bs, b * bs:(b + 1) * bs] for b in range(n)], -3)
+    Xd_Bnss = eye_CC[:bs, :bs].expand(Nd_Bnss.shape).clone()
+    for i in range(1, bs):
+        Xd_Bnss[..., i, :] -= (Nd_Bnss[..., i:i + 1, :i] @ Xd_Bnss[..., :i, :]).squeeze(-2)
+    rows = []
+    for b in range(n):
+        rhs_BsC = eye_CC[b * bs:(b + 1) * bs].expand(N_BCC.shape[:-2] + (bs, C))
+        if b:
+            rhs_BsC = rhs_BsC - N_BCC[..., b * bs:(b + 1) * bs, :b * bs] @ torch.cat(rows, -2)
+        rows.append(Xd_Bnss[..., b, :, :] @ rhs_BsC)
+    return torch.cat(rows, -2)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    """X = (I + N)^-1 for strictly lower N; backward gN = -tril_{-1}(X^T gX X^T). First-order only."""
+
+    @staticmethod
+    def forward(ctx, N_BCC):
+        with torch.no_grad():
+            X_BCC = _unit_lower_inverse(N_BCC)
+        ctx.save_for_backward(X_BCC)
+        return X_BCC
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gX_BCC):
+        (X_BCC,) = ctx.saved_tensors
+        XT_BCC = X_BCC.transpose(-1, -2)
+        return -(XT_BCC @ gX_BCC @ XT_BCC).tril(-1)
+
+
+def intra_chunk(q_NbHCK, k_NbHCK, v_NbHCV, g_NbHCK, b_NbHC, s: int):
+    """Per-chunk quantities that do not depend on the incoming state."""
+    Nb, H, C, K = q_NbHCK.shape
+    n, m = C // s, (s - 1) // 2
+    dt = q_NbHCK.dtype
+    # Cumsum and differences in fp64: an fp32 difference of cumsums would carry an error ~eps*|G| (|G| up to
+    # 320 per chunk at the K3 bound) instead of ~eps*|G_t - G_i|. Cast to the compute dtype before exp.
+    G_NbHCK = g_NbHCK.to(torch.float64).cumsum(-2)
+    Gref_NbHnK = G_NbHCK[:, :, m::s]
+    rowf_NbHnsK = (G_NbHCK.view(Nb, H, n, s, K) - Gref_NbHnK[:, :, :, None]).to(dt).exp()
+    colx_NbHnCK = (Gref_NbHnK[:, :, :, None] - G_NbHCK[:, :, None]).to(dt)
+    idx = torch.arange(C, device=q_NbHCK.device)
+    after_tile_nC = idx[None, :] > (idx[::s] + s - 1)[:, None]
+    colx_NbHnCK = colx_NbHnCK.masked_fill(after_tile_nC[:, :, None], float("-inf"))
+    kcol_NbHnCK = k_NbHCK[:, :, None] * colx_NbHnCK.exp()
+    kcolT_NbHnKC = kcol_NbHnCK.transpose(-1, -2)
+    Aqk_NbHCC = ((q_NbHCK.view(Nb, H, n, s, K) * rowf_NbHnsK) @ kcolT_NbHnKC).reshape(Nb, H, C, C)
+    Akk_NbHCC = ((k_NbHCK.view(Nb, H, n, s, K) * rowf_NbHnsK) @ kcolT_NbHnKC).reshape(Nb, H, C, C)
+    causal_CC = idx[:, None] >= idx[None, :]
+    Aqk_NbHCC = Aqk_NbHCC.masked_fill(~causal_CC, 0.0)
+    Akk_NbHCC = (Akk_NbHCC * b_NbHC[..., None]).tril(-1)  # diag(beta) L, strictly lower
+    gam_NbHCK = G_NbHCK.to(dt).exp()
+    rhs = torch.cat([k_NbHCK * gam_NbHCK, v_NbHCV], -1) * b_NbHC[..., None]
+    WU = _UnitLowerInverse.apply(Akk_NbHCC) @ rhs
+    W_NbHCK, U_NbHCV = WU[..., :K], WU[..., K:]
+    Glast_NbHK = G_NbHCK[:, :, -1]
+    kdec_NbHCK = k_NbHCK * (Glast_NbHK[:, :, None] - G_NbHCK).to(dt).exp()
+    return q_NbHCK * gam_NbHCK, Aqk_NbHCC, W_NbHCK, U_NbHCV, kdec_NbHCK, Glast_NbHK.to(dt).exp()
+
+
+def chunk_kda_torch(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
+                    output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm_in_kernel: bool = False,
+                    use_gate_in_kernel: bool = False, A_log=None, dt_bias=None, lower_bound: Optional[float] = -5.0,
+                    chunk_size: int = 64):
+    """Inputs are assumed validated (see k3.ops.kda.chunk_kda). Returns (o [B,T,H,V] v.dtype, state or None)."""
+    q_BTHK, k_BTHK, v_BTHV, g_BTHK, b_BTH, dt = prepare_inputs(
+        q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+        initial_state)
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    C = int(chunk_size)
+    lay = make_layout(B, T, cu_seqlens, C, q.device)
+    S_NHKV = q_BTHK.new_zeros(lay.N, H, K, V) if initial_state is None else initial_state.to(dt)
+    if lay.J == 0:
+        return v_BTHV.new_zeros(B, T, H, V).to(v.dtype), (S_NHKV if output_final_state else None)
+
+    s = tile_size(g_BTHK, C, dt)
+    blocks = [gather_blocks(x, lay) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
+    b_NbHC = gather_blocks(b_BTH[..., None], lay)[..., 0]
+    qg, Aqk, W, U, kdec, dlast = intra_chunk(*blocks, b_NbHC, s)
+    qg_NJHCK, Aqk_NJHCC, W_NJHCK, U_NJHCV, kdec_NJHCK = (to_grid(x, lay) for x in (qg, Aqk, W, U, kdec))
+    dlast_NJHK = to_grid(dlast, lay, fill=1.0)  # absent chunks keep the state
+
+    outs = []
+    for j in range(lay.J):
+        u_NHCV = U_NJHCV[:, j] - W_NJHCK[:, j] @ S_NHKV
+        outs.append(qg_NJHCK[:, j] @ S_NHKV + Aqk_NJHCC[:, j] @ u_NHCV)
+        S_NHKV = dlast_NJHK[:, j, :, :, None] * S_NHKV + kdec_NJHCK[:, j].transpose(-1, -2) @ u_NHCV
+    o_BTHV = scatter_tokens(torch.stack(outs, 1), lay, B, T)
+    return o_BTHV.to(v.dtype), (S_NHKV if output_final_state else None)

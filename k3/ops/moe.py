@@ -1,0 +1,97 @@
+"""MoE routing and routed-expert compute on stacked expert weights (spec §3.6).
+
+route: fp32 sigmoid scores; selection = top-k of (scores + bias); weights = selected *scores* renormalised
+(the bias never enters the weights). experts_forward: tokens sorted by expert, then one grouped GEMM per
+projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a padded batched GEMM fallback when the
+shapes are not 16-byte aligned; no Python loop over experts. Combine: each expert output (in the activation
+dtype) times its fp32 weight, summed in fp32 (index_add), cast back.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from k3.ops import f32
+
+from k3.ops import dispatch
+
+dispatch.register("moe", "grouped_mm", lambda: hasattr(torch, "_grouped_mm"), priority=0)
+dispatch.register("moe", "padded_bmm", lambda: True, priority=-1)
+dispatch.register("moe", "loop", lambda: True, priority=-10)  # per-token reference; tests only
+
+
+def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Tensor], top_k: int,
+          renormalize: bool = True, scaling: float = 1.0):
+    """Returns (topk_idx [N,k] int64, topk_weight [N,k] fp32, scores [N,E] fp32)."""
+    scores_NE = torch.sigmoid(f32(x_Nd) @ f32(weight_Ed).t())
+    sel_NE = scores_NE.detach() + f32(bias_E) if bias_E is not None else scores_NE.detach()
+    topk_idx_Nk = torch.topk(sel_NE, top_k, dim=-1, sorted=True).indices
+    w_Nk = scores_NE.gather(1, topk_idx_Nk)
+    if renormalize:
+        w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
+    return topk_idx_Nk, w_Nk * scaling, scores_NE
+
+
+def _aligned(*dims_dtype) -> bool:
+    *dims, dtype = dims_dtype
+    el = torch.empty((), dtype=dtype).element_size()
+    return all((d * el) % 16 == 0 for d in dims)
+
+
+def _gmm(x_AI, w_EIO, offs_E, counts_E, backend: str):
+    if backend == "grouped_mm":
+        return torch._grouped_mm(x_AI, w_EIO, offs=offs_E)
+    # padded batched GEMM: [E, cap, I] @ [E, I, O]
+    E = w_EIO.shape[0]
+    cap = int(counts_E.max().item()) if counts_E.numel() else 0
+    starts = offs_E.long() - counts_E.long()
+    expert_of_a = torch.repeat_interleave(torch.arange(E, device=x_AI.device), counts_E.long())
+    slot_a = torch.arange(x_AI.shape[0], device=x_AI.device) - starts[expert_of_a]
+    flat = expert_of_a * cap + slot_a
+    xp = x_AI.new_zeros(E * cap, x_AI.shape[1]).index_copy(0, flat, x_AI).view(E, cap, -1)
+    return torch.bmm(xp, w_EIO).view(E * cap, -1).index_select(0, flat)
+
+
+def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
+                    gate_up_El2M: torch.Tensor, down_EMl: torch.Tensor, glu: Callable,
+                    backend: Optional[str] = None) -> torch.Tensor:
+    """sum_k w[n,k] * W2_e(glu(W1_e x, W3_e x)) for the selected experts e = topk_idx[n,k]. Output [N, l]."""
+    N, l = x_Nl.shape
+    E, _, M2 = gate_up_El2M.shape
+    k = topk_idx_Nk.shape[1]
+    name = dispatch.resolve("moe", backend, x_Nl.device.type)
+    if name == "loop":
+        return experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_EMl, glu)
+    if name == "grouped_mm" and (x_Nl.dtype == torch.float64 or not _aligned(l, M2, M2 // 2, x_Nl.dtype)):
+        name = "padded_bmm"
+    flat_e = topk_idx_Nk.reshape(-1)
+    order = torch.argsort(flat_e, stable=True)
+    tok_of_a = order // k
+    counts_E = torch.bincount(flat_e, minlength=E)
+    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    x_Al = x_Nl.index_select(0, tok_of_a)
+    h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)
+    g, u = h_A2M.chunk(2, dim=-1)
+    y_Al = _gmm(glu(g, u).contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
+    w_A = f32(topk_w_Nk.reshape(-1).index_select(0, order))
+    out = torch.zeros(N, l, dtype=f32(x_Nl).dtype, device=x_Nl.device)
+    out = out.index_add(0, tok_of_a, f32(y_Al) * w_A.unsqueeze(1))
+    return out.to(x_Nl.dtype)
+
+
+def experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_EMl, glu):
+    """Per-token, per-selected-expert loop (the definition)."""
+    N, l = x_Nl.shape
+    out = torch.zeros(N, l, dtype=torch.float32, device=x_Nl.device)
+    rows = []
+    for n in range(N):
+        acc = torch.zeros(l, dtype=torch.float32, device=x_Nl.device)
+        for j in range(topk_idx_Nk.shape[1]):
+            e = int(topk_idx_Nk[n, j])
+            h = x_Nl[n] @ gate_up_El2M[e].to(x_Nl.dtype)
+            g, u = h.chunk(2, -1)
+            y = glu(g, u) @ down_EMl[e].to(x_Nl.dtype)
+            acc = acc + f32(y) * f32(topk_w_Nk[n, j])
+        rows.append(acc)
+    return torch.stack(rows).to(x_Nl.dtype) if rows else out.to(x_Nl.dtype)

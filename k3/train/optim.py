@@ -1,0 +1,341 @@
+"""Muon (with per-head Newton–Schulz) + AdamW in one optimizer, and K2-style QK-clip for MLA.
+
+Muon, for matrix weights: momentum buffer b <- mu*b + g; u = g + mu*b (Nesterov) or b; O = NS5(u), the quintic
+Newton–Schulz orthogonalisation (5 steps, coefficients (3.4445, -4.7750, 2.0315), input normalised by its
+Frobenius norm; bf16 on GPU, fp32 on CPU); update p <- p*(1 - lr*wd) - lr * 0.2*sqrt(max(rows, cols)) * O
+(Moonlight/K2 RMS matching: the update RMS is 0.2, like AdamW's, so LR and weight decay carry over).
+The orthogonalisation runs on *blocks*; `rows`/`cols` above are those of one block:
+  - "rows:K"   per attention head: rows split into blocks of K (KDA q/k/v_proj [H*K, d]; MLA q_b_proj
+               [H*(nope+rope), q_lora] and kv_b_proj [H*(nope+v), kv_lora]) -- "Per-Head Muon";
+  - "experts"  stacked expert tensors [E, a, b], one block per expert (batched);
+  - "gate_up"  experts.gate_up_proj [E, l, 2M]: per expert, the gate (w1^T) and up (w3^T) halves separately,
+               as they are separate matrices in the released checkpoint;
+  - "plain"    the whole matrix.
+AdamW (decoupled weight decay) for everything else: embeddings, lm_head, norms, biases, 1-row AttnRes
+pseudo-queries (`*_res_proj.weight` [1, d]), A_log, dt_bias, conv weights, any <2-D tensor.
+Weight decay: on matrices (Muon params, embeddings, lm_head, conv weights); none on norms / biases / gains /
+A_log / dt_bias / [1, d] pseudo-queries / params flagged `_no_weight_decay`.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+
+from k3.errors import K3ConfigError
+
+__all__ = ["NS_COEFFS", "newton_schulz", "orthogonalize", "ParamRoute", "classify_parameters", "MuonAdamW",
+           "build_optimizer", "qk_clip"]
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+MUON_RMS = 0.2
+
+
+# ---------------------------------------------------------------------------------------------- Newton–Schulz
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+                  dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Approximate orthogonal factor U V^T of G (batched over leading dims) by the quintic Newton–Schulz
+    iteration. `dtype`: compute dtype (default bf16 on CUDA, fp32 otherwise). Returns `dtype`."""
+    if G.ndim < 2:
+        raise ValueError("newton_schulz needs a matrix (or a batch of matrices)")
+    if dtype is None:
+        dtype = torch.bfloat16 if G.is_cuda else torch.float32
+    a, b, c = NS_COEFFS
+    X = G.to(dtype)
+    transpose = G.size(-2) > G.size(-1)
+    if transpose:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * (A @ A)
+        X = a * X + B @ X
+    return X.mT if transpose else X
+
+
+def orthogonalize(u: torch.Tensor, ortho: str, steps: int = 5, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The scaled Muon direction 0.2*sqrt(max(block dims))*NS5(block) for every block of `u` (see module doc).
+    Returns fp32 with u's shape."""
+    shape = u.shape
+    if ortho == "plain":
+        blocks = u.reshape(1, shape[-2], shape[-1]) if u.ndim == 2 else u.reshape(-1, shape[-2], shape[-1])
+        inv = lambda o: o.reshape(shape)  # noqa: E731
+    elif ortho == "experts":
+        blocks = u.reshape(-1, shape[-2], shape[-1])
+        inv = lambda o: o.reshape(shape)  # noqa: E731
+    elif ortho == "gate_up":
+        if shape[-1] % 2:
+            raise K3ConfigError(f"gate_up tensor {tuple(shape)}: last dim must be even")
+        m = shape[-1] // 2
+        lead = shape[:-1]
+        blocks = u.reshape(-1, shape[-2], 2, m).permute(0, 2, 1, 3).reshape(-1, shape[-2], m)
+        inv = lambda o: o.reshape(-1, 2, shape[-2], m).permute(0, 2, 1, 3).reshape(*lead, 2 * m)  # noqa: E731
+    elif ortho.startswith("rows:"):
+        k = int(ortho[5:])
+        if u.ndim != 2 or shape[0] % k:
+            raise K3ConfigError(f"per-head Muon: tensor {tuple(shape)} rows are not a multiple of {k}")
+        blocks = u.reshape(shape[0] // k, k, shape[1])
+        inv = lambda o: o.reshape(shape)  # noqa: E731
+    else:
+        raise K3ConfigError(f"unknown Muon block mode {ortho!r}")
+    o = newton_schulz(blocks, steps=steps, dtype=dtype).float()
+    o.mul_(MUON_RMS * math.sqrt(max(blocks.shape[-2], blocks.shape[-1])))
+    return inv(o)
+
+
+# ------------------------------------------------------------------------------------------ classification
+
+@dataclass
+class ParamRoute:
+    name: str
+    use_muon: bool
+    ortho: str            # Muon block mode ("plain", "rows:K", "experts", "gate_up"); "" for AdamW
+    weight_decay: bool
+    reason: str
+
+
+_KDA_QKV = re.compile(r"(^|\.)(q|k|v)_proj\.weight$")
+_NO_DECAY_NAMES = ("A_log", "dt_bias", "e_score_correction_bias")
+
+
+def _parent_name(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _parent(model: nn.Module, name: str) -> nn.Module:
+    """The module that owns the parameter (or submodule) called `name`."""
+    mod_name = _parent_name(name)
+    return model.get_submodule(mod_name) if mod_name else model
+
+
+def _mla_heads(mod: nn.Module, name: str) -> int:
+    h = getattr(mod, "num_heads", None)
+    if h is None:
+        cfg = getattr(mod, "config", None)
+        h = getattr(cfg, "num_attention_heads", None)
+    if h is None:
+        raise K3ConfigError(f"{name}: MLA module has no `num_heads` attribute; cannot split per head")
+    return int(h)
+
+
+def _kda_heads(mod: nn.Module, name: str) -> int:
+    b = getattr(mod, "b_proj", None)
+    if isinstance(b, nn.Module) and getattr(b, "weight", None) is not None:
+        return int(b.weight.shape[0])   # contract: b_proj.weight [H, d]
+    h = getattr(mod, "num_heads", None)
+    if h is None:
+        raise K3ConfigError(f"{name}: attention module has neither b_proj nor `num_heads`; cannot split per head")
+    return int(h)
+
+
+def _route(model: nn.Module, name: str, p: torch.Tensor, embed_ids: set) -> ParamRoute:
+    leaf = name.rsplit(".", 1)[-1]
+    no_wd_flag = bool(getattr(p, "_no_weight_decay", False))
+    if p.ndim < 2:
+        return ParamRoute(name, False, "", False, "vector (norm / bias / gain / A_log / dt_bias)")
+    if id(p) in embed_ids or "embed_tokens" in name or name.startswith("lm_head") or ".lm_head." in name \
+            or name.endswith("wte.weight"):
+        return ParamRoute(name, False, "", not no_wd_flag, "embedding / lm_head")
+    if any("conv" in part for part in name.split(".")[-2:]) or isinstance(
+            _parent(model, name), (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return ParamRoute(name, False, "", not no_wd_flag, "convolution weight")
+    if leaf in _NO_DECAY_NAMES or any(n in name for n in _NO_DECAY_NAMES):
+        return ParamRoute(name, False, "", False, "special vector parameter")
+    if p.shape[-2] == 1 or p.shape[-1] == 1:
+        return ParamRoute(name, False, "", False, "1-row / 1-column gain (AttnRes pseudo-query)")
+    # matrices -> Muon
+    if p.ndim >= 3:
+        if name.endswith("experts.gate_up_proj") or leaf == "gate_up_proj":
+            return ParamRoute(name, True, "gate_up", not no_wd_flag, "stacked experts, gate/up halves")
+        return ParamRoute(name, True, "experts", not no_wd_flag, "stacked experts")
+    parent = _parent(model, _parent_name(name)) if name.endswith(".weight") else _parent(model, name)
+    is_mla = hasattr(parent, "kv_b_proj")
+    if is_mla and (name.endswith("q_b_proj.weight") or name.endswith("kv_b_proj.weight")
+                   or name.endswith(".q_proj.weight")):
+        h = _mla_heads(parent, name)
+        if p.shape[0] % h:
+            raise K3ConfigError(f"{name}: {p.shape[0]} rows not divisible by {h} heads")
+        return ParamRoute(name, True, f"rows:{p.shape[0] // h}", not no_wd_flag, "MLA per-head")
+    if not is_mla and _KDA_QKV.search(name) and "self_attn" in name:
+        h = _kda_heads(parent, name)
+        if p.shape[0] % h:
+            raise K3ConfigError(f"{name}: {p.shape[0]} rows not divisible by {h} heads")
+        return ParamRoute(name, True, f"rows:{p.shape[0] // h}", not no_wd_flag, "KDA per-head")
+    return ParamRoute(name, True, "plain", not no_wd_flag, "matrix")
+
+
+def classify_parameters(model: nn.Module) -> list[ParamRoute]:
+    """Route every trainable parameter to Muon (with its block mode) or AdamW, by name and shape."""
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    out_emb = getattr(model, "get_output_embeddings", None)
+    if callable(out_emb):
+        try:
+            oe = out_emb()
+            if oe is not None and getattr(oe, "weight", None) is not None:
+                embed_ids.add(id(oe.weight))
+        except (NotImplementedError, AttributeError):
+            pass
+    return [_route(model, n, p, embed_ids) for n, p in model.named_parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------------------------------------ optimizer
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer for both kinds of parameters. Each param group has `use_muon` (bool), `ortho` (block mode,
+    Muon groups), `lr`, `weight_decay`, and `momentum`/`nesterov`/`ns_steps` (Muon) or `betas`/`eps` (AdamW).
+    Works with any LR scheduler (e.g. LambdaLR) since every group has its own `lr`."""
+
+    def __init__(self, param_groups: list[dict], lr: float = 2e-2, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 betas: tuple = (0.9, 0.95), eps: float = 1e-8, ns_dtype: Optional[torch.dtype] = None):
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        betas=tuple(betas), eps=eps, use_muon=False, ortho="")
+        self.ns_dtype = ns_dtype
+        super().__init__(param_groups, defaults)
+        for g in self.param_groups:
+            if g["use_muon"] and not g["ortho"]:
+                g["ortho"] = "plain"
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_group(group)
+            else:
+                self._adamw_group(group)
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(g)
+            buf = st["momentum_buffer"]
+            buf.mul_(mu).add_(g)
+            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
+            o = orthogonalize(u, group["ortho"], steps=group["ns_steps"], dtype=self.ns_dtype)
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(o.to(p.dtype), alpha=-lr)
+
+    def _adamw_group(self, group: dict) -> None:
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad.float()
+            st = self.state[p]
+            if "step" not in st:
+                st["step"] = torch.zeros((), dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(g)
+                st["exp_avg_sq"] = torch.zeros_like(g)
+            st["step"] += 1
+            t = float(st["step"])
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            m.lerp_(g, 1.0 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
+            denom = (v / (1.0 - b2 ** t)).sqrt_().add_(eps)
+            upd = (m / (1.0 - b1 ** t)).div_(denom)
+            if wd:
+                p.mul_(1.0 - lr * wd)
+            p.add_(upd.to(p.dtype), alpha=-lr)
+
+
+def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple = (0.9, 0.95),
+                    adamw_lr: Optional[float] = None, momentum: float = 0.95, nesterov: bool = True,
+                    ns_steps: int = 5, eps: float = 1e-8, adamw_weight_decay: Optional[float] = None,
+                    ns_dtype: Optional[torch.dtype] = None, per_head: bool = True) -> MuonAdamW:
+    """MuonAdamW over `model`'s trainable parameters. Groups (empty ones omitted), each with `param_names`:
+      muon[:<ortho>]   Muon, weight decay `weight_decay`, lr `lr`
+      adamw            AdamW with decay `adamw_weight_decay` (default `weight_decay`), lr `adamw_lr` (default lr)
+      adamw_no_decay   AdamW without decay
+    `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation)."""
+    adamw_lr = lr if adamw_lr is None else adamw_lr
+    adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
+    params = dict(model.named_parameters())
+    buckets: dict[tuple, list] = {}
+    for r in classify_parameters(model):
+        if r.use_muon:
+            ortho = r.ortho if (per_head or not r.ortho.startswith("rows:")) else "plain"
+            key = ("muon", ortho, r.weight_decay)
+        else:
+            key = ("adamw", "", r.weight_decay)
+        buckets.setdefault(key, []).append((r.name, params[r.name]))
+    groups = []
+    for (kind, ortho, decay), named in sorted(buckets.items(), key=lambda kv: (kv[0][0] != "muon",) + kv[0]):
+        if kind == "muon":
+            groups.append({"params": named, "use_muon": True, "ortho": ortho, "lr": lr,
+                           "weight_decay": weight_decay if decay else 0.0,
+                           "group_name": f"muon:{ortho}" + ("" if decay else ":no_decay")})
+        else:
+            groups.append({"params": named, "use_muon": False, "ortho": "", "lr": adamw_lr,
+                           "weight_decay": adamw_wd if decay else 0.0,
+                           "group_name": "adamw" if decay else "adamw_no_decay"})
+    if not groups:
+        raise K3ConfigError("build_optimizer: the model has no trainable parameters")
+    return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                     ns_steps=ns_steps, betas=betas, eps=eps, ns_dtype=ns_dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- QK-clip
+
+@torch.no_grad()
+def qk_clip(model: nn.Module, tau: float = 100.0, sync: bool = True) -> int:
+    """K2 MuonClip for MLA. For every module with a non-None `last_max_logit` (fp32 [H], per-head max
+    pre-softmax logit incl. the softmax scale, recorded by its forward when `track_max_logit` is True) and each
+    head h with S_h > tau, gamma = tau / S_h: q_nope rows of head h in q_b_proj *= sqrt(gamma), its q_pe rows
+    *= gamma, its k_nope rows in kv_b_proj *= sqrt(gamma); v rows and the shared k_pe are untouched, so every
+    logit of head h is scaled by gamma. `last_max_logit` is rebound to the post-clip value min(S, tau).
+    With `sync` and an initialised process group, S is max-reduced over ranks first.
+    Returns the number of clipped heads."""
+    import torch.distributed as dist
+    clipped = 0
+    for mod in model.modules():
+        S = getattr(mod, "last_max_logit", None)
+        if S is None:
+            continue
+        qw = getattr(mod, "q_b_proj", None)
+        if qw is None:
+            qw = getattr(mod, "q_proj", None)
+        kvw = getattr(mod, "kv_b_proj", None)
+        if qw is None or kvw is None:
+            continue
+        H = int(mod.num_heads)
+        n, r, v = int(mod.qk_nope_head_dim), int(mod.qk_rope_head_dim), int(mod.v_head_dim)
+        S = S.detach().float().reshape(-1)
+        if S.numel() != H:
+            raise K3ConfigError(f"last_max_logit has {S.numel()} entries for {H} heads")
+        if sync and dist.is_available() and dist.is_initialized():
+            S = S.to(qw.weight.device)
+            dist.all_reduce(S, op=dist.ReduceOp.MAX)
+        over = S > tau
+        k = int(over.sum())
+        if k == 0:
+            continue
+        clipped += k
+        gamma = torch.where(over, tau / S.clamp_min(1e-30), torch.ones_like(S))
+        sq = gamma.sqrt()
+        q_scale = torch.cat([sq[:, None].expand(H, n), gamma[:, None].expand(H, r)], dim=1)      # [H, n+r]
+        kv_scale = torch.cat([sq[:, None].expand(H, n), torch.ones(H, v, device=S.device)], dim=1)  # [H, n+v]
+        for lin, scale, width in ((qw, q_scale, n + r), (kvw, kv_scale, n + v)):
+            W = lin.weight
+            if W.shape[0] != H * width:
+                raise K3ConfigError(f"{type(mod).__name__}: weight rows {W.shape[0]} != {H}*{width}")
+            s = scale.reshape(H * width, *([1] * (W.ndim - 1))).to(W.device)
+            W.copy_((W.float() * s).to(W.dtype))
+        mod.last_max_logit = torch.minimum(S, torch.full_like(S, tau))
+    return clipped
