@@ -22,7 +22,18 @@ def cfg():
     return K3Config.from_preset("tiny")
 
 
+_SD_CACHE = {}
+
+
 def synthetic_state_dict(config, seed=0, grid_experts=False):
+    """Cached (treat as read-only) synthetic state dict, see `_make_state_dict`."""
+    key = (json.dumps(config.to_dict(), sort_keys=True), seed, grid_experts)
+    if key not in _SD_CACHE:
+        _SD_CACHE[key] = _make_state_dict(config, seed, grid_experts)
+    return _SD_CACHE[key]
+
+
+def _make_state_dict(config, seed=0, grid_experts=False):
     """A state dict following docs/CONTRACTS.md for `config` (random values; A_log/dt_bias etc. fp32)."""
     g = torch.Generator().manual_seed(seed)
     sd = {}
@@ -420,7 +431,17 @@ def _model_cls():
     return K3ForCausalLM
 
 
+_MODELS = {}
+
+
 def _tiny_model(cfg, seed=0):
+    """Cached per seed: treat as read-only."""
+    if seed not in _MODELS:
+        _MODELS[seed] = _build_tiny_model(cfg, seed)
+    return _MODELS[seed]
+
+
+def _build_tiny_model(cfg, seed):
     K3ForCausalLM = _model_cls()
     torch.manual_seed(seed)
     m = K3ForCausalLM(cfg)
@@ -447,15 +468,36 @@ def test_model_save_from_pretrained_round_trip(cfg, tmp_path):
     for k in sd1:
         assert torch.equal(sd1[k], sd2[k].to(sd1[k].dtype)), k
     assert m2.state_dict()["model.layers.0.self_attn.A_log"].dtype == torch.float32
-    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = m(ids).logits, m2(ids).logits
-    assert torch.equal(a, b)
     # bf16 load: fp32-kept tensors stay fp32
     m3 = from_pretrained(str(d), dtype=torch.bfloat16)
     sd3 = m3.state_dict()
     assert sd3["model.layers.0.self_attn.dt_bias"].dtype == torch.float32
     assert sd3["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+
+
+@pytest.mark.slow
+def test_model_round_trip_forward_identical(cfg, tmp_path):
+    m = _tiny_model(cfg)
+    save_pretrained(m, tmp_path / "m", quantize_experts=False)
+    m2 = from_pretrained(str(tmp_path / "m"))
+    ids = torch.randint(0, cfg.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, m2(ids).logits)
+
+
+def test_model_mxfp4_round_trip(cfg, tmp_path):
+    m = _tiny_model(cfg)
+    sd = dict(m.state_dict())
+    for k, v in sd.items():  # put the expert weights on the MXFP4 grid so the round trip is exact
+        if k.endswith("experts.gate_up_proj") or k.endswith("experts.down_proj"):
+            sd[k] = mxfp4_decode(*mxfp4_encode(v.transpose(1, 2)), dtype=v.dtype).transpose(1, 2).contiguous()
+    save_pretrained(sd, tmp_path / "q", quantize_experts=True, config=m.config)
+    assert any(k.endswith("w1.weight_packed") for k in
+               json.loads((tmp_path / "q" / "model.safetensors.index.json").read_text())["weight_map"])
+    m2 = from_pretrained(str(tmp_path / "q"), dtype=torch.float32)
+    sd2 = m2.state_dict()
+    for k, v in sd.items():
+        assert torch.equal(v, sd2[k]), k
 
 
 def test_model_from_pretrained_mismatch(cfg, tmp_path):

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import logging
 import os
@@ -346,6 +348,30 @@ def _cast_model(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
                 p.data = p.data.to(td)
 
 
+_INIT_FNS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "zeros_", "ones_", "constant_", "orthogonal_", "eye_")
+
+
+@contextlib.contextmanager
+def _skip_init():
+    """Make ``torch.nn.init`` fills no-ops while building on the meta device (the values are overwritten by the
+    checkpoint anyway; meta fills also drag in heavy torch._refs machinery)."""
+    saved = {n: getattr(torch.nn.init, n) for n in _INIT_FNS if hasattr(torch.nn.init, n)}
+    try:
+        for n in saved:
+            setattr(torch.nn.init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+def _build_on_meta(cls, config):
+    kw = {"init": False} if "init" in inspect.signature(cls.__init__).parameters else {}
+    with _skip_init(), torch.device("meta"):
+        return cls(config, **kw)
+
+
 def _has_non_persistent_buffers(model: torch.nn.Module) -> bool:
     return any(m._non_persistent_buffers_set for m in model.modules())
 
@@ -369,8 +395,7 @@ def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = Tru
     model = None
     if strict:
         try:
-            with torch.device("meta"):
-                model = K3ForCausalLM(config)
+            model = _build_on_meta(K3ForCausalLM, config)
         except Exception as e:  # a constructor that cannot run on meta: build for real instead
             log.debug("meta-device construction failed (%s); building on %s", e, device)
             model = None

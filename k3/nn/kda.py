@@ -1,6 +1,11 @@
 """Kimi Delta Attention layer (spec §3.4): q/k/v projections + causal short conv (SiLU), low-rank decay gate
 bounded below by `gate_lower_bound`, beta = sigmoid(b_proj x), gated delta rule (k3.ops.kda.chunk_kda with the
-gate and q/k L2 norm applied in-kernel), gated output RMSNorm (fp32, weight before the cast), o_proj."""
+gate and q/k L2 norm applied in-kernel), gated output RMSNorm (fp32, weight before the cast), o_proj.
+
+With a cache (k3.generation.cache): the conv history and the fp32 recurrent state are read from / written back to
+`cache.conv_state` / `cache.recurrent_state`; short inputs (T <= `recurrent_max_tokens`, i.e. decode steps) run
+the token recurrence (`recurrent_kda`), longer ones (prefill chunks) the chunked kernel with `output_final_state`.
+`cache.kda_mode` ("auto" | "recurrent" | "chunk") overrides the choice."""
 from __future__ import annotations
 
 import math
@@ -12,7 +17,7 @@ from k3.ops import f32
 from torch import nn
 
 from k3.ops.conv import causal_conv1d
-from k3.ops.kda import chunk_kda
+from k3.ops.kda import chunk_kda, recurrent_kda
 
 
 class KDAAttention(nn.Module):
@@ -41,6 +46,7 @@ class KDAAttention(nn.Module):
         self.o_proj = nn.Linear(P, d, bias=False)
         self.norm_eps = cfg.rms_norm_eps
         self.backend: Optional[str] = None
+        self.recurrent_max_tokens = 8  # with a cache: T <= this runs the recurrent (decode) path
 
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
@@ -64,12 +70,16 @@ class KDAAttention(nn.Module):
         v, sv = causal_conv1d(self.v_proj(x_BTd), self.v_conv1d.weight, conv_state[2], cu_seqlens, "silu", want_state)
         f_BTHK = self.f_b_proj(self.f_a_proj(x_BTd)).view(B, T, H, K)
         beta_BTH = torch.sigmoid(f32(self.b_proj(x_BTd)))
-        o_BTHK, S = chunk_kda(
-            q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f_BTHK, beta_BTH,
-            scale=K ** -0.5, initial_state=cache.recurrent_state if cache is not None else None,
-            output_final_state=want_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
-            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
-            backend=self.backend)
+        kw = dict(scale=K ** -0.5, initial_state=cache.recurrent_state if cache is not None else None,
+                  output_final_state=want_state, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                  use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound)
+        mode = getattr(cache, "kda_mode", "auto") if cache is not None else "chunk"
+        if mode == "recurrent" or (mode == "auto" and T <= self.recurrent_max_tokens):
+            o_BTHK, S = recurrent_kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f_BTHK,
+                                      beta_BTH, **kw)
+        else:
+            o_BTHK, S = chunk_kda(q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, H, K), f_BTHK, beta_BTH,
+                                  backend=self.backend, **kw)
         if cache is not None:
             cache.conv_state = (sq, sk, sv)
             cache.recurrent_state = S

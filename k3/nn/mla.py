@@ -4,6 +4,14 @@ Expanded form (training/prefill): q = q_b(norm(q_a x)); c = kv_a x -> (c_lat, k_
 K = [k_nope || k_pe] (k_pe shared by heads, unrotated), causal softmax attention with scale (nope+rope)^-1/2,
 output gated by sigmoid(g_proj x), then o_proj. The cache (when given) stores the normed latent + k_pe per token
 (kv_lora + rope values), the compressed form an absorbed decode needs.
+
+With a cache (k3.generation.cache.MLALayerCache or a row view of it) two paths give the same result:
+- absorbed (spec §7; default for T <= `absorb_max_tokens`, i.e. decode): kv_b's k part is folded into the query,
+  q~_h = W_UK,h^T q_nope,h, and its v part into the output, o_h = W_UV,h sum_t a_t c_t; one shared 576-wide KV
+  "head" (MQA form), nothing is expanded per cached token. Math in fp32 (fp64 for fp64 models).
+- expanded (prefill chunks): k_nope, v = kv_b(cached latents) and causal attention with q_offset.
+Rows may hold different lengths (ragged batches): query i of row b sees keys j <= start_b + i.
+`cache.mla_mode` ("auto" | "absorbed" | "expanded") overrides the choice.
 """
 from __future__ import annotations
 
@@ -39,6 +47,7 @@ class MLAAttention(nn.Module):
         self.g_proj = nn.Linear(d, H * cfg.v_head_dim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(H * cfg.v_head_dim, d, bias=False)
         self.track_max_logit = False
+        self.absorb_max_tokens = 16  # with a cache: T <= this uses the absorbed (decode) path
         self.last_max_logit: Optional[torch.Tensor] = None
 
     def project_q(self, x_BTd):
@@ -73,13 +82,70 @@ class MLAAttention(nn.Module):
     def forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache=None):
         q = self.project_q(x_BTd)
         c, k_pe = self.project_latent(x_BTd)
-        offset = 0
         if cache is not None:
-            offset = cache.length
-            c, k_pe = cache.update(c, k_pe)
+            if cu_seqlens is not None:
+                raise ValueError("MLA: cu_seqlens (packed documents) cannot be combined with a cache")
+            return self._forward_cached(q, c, k_pe, x_BTd, cache)
         k, v = self.expand_kv(c, k_pe)
         o, ml = causal_attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens,
-                                 return_max_logit=self.track_max_logit and self.training, q_offset=offset)
+                                 return_max_logit=self.track_max_logit and self.training)
         if ml is not None:
             self.last_max_logit = ml
         return self.output(o, x_BTd)
+
+    # ------------------------------------------------------------------ cached paths
+    def _forward_cached(self, q, c, k_pe, x_BTd, cache):
+        T = x_BTd.shape[1]
+        uniform = cache.uniform_length()          # int when every row holds the same length, else None
+        starts = cache.lengths_tensor().clone()   # [B] positions of the first new token per row
+        c_all, kpe_all = cache.update(c, k_pe)    # [B, S, kv_lora], [B, S, rope] (S = longest row)
+        mode = getattr(cache, "mla_mode", "auto")
+        if mode == "absorbed" or (mode == "auto" and T <= self.absorb_max_tokens):
+            o = self.absorbed_attention(q, c_all, kpe_all, starts)
+        elif uniform is not None:
+            k, v = self.expand_kv(c_all, kpe_all)
+            o, _ = causal_attention(q, k, v, self.softmax_scale, q_offset=uniform)
+        else:
+            o = self.expanded_attention_masked(q, c_all, kpe_all, starts)
+        return self.output(o.to(x_BTd.dtype), x_BTd)
+
+    @staticmethod
+    def _visible(starts_B, T: int, S: int, device) -> torch.Tensor:
+        """[B, 1, T, S] bool: key j visible to query i of row b iff j <= starts[b] + i."""
+        qi = starts_B.view(-1, 1, 1) + torch.arange(T, device=device).view(1, T, 1)
+        return (torch.arange(S, device=device).view(1, 1, S) <= qi).unsqueeze(1)
+
+    def absorbed_weights(self, dtype):
+        """(W_UK [H, nope, kv_lora], W_UV [H, v, kv_lora]) from kv_b_proj, in `dtype`."""
+        W = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return W[:, :self.qk_nope_head_dim].to(dtype), W[:, self.qk_nope_head_dim:].to(dtype)
+
+    def absorbed_attention(self, q_BTHD, c_BSC, kpe_BSR, starts_B):
+        """Absorbed (MQA-form) attention over the compressed cache; returns o [B,T,H,v] in fp32/fp64."""
+        B, T, H, _ = q_BTHD.shape
+        S = c_BSC.shape[1]
+        cd = torch.float64 if q_BTHD.dtype == torch.float64 else torch.float32
+        W_UK, W_UV = self.absorbed_weights(cd)
+        q_nope, q_pe = q_BTHD.to(cd).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_lat = torch.einsum("bthd,hdc->bhtc", q_nope, W_UK)                     # q~ [B,H,T,kv_lora]
+        c = c_BSC.to(cd)
+        s = torch.einsum("bhtc,bsc->bhts", q_lat, c)
+        if self.qk_rope_head_dim:
+            s = s + torch.einsum("bthr,bsr->bhts", q_pe, kpe_BSR.to(cd))
+        s = s * self.softmax_scale
+        s = s.masked_fill(~self._visible(starts_B, T, S, q_BTHD.device), float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o_lat = torch.einsum("bhts,bsc->bthc", p, c)                              # o-bar [B,T,H,kv_lora]
+        return torch.einsum("bthc,hvc->bthv", o_lat, W_UV)
+
+    def expanded_attention_masked(self, q_BTHD, c_BSC, kpe_BSR, starts_B):
+        """Expanded attention for rows of different lengths (explicit [B,1,T,S] mask)."""
+        B, T, H, _ = q_BTHD.shape
+        S = c_BSC.shape[1]
+        k, v = self.expand_kv(c_BSC, kpe_BSR)
+        cd = torch.float64 if q_BTHD.dtype == torch.float64 else torch.float32
+        m = self._visible(starts_B, T, S, q_BTHD.device)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q_BTHD.transpose(1, 2).to(cd), k.transpose(1, 2).to(cd), v.transpose(1, 2).to(cd), attn_mask=m,
+            scale=self.softmax_scale)
+        return o.transpose(1, 2)

@@ -12,9 +12,19 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from k3.ops import f32
+from k3.ops import dispatch, f32
 
 _Q_TILE = 2048
+
+
+def _cuda_available() -> bool:
+    from k3.ops import attention_cuda
+    return attention_cuda.available()
+
+
+# "sdpa": the tiled path below (any device). "flash": k3.ops.attention_cuda (CUDA only, no dense masks).
+dispatch.register("attention", "sdpa", lambda: True, priority=0)
+dispatch.register("attention", "flash", _cuda_available, priority=10)
 
 
 def _doc_ids(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -41,14 +51,15 @@ def attention_reference(q, k, v, scale: float, cu_seqlens=None):
 
 
 def causal_attention(q_BTHD, k_BTHD, v_BTHE, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
-                     return_max_logit: bool = False, q_offset: int = 0):
+                     return_max_logit: bool = False, q_offset: int = 0, backend: Optional[str] = None):
     """Causal attention. With q_offset>0 the queries are the last Tq positions of a length-Tk context
     (chunked prefill against a cache: keys [0, Tk), query i sits at position q_offset + i)."""
     B, Tq, H, D = q_BTHD.shape
     Tk = k_BTHD.shape[1]
     if cu_seqlens is not None and (B != 1 or q_offset):
         raise ValueError("causal_attention: cu_seqlens needs batch size 1 and no q_offset")
-    doc = _doc_ids(cu_seqlens, Tk) if cu_seqlens is not None else None
+    fast = q_BTHD.device.type == "cuda" and dispatch.resolve("attention", backend, "cuda") == "flash"
+    doc = _doc_ids(cu_seqlens, Tk) if cu_seqlens is not None and not (fast and not return_max_logit) else None
     low = q_BTHD.device.type == "cpu" and q_BTHD.dtype in (torch.bfloat16, torch.float16)
     q = q_BTHD.transpose(1, 2)
     k = k_BTHD.transpose(1, 2)
@@ -65,6 +76,10 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHE, scale: float, cu_seqlens: Optional[
                 s = s.masked_fill(~_mask(q0, q1, Tk, doc, q.device, q_offset), float("-inf"))
                 ml = torch.maximum(ml, s.amax(dim=(0, 2, 3)))
             max_logit = ml
+    if fast:
+        from k3.ops.attention_cuda import flash_causal_attention
+        o = flash_causal_attention(q_BTHD, k_BTHD, v_BTHE.to(q_BTHD.dtype), scale, cu_seqlens, q_offset)
+        return o.to(v_BTHE.dtype), max_logit
     if doc is None and Tq == Tk and q_offset == 0 and Tq <= _Q_TILE:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:

@@ -8,7 +8,8 @@ Corpus
     every machine sees the same text; if that file is missing it is rebuilt from the local stdlib (and cached).
     User corpora: `.txt` files (one document per file, or one per blank-line-separated section with
     `split_sections=True`), `.jsonl` files (field "text", one document per line), or a directory of those.
-    The train/validation split is a hash of each document's name, so it is deterministic and stable.
+    The train/validation split ranks documents by a hash of their name (deterministic; ~5% of the characters go
+    to validation by default).
 
 Tokenizer
     Byte-level BPE trained with `tokenizers` (pre-tokenizer = K3's split regex, spec §6) on the train documents at
@@ -61,11 +62,11 @@ _TOKENIZER_VERSION = "bpe-v1"
 _CORPUS_VERSION = "pydocs-v1"
 _BUILTIN_CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "pydocs.jsonl.gz")
 
-# K3's special slots (spec §6), as offsets from V-256.
+# K3's named special slots (spec §6), as offsets from V-256.
 SPECIAL_TOKEN_OFFSETS = {
     0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
     6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>", 19: "<|media_content|>",
-    20: "<|media_end|>", 21: "<|media_pad|>", 254: "[UNK]", 255: "[PAD]",
+    20: "<|media_end|>", 21: "<|media_pad|>", 65: "<osagent_mode>", 254: "[UNK]", 255: "[PAD]",
 }
 
 # K3's pre-tokenizer split regex (spec §6), in the Oniguruma syntax `tokenizers` uses.
@@ -239,17 +240,23 @@ def _expand(paths: Sequence[str]) -> list[str]:
 
 
 def _split(records: list[dict], val_fraction: float) -> tuple[list[str], list[str]]:
-    """Deterministic split by a hash of the document name (stable under adding/removing other documents)."""
+    """Deterministic split: documents are ranked by a hash of their name and taken into validation in that
+    order until they hold `val_fraction` of the characters (at least one document when there are >= 2)."""
     if not records:
         raise K3ConfigError("the corpus is empty")
-    keyed = [(int(_sha("k3-split", r["name"])[:12], 16) / float(1 << 48), i) for i, r in enumerate(records)]
-    is_val = [k < val_fraction for k, _ in keyed]
-    if val_fraction > 0 and len(records) >= 2 and not any(is_val):
-        is_val[min(keyed)[1]] = True
-    if all(is_val):
-        is_val[max(keyed)[1]] = False
-    train = [r["text"] for r, v in zip(records, is_val) if not v]
-    val = [r["text"] for r, v in zip(records, is_val) if v]
+    if not 0.0 <= val_fraction < 1.0:
+        raise K3ConfigError(f"val_fraction={val_fraction} not in [0, 1)")
+    ranked = sorted(range(len(records)), key=lambda i: (_sha("k3-split", records[i]["name"]), i))
+    budget = val_fraction * sum(len(r["text"]) for r in records)
+    val_ids, got = set(), 0
+    if val_fraction > 0 and len(records) >= 2:
+        for i in ranked[:-1]:  # never everything
+            if got >= budget and val_ids:
+                break
+            val_ids.add(i)
+            got += len(records[i]["text"])
+    train = [r["text"] for i, r in enumerate(records) if i not in val_ids]
+    val = [r["text"] for i, r in enumerate(records) if i in val_ids]
     return train, val
 
 
@@ -279,9 +286,20 @@ def _corpus_fingerprint(docs: Sequence[str]) -> str:
 
 # ---------------------------------------------------------------------------------------------- tokenizer
 
-def special_token_names(num: int = NUM_SPECIAL) -> list[str]:
-    """The 256 special-token strings in slot order (offset 0 = [BOS] ... 255 = [PAD])."""
-    return [SPECIAL_TOKEN_OFFSETS.get(i, f"<|reserved_token_{i}|>") for i in range(num)]
+def special_token_names(vocab_size: int) -> list[str]:
+    """The 256 special-token strings of a `vocab_size` vocabulary in slot order (offset 0 = [BOS] ...
+    255 = [PAD]); unnamed slots are `<|reserved_token_N|>` with N the absolute id (K2/K3 reference rule,
+    shared with `k3.tokenizer.base.k3_special_tokens`)."""
+    base = vocab_size - NUM_SPECIAL
+    try:
+        from k3.tokenizer.base import k3_special_tokens
+        table = k3_special_tokens(base)
+        names = sorted(table, key=table.get)
+    except ImportError:  # pragma: no cover - k3.tokenizer is part of the package
+        names = [SPECIAL_TOKEN_OFFSETS.get(i, f"<|reserved_token_{base + i}|>") for i in range(NUM_SPECIAL)]
+    if len(names) != NUM_SPECIAL:
+        raise TokenizerError(f"expected {NUM_SPECIAL} special names, got {len(names)}")
+    return names
 
 
 def _base_tokenizer():
@@ -316,7 +334,7 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int = 8192, min_frequency: 
     spec["added_tokens"] = [
         {"id": n_bpe + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
          "normalized": False, "special": True}
-        for i, s in enumerate(special_token_names())
+        for i, s in enumerate(special_token_names(vocab_size))
     ]
     tok = Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
     if tok.get_vocab_size() != vocab_size or tok.token_to_id("[BOS]") != n_bpe:
@@ -360,7 +378,8 @@ def _is_doc_list(x) -> bool:
 
 
 def _tokenizer_dir(vocab_size: int, docs: Sequence[str], cache: Optional[str]) -> str:
-    key = _sha(_TOKENIZER_VERSION, str(vocab_size), _corpus_fingerprint(docs))[:16]
+    key = _sha(_TOKENIZER_VERSION, str(vocab_size), K3_SPLIT_REGEX, *special_token_names(vocab_size),
+               _corpus_fingerprint(docs))[:16]
     return os.path.join(cache_dir(cache), f"{_TOKENIZER_VERSION}-{vocab_size}-{key}")
 
 

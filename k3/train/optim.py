@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -139,11 +139,13 @@ def _route(model: nn.Module, name: str, p: torch.Tensor, embed_ids: set) -> Para
     if p.ndim < 2:
         return ParamRoute(name, False, "", False, "vector (norm / bias / gain / A_log / dt_bias)")
     if id(p) in embed_ids or "embed_tokens" in name or name.startswith("lm_head") or ".lm_head." in name \
-            or name.endswith("wte.weight"):
+            or name.endswith("wte.weight") or "pos_emb" in name:
         return ParamRoute(name, False, "", not no_wd_flag, "embedding / lm_head")
     if any("conv" in part for part in name.split(".")[-2:]) or isinstance(
             _parent(model, name), (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
         return ParamRoute(name, False, "", not no_wd_flag, "convolution weight")
+    if p.ndim >= 3 and "experts" not in name:
+        return ParamRoute(name, False, "", not no_wd_flag, "n-d weight that is not a stack of expert matrices")
     if leaf in _NO_DECAY_NAMES or any(n in name for n in _NO_DECAY_NAMES):
         return ParamRoute(name, False, "", False, "special vector parameter")
     if p.shape[-2] == 1 or p.shape[-1] == 1:

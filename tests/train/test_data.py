@@ -184,9 +184,10 @@ def test_tokenizer_small_roundtrip_and_specials(tmp_path):
     tok = HFTokenizer(get_tokenizer(600, corpus=docs))
     V = 600
     assert tok.vocab_size == V
-    names = special_token_names()
+    names = special_token_names(V)
     for i, name in enumerate(names):
         assert tok.token_id(name) == V - 256 + i
+    assert names[8] == f"<|reserved_token_{V - 256 + 8}|>" and names[65] == "<osagent_mode>"
     assert (tok.bos_id, tok.eod_id, tok.eos_id, tok.pad_id, tok.unk_id) == (V - 256, V - 255, V - 254, V - 1, V - 2)
     assert tok.token_id("<|media_pad|>") == V - 256 + 21 and tok.token_id("[EOT]") == V - 256 + 9
     text = "Hello wörld — 你好! The `x**2` of 12345 is big.\n\n\tTabs  and  spaces.\r\n"
@@ -197,11 +198,20 @@ def test_tokenizer_small_roundtrip_and_specials(tmp_path):
     assert tok.token_id("<|open|>") in tok.encode(s) and tok.eod_id in tok.encode(s)
     plain = tok.encode(s, allow_special=False)
     assert max(plain) < V - 256 and tok.decode(plain) == s
-    # save / reload / cache hit
+    # save / reload / cache hit; the package's tokenizer loader reads it with the same ids
     p = tok.save(str(tmp_path / "ckpt"))
+    from k3.tokenizer import load_tokenizer
+    k3tok = load_tokenizer(str(tmp_path / "ckpt"))
+    assert (k3tok.bos_id, k3tok.eos_id, k3tok.eod_id, k3tok.pad_id) == (tok.bos_id, tok.eos_id, tok.eod_id,
+                                                                        tok.pad_id)
+    assert k3tok.encode(text) == ids and k3tok.vocab_size == V
     again = HFTokenizer(get_tokenizer(path=str(tmp_path / "ckpt")))
     assert again.encode(text) == ids and os.path.basename(p) == "tokenizer.json"
     assert HFTokenizer(get_tokenizer(600, corpus=docs)).fingerprint == tok.fingerprint
+    # a corpus too small to fill the ranks: placeholders pad the BPE part, specials stay at the top
+    small = HFTokenizer(get_tokenizer(1024, corpus=["hello hello world", "more words here"]))
+    assert small.vocab_size == 1024 and small.bos_id == 768 and small.pad_id == 1023
+    assert small.decode(small.encode("hello there")) == "hello there"
 
 
 def test_default_pipeline_tiny_vocab():

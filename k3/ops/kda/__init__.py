@@ -61,3 +61,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
               chunk_size=chunk_size)
+
+# Fused-kernel backends register themselves here; each imports its kernels lazily (CPU-only installs are fine).
+from . import fla_backend as _fla_backend  # noqa: E402
+
+_fla_backend.register()

@@ -127,13 +127,14 @@ def chunk_kda_torch(q, k, v, g, beta, scale: Optional[float] = None, initial_sta
     blocks = [gather_blocks(x, lay) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
     b_NbHC = gather_blocks(b_BTH[..., None], lay)[..., 0]
     qg, Aqk, W, U, kdec, dlast = intra_chunk(*blocks, b_NbHC, s)
-    qg_NJHCK, Aqk_NJHCC, W_NJHCK, U_NJHCV, kdec_NJHCK = (to_grid(x, lay) for x in (qg, Aqk, W, U, kdec))
-    dlast_NJHK = to_grid(dlast, lay, fill=1.0)  # absent chunks keep the state
+    # unbind (not x[:, j]) so backward stacks once instead of materialising a full-size gradient per step
+    qg_NHCK, Aqk_NHCC, W_NHCK, U_NHCV, kdec_NHCK = (to_grid(x, lay).unbind(1) for x in (qg, Aqk, W, U, kdec))
+    dlast_NHK = to_grid(dlast, lay, fill=1.0).unbind(1)  # absent chunks keep the state
 
     outs = []
     for j in range(lay.J):
-        u_NHCV = U_NJHCV[:, j] - W_NJHCK[:, j] @ S_NHKV
-        outs.append(qg_NJHCK[:, j] @ S_NHKV + Aqk_NJHCC[:, j] @ u_NHCV)
-        S_NHKV = dlast_NJHK[:, j, :, :, None] * S_NHKV + kdec_NJHCK[:, j].transpose(-1, -2) @ u_NHCV
+        u_NHCV = U_NHCV[j] - W_NHCK[j] @ S_NHKV
+        outs.append(qg_NHCK[j] @ S_NHKV + Aqk_NHCC[j] @ u_NHCV)
+        S_NHKV = dlast_NHK[j][..., None] * S_NHKV + kdec_NHCK[j].transpose(-1, -2) @ u_NHCV
     o_BTHV = scatter_tokens(torch.stack(outs, 1), lay, B, T)
     return o_BTHV.to(v.dtype), (S_NHKV if output_final_state else None)

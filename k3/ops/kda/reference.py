@@ -46,18 +46,19 @@ def recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
     if cu_seqlens is None:
         outs = []
-        for t in range(T):
-            S_NHKV, o_NHV = _step(S_NHKV, q_BTHK[:, t], k_BTHK[:, t], v_BTHV[:, t], g_BTHK[:, t], b_BTH[:, t])
+        steps = zip(*(x.unbind(1) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, b_BTH)))  # one stack in backward
+        for q_NHK, k_NHK, v_NHV, g_NHK, b_NH in steps:
+            S_NHKV, o_NHV = _step(S_NHKV, q_NHK, k_NHK, v_NHV, g_NHK, b_NH)
             outs.append(o_NHV)
         o_BTHV = torch.stack(outs, 1) if outs else v_BTHV.new_zeros(B, 0, H, V)
     else:
         lay = make_layout(B, T, cu_seqlens, 1, q.device)
         # [Nb, H, 1, D] single-token blocks -> grid [N, J, H, D] padded with zero tokens (state-preserving).
-        grid = [to_grid(gather_blocks(x, lay)[:, :, 0], lay) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
-        b_NJH = to_grid(gather_blocks(b_BTH[..., None], lay)[:, :, 0, 0], lay)
+        grid = [to_grid(gather_blocks(x, lay)[:, :, 0], lay).unbind(1) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
+        grid.append(to_grid(gather_blocks(b_BTH[..., None], lay)[:, :, 0, 0], lay).unbind(1))
         outs = []
-        for j in range(lay.J):
-            S_NHKV, o_NHV = _step(S_NHKV, grid[0][:, j], grid[1][:, j], grid[2][:, j], grid[3][:, j], b_NJH[:, j])
+        for q_NHK, k_NHK, v_NHV, g_NHK, b_NH in zip(*grid):
+            S_NHKV, o_NHV = _step(S_NHKV, q_NHK, k_NHK, v_NHV, g_NHK, b_NH)
             outs.append(o_NHV)
         if outs:
             o_BTHV = scatter_tokens(torch.stack(outs, 1)[:, :, :, None], lay, B, T)
