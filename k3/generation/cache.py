@@ -84,7 +84,7 @@ class KDALayerCache:
     @conv_state.setter
     def conv_state(self, states) -> None:
         for j, s in enumerate(states):
-            self.conv[j, self.rows].copy_(s)
+            self.conv[j, self.rows].copy_(s.detach())
 
     @property
     def recurrent_state(self) -> torch.Tensor:
@@ -92,7 +92,7 @@ class KDALayerCache:
 
     @recurrent_state.setter
     def recurrent_state(self, s: torch.Tensor) -> None:
-        self.state[self.rows].copy_(s)
+        self.state[self.rows].copy_(s.detach())
 
     def reset(self) -> None:
         self.conv[:, self.rows].zero_()
@@ -162,7 +162,7 @@ class MLALayerCache:
             raise ValueError(f"MLA cache: got a batch of {c_BTC.shape[0]} for {len(idx)} cache rows")
         ends = [self.lengths[i] + T for i in idx]
         self.reserve(max(ends))
-        new = torch.cat([c_BTC, kpe_BTR], -1).to(self.dtype)
+        new = torch.cat([c_BTC, kpe_BTR], -1).detach().to(self.dtype)
         starts = [self.lengths[i] for i in idx]
         if all(s == starts[0] for s in starts):
             self.buf[rows, starts[0]:starts[0] + T] = new

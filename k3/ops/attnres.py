@@ -7,11 +7,24 @@ streams sources one at a time; `attnres_mix_reference` is the definition, writte
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from k3.ops import f32
+from k3.ops import dispatch, f32
+
+
+def _avail(name):
+    def ok() -> bool:
+        from k3.ops import attnres_triton
+        return attnres_triton.fla_available() if name == "fla" else attnres_triton.compile_available()
+    return ok
+
+
+# "torch": the eager code below (any device); "fla" / "compile": fused CUDA paths (k3.ops.attnres_triton).
+dispatch.register("attnres", "torch", lambda: True, priority=0)
+dispatch.register("attnres", "fla", _avail("fla"), priority=10)
+dispatch.register("attnres", "compile", _avail("compile"), priority=5)
 
 
 def attnres_mix_reference(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -22,11 +35,18 @@ def attnres_mix_reference(sources: Sequence[torch.Tensor], w: torch.Tensor, eps:
     return (alpha_SN.unsqueeze(-1) * V_SNd).sum(0).to(sources[0].dtype)
 
 
-def attnres_mix(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def attnres_mix(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5,
+                backend: Optional[str] = None) -> torch.Tensor:
     if len(sources) == 0:
         raise ValueError("attnres_mix needs at least one source")
     if len(sources) == 1:  # softmax over one source is 1: the mix is the source itself
         return sources[0]
+    if sources[0].device.type == "cuda":
+        name = dispatch.resolve("attnres", backend, "cuda")
+        if name != "torch":
+            from k3.ops import attnres_triton
+            if attnres_triton.uniform(sources) and sources[0].dtype != torch.float64:
+                return attnres_triton.MIX[name](sources, w, eps)
     w32 = f32(w)
     logits = []
     for s in sources:

@@ -1,7 +1,9 @@
 """One place that chooses a backend per op family, logs the choice once, and lets users override it.
 
 Order: explicit `backend=` argument > `K3_BACKEND` env var (global, or per op: `K3_BACKEND=kda:fla,moe:torch`)
-> automatic (best available for the device). Unknown names fail with the list of known ones.
+> automatic (best available for the device). Unknown names fail with the list of known ones; a *global*
+K3_BACKEND name (no `op:`) applies only to the op families that know it (e.g. `K3_BACKEND=torch` forces the
+pure-PyTorch KDA and AttnRes paths and leaves MoE on auto).
 """
 from __future__ import annotations
 
@@ -27,14 +29,17 @@ def _env_choice(op: str) -> Optional[str]:
     env = os.environ.get("K3_BACKEND", "").strip()
     if not env:
         return None
+    glob = None
     for part in env.split(","):
         if ":" in part:
             o, n = part.split(":", 1)
             if o.strip() == op:
                 return n.strip()
-        elif part.strip():
-            return part.strip()
-    return None
+        elif part.strip() and glob is None:
+            glob = part.strip()
+    if glob is not None and glob not in _REGISTRY.get(op, {}) and glob != "auto":
+        return None  # a global choice this op family does not know: leave it on auto
+    return glob
 
 
 def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") -> str:

@@ -68,7 +68,9 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     flat_e = topk_idx_Nk.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
     tok_of_a = order // k
-    counts_E = torch.bincount(flat_e, minlength=E)
+    # counts by scatter_add: bincount's output size depends on the data (a host sync on CUDA, a graph break)
+    counts_E = torch.zeros(E, dtype=torch.int64, device=flat_e.device).scatter_add_(
+        0, flat_e, torch.ones_like(flat_e))
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
     x_Al = x_Nl.index_select(0, tok_of_a)
     h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)

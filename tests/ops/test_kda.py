@@ -1,5 +1,4 @@
 """KDA ops: chunked path vs the token-by-token reference (values, states, gradients), gate, varlen, dispatch."""
-import math
 
 import pytest
 import torch
@@ -40,6 +39,15 @@ def test_chunk_matches_recurrent_fp64(T):
     h0 = torch.randn(2, 2, 16, 8, dtype=F64)
     o1, s1, o2, s2 = both(q, k, v, g, beta, initial_state=h0)
     assert o2.dtype == F64 and s2.dtype == F64 and o2.shape == (2, T, 2, 8) and s2.shape == (2, 2, 16, 8)
+    torch.testing.assert_close(o2, o1, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s2, s1, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 32, 128])
+def test_chunk_sizes(chunk_size):
+    q, k, v, g, beta = make(T=130, seed=chunk_size)
+    o1, s1 = recurrent_kda(q, k, v, g, beta, output_final_state=True)
+    o2, s2 = chunk_kda(q, k, v, g, beta, output_final_state=True, chunk_size=chunk_size)
     torch.testing.assert_close(o2, o1, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(s2, s1, rtol=1e-10, atol=1e-10)
 

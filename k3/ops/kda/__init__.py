@@ -66,3 +66,6 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 from . import fla_backend as _fla_backend  # noqa: E402
 
 _fla_backend.register()
+from .triton import register as _register_triton  # noqa: E402
+
+_register_triton()

@@ -1,0 +1,68 @@
+"""torch.compile for K3 models: `compile_model(model)` compiles each decoder layer (default) or the whole model.
+
+Notable:
+- The fused kernels (fla KDA, fla AttnRes) are opaque to Dynamo (`torch.compiler.disable`), so each KDA layer
+  is compiled as a few graphs around the kernel call; Inductor fuses the element-wise work between them
+  (RMSNorms, SiTU-GLU, the gates, casts, the short convs' activation).
+- All layers of one type share code, and Dynamo specialises on each layer's constants (layer index, number of
+  AttnRes sources), so the per-code recompile limit is raised to cover every layer.
+- `explain(model, ...)` runs torch._dynamo.explain on one call and returns the graph/graph-break counts and
+  reasons, for reports (benchmarks/gpu_model.py prints them).
+Whether compiling pays off is measured in benchmarks/gpu_model.py (see docs/performance.md); the training
+entry points call `compile_model` only when asked.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger("k3")
+
+
+def _raise_limits(n: int) -> None:
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), n))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 8 * n)
+    elif hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 8 * n)
+
+
+def compile_model(model, mode: str = "layers", dynamic: bool = False, fullgraph: bool = False, **kw):
+    """Compile `model` (a K3ForCausalLM) in place and return it.
+
+    mode="layers": each decoder layer (and the final norm) separately: short compile, works with activation
+    checkpointing. mode="model": the whole K3ForCausalLM forward. Extra keyword arguments go to torch.compile
+    (e.g. options={"max_autotune": True}).
+    """
+    layers = model.model.layers
+    _raise_limits(2 * len(layers) + 8)
+    if mode == "layers":
+        for layer in layers:
+            layer.compile(dynamic=dynamic, fullgraph=fullgraph, **kw)
+        model.model.norm.compile(dynamic=dynamic, **kw)
+    elif mode == "model":
+        model.compile(dynamic=dynamic, fullgraph=fullgraph, **kw)
+    else:
+        raise ValueError(f"compile_model: mode must be 'layers' or 'model', got {mode!r}")
+    log.info("k3: compiled %s (mode=%s)", type(model).__name__, mode)
+    return model
+
+
+def explain(fn, *args, **kwargs) -> dict:
+    """Graph count, graph-break count and break reasons for one call of fn(*args, **kwargs)."""
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(fn)(*args, **kwargs)
+    reasons = []
+    for b in getattr(ex, "break_reasons", []):
+        r = getattr(b, "reason", str(b))
+        where = ""
+        st = getattr(b, "user_stack", None)
+        if st:
+            fr = st[-1]
+            where = f" @ {fr.filename.split('/k3/')[-1]}:{fr.lineno}"
+        reasons.append(f"{r}{where}")
+    return {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count, "reasons": reasons}

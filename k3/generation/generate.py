@@ -1,0 +1,389 @@
+"""Autoregressive generation with the hybrid cache: prefill (chunked, per row for ragged batches), then batched
+decode one token per step (absorbed MLA + recurrent KDA), sampling on fp32 last-position logits.
+
+Ragged batches never pad the recurrent state: prompts of equal length are prefilled together, otherwise each
+prompt is prefilled alone into its own cache row (`K3Cache.rows(i)`); decode then runs the whole batch, each MLA
+row attending only to its own cached tokens. Nothing is position dependent (KDA + NoPE MLA), so any length works.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from k3.errors import RequestError
+from k3.generation.cache import K3Cache
+from k3.generation.sampling import SamplingParams, select_next
+
+__all__ = ["generate", "stream_generate", "GenerationOutput", "GenerationEvent", "prefill", "generate_text",
+           "stream_text", "chat", "stream_chat", "TextStreamer"]
+
+Cancel = Union[threading.Event, Callable[[], bool], None]
+
+
+@dataclass
+class GenerationOutput:
+    sequences: torch.Tensor                     # [B, max(prompt+new)] int64, right-padded with pad_token_id
+    prompt_lengths: List[int]
+    new_tokens: List[List[int]]
+    finish_reasons: List[str]                   # "stop_token" | "stop_string" | "length" | "cancelled"
+    texts: Optional[List[str]] = None           # generated text (stop string cut off) when a tokenizer was given
+
+
+@dataclass
+class GenerationEvent:
+    """One decode step: tokens[i] is the new id of row i, or None if row i had already finished."""
+    step: int
+    tokens: List[Optional[int]]
+    finished: List[bool] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+def _as_prompts(input_ids, lengths=None) -> List[List[int]]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        if input_ids.dim() != 2:
+            raise RequestError(f"input_ids must be [B, T], got shape {tuple(input_ids.shape)}")
+        rows = input_ids.tolist()
+        if lengths is not None:
+            lengths = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+            if len(lengths) != len(rows):
+                raise RequestError(f"lengths has {len(lengths)} entries for a batch of {len(rows)}")
+            rows = [r[:n] for r, n in zip(rows, lengths)]
+    elif isinstance(input_ids, Sequence) and input_ids and all(isinstance(x, int) for x in input_ids):
+        rows = [list(input_ids)]
+    elif isinstance(input_ids, Sequence):
+        rows = [list(map(int, r)) for r in input_ids]
+        if lengths is not None:
+            rows = [r[:int(n)] for r, n in zip(rows, lengths)]
+    else:
+        raise RequestError(f"input_ids must be a LongTensor or a list of token-id lists, got {type(input_ids)}")
+    if not rows or any(len(r) == 0 for r in rows):
+        raise RequestError("every prompt needs at least one token")
+    return rows
+
+
+def _cancelled(cancel: Cancel) -> bool:
+    if cancel is None:
+        return False
+    if hasattr(cancel, "is_set"):
+        return bool(cancel.is_set())
+    return bool(cancel())
+
+
+# ---------------------------------------------------------------------------------------------------- prefill
+def _chunks(n: int, chunk: Optional[int]):
+    c = n if not chunk or chunk <= 0 else int(chunk)
+    return [(s, min(n, s + c)) for s in range(0, n, c)]
+
+
+@torch.inference_mode()
+def prefill(model, cache: K3Cache, prompts: List[List[int]], chunk_size: Optional[int] = None,
+            cancel: Cancel = None) -> Optional[torch.Tensor]:
+    """Feed each prompt into its cache row (chunked); return fp32 logits [B, V] of each prompt's last token
+    (None if cancelled). Equal-length prompts are fed as one batch, ragged ones row by row."""
+    dev = model.device
+    B = len(prompts)
+    if B != cache.batch_size:
+        raise RequestError(f"cache holds {cache.batch_size} rows, got {B} prompts")
+    groups = [list(range(B))] if len({len(p) for p in prompts}) == 1 else [[i] for i in range(B)]
+    last = [None] * B
+    for rows in groups:
+        view = cache.rows(slice(rows[0], rows[-1] + 1))
+        ids = torch.tensor([prompts[i] for i in rows], dtype=torch.long, device=dev)
+        for s, e in _chunks(ids.shape[1], chunk_size):
+            if _cancelled(cancel):
+                return None
+            logits = model(ids[:, s:e], cache=view, logits_to_keep=1).logits
+            view.advance(e - s)
+        for j, i in enumerate(rows):
+            last[i] = logits[j, -1].float()
+    return torch.stack(last)
+
+
+# ---------------------------------------------------------------------------------------------------- core
+def _decode(tokenizer, ids) -> str:
+    """Decode generated ids, skipping specials and ids beyond the tokenizer (a model vocab padded past it)."""
+    n = tokenizer.vocab_size
+    return tokenizer.decode([i for i in ids if i < n], skip_special=True)
+
+
+class _StopStrings:
+    def __init__(self, tokenizer, stop_strings):
+        self.tok = tokenizer
+        self.strings = [s for s in (stop_strings or []) if s]
+        if self.strings and tokenizer is None:
+            raise RequestError("stop_strings need a tokenizer")
+
+    def find(self, ids: List[int]) -> int:
+        """Index in the decoded text where the first stop string starts, or -1."""
+        if not self.strings:
+            return -1
+        text = _decode(self.tok, ids)
+        hits = [text.find(s) for s in self.strings]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else -1
+
+
+def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, stop_ids, stops: _StopStrings,
+            generator, prefill_chunk_size, cancel, state: dict) -> Iterator[GenerationEvent]:
+    dev = model.device
+    B = len(prompts)
+    V = model.config.vocab_size
+    gen = [[] for _ in range(B)]
+    reasons: List[Optional[str]] = [None] * B
+    state.update(new_tokens=gen, finish_reasons=reasons, text_cut=[-1] * B)
+    if max_new_tokens <= 0:
+        state["finish_reasons"][:] = ["length"] * B
+        return
+    seen = None
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        for i, p in enumerate(prompts):
+            seen[i, torch.tensor(p, device=dev)] = True
+    stop_set = set(stop_ids)
+    cache = None
+    with torch.inference_mode():
+        if use_cache:
+            cache = K3Cache.for_model(model, B, max_length=max(len(p) for p in prompts) + max_new_tokens)
+            logits = prefill(model, cache, prompts, prefill_chunk_size, cancel)
+        else:
+            logits = None if _cancelled(cancel) else _full_logits(model, prompts, list(range(B)))
+    for step in range(max_new_tokens):
+        if logits is None or _cancelled(cancel):
+            for i in range(B):
+                reasons[i] = reasons[i] or "cancelled"
+            return
+        with torch.inference_mode():
+            nxt = select_next(logits, params, seen, generator).tolist()
+        toks: List[Optional[int]] = [None] * B
+        for i in range(B):
+            if reasons[i] is not None:
+                continue
+            t = int(nxt[i])
+            gen[i].append(t)
+            toks[i] = t
+            if seen is not None:
+                seen[i, t] = True
+            if t in stop_set:
+                reasons[i] = "stop_token"
+            else:
+                cut = stops.find(gen[i])
+                if cut >= 0:
+                    reasons[i] = "stop_string"
+                    state["text_cut"][i] = cut
+                elif len(gen[i]) >= max_new_tokens:
+                    reasons[i] = "length"
+        yield GenerationEvent(step, toks, [r is not None for r in reasons])
+        if all(r is not None for r in reasons):
+            return
+        with torch.inference_mode():
+            if use_cache:
+                feed = torch.tensor([[gen[i][-1]] for i in range(B)], dtype=torch.long, device=dev)
+                logits = model(feed, cache=cache, logits_to_keep=1).logits[:, -1].float()
+                cache.advance(1)
+            else:
+                active = [i for i in range(B) if reasons[i] is None]
+                sub = _full_logits(model, [prompts[i] + gen[i] for i in active], active)
+                logits = torch.zeros(B, sub.shape[-1], device=dev)
+                logits[active] = sub
+
+
+def _full_logits(model, seqs, rows) -> torch.Tensor:
+    """No-cache path: a full forward per sequence (no padding), logits of the last position."""
+    out = [model(torch.tensor([s], dtype=torch.long, device=model.device), logits_to_keep=1).logits[0, -1].float()
+           for s in seqs]
+    return torch.stack(out)
+
+
+def _setup(model, input_ids, lengths, tokenizer, stop_token_ids, stop_strings, seed, generator, sampling):
+    prompts = _as_prompts(input_ids, lengths)
+    V = model.config.vocab_size
+    for p in prompts:
+        if min(p) < 0 or max(p) >= V:
+            raise RequestError(f"prompt token ids must be in [0, {V})")
+    params = SamplingParams(**sampling)
+    params.validate()
+    if stop_token_ids is None:
+        stop_token_ids = list(tokenizer.stop_ids) if tokenizer is not None else [model.config.eos_token_id]
+    elif isinstance(stop_token_ids, int):
+        stop_token_ids = [stop_token_ids]
+    if isinstance(stop_strings, str):
+        stop_strings = [stop_strings]
+    stops = _StopStrings(tokenizer, stop_strings)
+    if generator is None and seed is not None:
+        generator = torch.Generator(device=model.device).manual_seed(int(seed))
+    return prompts, params, list(stop_token_ids), stops, generator
+
+
+_SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def _split_kw(kw):
+    sampling = {k: kw.pop(k) for k in _SAMPLING_KEYS if k in kw}
+    if kw:
+        raise TypeError(f"unexpected generation arguments: {', '.join(sorted(kw))}")
+    return sampling
+
+
+def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True, *, tokenizer=None,
+                    stop_token_ids=None, stop_strings=None, seed: Optional[int] = None,
+                    generator: Optional[torch.Generator] = None, lengths=None,
+                    prefill_chunk_size: Optional[int] = 2048, cancel: Cancel = None, output: str = "ids",
+                    _state: Optional[dict] = None, **sampling_kw):
+    """Yield generated tokens as they are produced.
+
+    output="ids": for one prompt yields each new token id (int); for a batch yields a list with the new id of
+    every row (None for rows that already finished). output="text" (needs `tokenizer`, one prompt): yields
+    decoded text chunks (held back while a multi-byte character is incomplete; special tokens skipped; a stop
+    string and what follows it are not yielded). output="events": GenerationEvent objects.
+    Sampling keywords: do_sample, temperature, top_k, top_p, repetition_penalty (see generate)."""
+    sampling = _split_kw(dict(sampling_kw))
+    prompts, params, stop_ids, stops, gen = _setup(model, input_ids, lengths, tokenizer, stop_token_ids,
+                                                   stop_strings, seed, generator, sampling)
+    state = _state if _state is not None else {}
+    state["prompts"] = prompts
+    events = _events(model, prompts, int(max_new_tokens), use_cache, params, stop_ids, stops, gen,
+                     prefill_chunk_size, cancel, state)
+    if output == "events":
+        yield from events
+    elif output == "ids":
+        single = len(prompts) == 1
+        for ev in events:
+            yield ev.tokens[0] if single else ev.tokens
+    elif output == "text":
+        if tokenizer is None or len(prompts) != 1:
+            raise RequestError("output='text' needs a tokenizer and a single prompt")
+        ts = TextStreamer(tokenizer)
+        for ev in events:
+            cut = state["text_cut"][0]
+            chunk = ts.push(state["new_tokens"][0], cut)
+            if chunk:
+                yield chunk
+        chunk = ts.flush(state["new_tokens"][0], state["text_cut"][0])
+        if chunk:
+            yield chunk
+    else:
+        raise RequestError(f"output must be ids/text/events, got {output!r}")
+
+
+class TextStreamer:
+    """Incremental detokenisation: text of all ids so far, minus what was already emitted."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.emitted = tokenizer, 0
+
+    def _text(self, ids, cut):
+        text = _decode(self.tok, ids)
+        return text[:cut] if cut >= 0 else text
+
+    def push(self, ids, cut: int = -1) -> str:
+        text = self._text(ids, cut)
+        if cut < 0:
+            if text.endswith("\ufffd"):       # incomplete UTF-8 sequence: wait for more bytes
+                return ""
+        new = text[self.emitted:]
+        self.emitted = len(text)
+        return new
+
+    def flush(self, ids, cut: int = -1) -> str:
+        text = self._text(ids, cut)
+        new = text[self.emitted:]
+        self.emitted = len(text)
+        return new
+
+
+def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True, *, tokenizer=None,
+             stop_token_ids=None, stop_strings=None, seed: Optional[int] = None,
+             generator: Optional[torch.Generator] = None, lengths=None, prefill_chunk_size: Optional[int] = 2048,
+             cancel: Cancel = None, pad_token_id: Optional[int] = None, return_dict: bool = False,
+             **sampling_kw):
+    """Generate up to `max_new_tokens` tokens per prompt; returns the prompt + new tokens as a LongTensor
+    [B, max length] (right-padded with pad_token_id, default config.pad_token_id), or a GenerationOutput with
+    return_dict=True.
+
+    input_ids: LongTensor [B, T] (with `lengths` for right-padded ragged prompts) or [T], or a list of token-id
+    lists. Greedy unless do_sample=True; sampling keywords: temperature, top_k (0 = off), top_p (1 = off),
+    repetition_penalty (1 = off); seed / generator make sampling reproducible. Stops per row at any of
+    stop_token_ids (default: the tokenizer's stop ids, else config.eos_token_id; the stop token is kept) or when
+    the decoded text contains one of stop_strings (needs tokenizer). prefill_chunk_size: prompt tokens per
+    forward during prefill (None = one shot). cancel: threading.Event or callable checked every step.
+    use_cache=False recomputes the full forward every step (reference path)."""
+    state: dict = {}
+    for _ in stream_generate(model, input_ids, max_new_tokens, use_cache, tokenizer=tokenizer,
+                             stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed,
+                             generator=generator, lengths=lengths, prefill_chunk_size=prefill_chunk_size,
+                             cancel=cancel, output="events", _state=state, **sampling_kw):
+        pass
+    prompts, new = state["prompts"], state.get("new_tokens", [[] for _ in state["prompts"]])
+    reasons = [r or "cancelled" for r in state.get("finish_reasons", ["cancelled"] * len(prompts))]
+    pad = model.config.pad_token_id if pad_token_id is None else int(pad_token_id)
+    full = [p + n for p, n in zip(prompts, new)]
+    L = max(len(s) for s in full)
+    seq = torch.full((len(full), L), pad, dtype=torch.long)
+    for i, s in enumerate(full):
+        seq[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    seq = seq.to(model.device)
+    if not return_dict:
+        return seq
+    texts = None
+    if tokenizer is not None:
+        texts = []
+        for i, n in enumerate(new):
+            t = _decode(tokenizer, n)
+            cut = state["text_cut"][i]
+            texts.append(t[:cut] if cut >= 0 else t)
+    return GenerationOutput(seq, [len(p) for p in prompts], new, reasons, texts)
+
+
+# ---------------------------------------------------------------------------------------------------- text
+def _encode(tokenizer, prompt: str) -> List[int]:
+    return tokenizer.encode(prompt)
+
+
+def generate_text(model, tokenizer, prompt: Union[str, List[str]], max_new_tokens: int = 64, **kw):
+    """Text in, generated text out (a str, or a list for a list of prompts)."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    out = generate(model, [_encode(tokenizer, p) for p in prompts], max_new_tokens, tokenizer=tokenizer,
+                   return_dict=True, **kw)
+    return out.texts[0] if isinstance(prompt, str) else out.texts
+
+
+def stream_text(model, tokenizer, prompt: str, max_new_tokens: int = 64, **kw) -> Iterator[str]:
+    """Text in, text chunks out as they are generated."""
+    yield from stream_generate(model, [_encode(tokenizer, prompt)], max_new_tokens, tokenizer=tokenizer,
+                               output="text", **kw)
+
+
+def _chat_ids(tokenizer, messages, thinking: bool, **render_kw) -> List[int]:
+    from k3.chat import K3ChatFormat
+    return K3ChatFormat(tokenizer).render(messages, thinking=thinking, add_generation_prompt=True, **render_kw)
+
+
+def stream_chat(model, tokenizer, messages, max_new_tokens: int = 512, thinking: bool = False,
+                render_kw: Optional[dict] = None, _state: Optional[dict] = None, **kw) -> Iterator[str]:
+    """Render `messages` in the K3 chat format, generate the assistant turn (stops at <|end_of_msg|>) and yield
+    its text chunks (structural tags such as <|close|>response<|sep|> are special ids and are skipped)."""
+    ids = _chat_ids(tokenizer, messages, thinking, **(render_kw or {}))
+    kw.setdefault("stop_token_ids", [tokenizer.eos_id])
+    yield from stream_generate(model, [ids], max_new_tokens, tokenizer=tokenizer, output="text", _state=_state,
+                               **kw)
+
+
+def chat(model, tokenizer, messages, max_new_tokens: int = 512, thinking: bool = False,
+         render_kw: Optional[dict] = None, **kw) -> dict:
+    """One assistant turn: {"ids": generated ids, "text": raw text, "message": parsed assistant message or None,
+    "finish_reason": ...}. Generation stops at the end-of-message token."""
+    from k3.chat import parse_assistant
+    ids = _chat_ids(tokenizer, messages, thinking, **(render_kw or {}))
+    kw.setdefault("stop_token_ids", [tokenizer.eos_id])
+    out = generate(model, [ids], max_new_tokens, tokenizer=tokenizer, return_dict=True, **kw)
+    new = out.new_tokens[0]
+    try:
+        msg = parse_assistant(new, tokenizer=tokenizer, thinking=thinking)
+    except Exception:  # an untrained model need not produce a parsable turn
+        msg = None
+    return dict(ids=new, text=out.texts[0], message=msg, finish_reason=out.finish_reasons[0])

@@ -1,0 +1,82 @@
+"""CUDA backends of AttnRes mixing (dispatch op "attnres"): one fused pass over the depth sources, fp32 math.
+
+- "fla": flash-linear-attention's Triton `fused_attnres` (forward and backward kernels). Our mix
+  softmax_s(<V_s / rms(V_s), w>) is fla's with query = w, rms_weight = 1, scale = 1; it reads each source once
+  (and once more in backward) and writes the mix once, so it runs near the copy bandwidth.
+- "compile": the eager fp32 formula of k3.ops.attnres under torch.compile (Inductor fuses it into a few kernels);
+  for CUDA machines without fla.
+Both need every source in one dtype and shape (the model's are); otherwise the eager path runs.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from typing import Sequence
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_attnres():
+    if importlib.util.find_spec("fla") is None:
+        return None
+    try:
+        from fla.ops.attnres import fused_attnres
+    except Exception:
+        return None
+    return fused_attnres
+
+
+def fla_available() -> bool:
+    return torch.cuda.is_available() and _fla_attnres() is not None
+
+
+def compile_available() -> bool:
+    return torch.cuda.is_available()
+
+
+_ONES: dict = {}
+
+
+def _ones(d: int, device) -> torch.Tensor:
+    key = (d, str(device))
+    t = _ONES.get(key)
+    if t is None:
+        t = _ONES[key] = torch.ones(d, device=device, dtype=torch.float32)
+    return t
+
+
+@torch.compiler.disable
+def mix_fla(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    fused = _fla_attnres()
+    d = sources[0].shape[-1]
+    return fused(w.float(), list(sources), _ones(d, w.device), rms_eps=eps, scale=1.0)
+
+
+def _mix_eager(sources, w, eps):
+    w32 = w.float()
+    logits = torch.stack([torch.rsqrt(s.float().pow(2).mean(-1) + eps) * (s.float() @ w32) for s in sources], 0)
+    alpha = torch.softmax(logits, dim=0)
+    out = alpha[0].unsqueeze(-1) * sources[0].float()
+    for i in range(1, len(sources)):
+        out = out + alpha[i].unsqueeze(-1) * sources[i].float()
+    return out.to(sources[0].dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    return torch.compile(_mix_eager, dynamic=False)
+
+
+def mix_compile(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # already inside a compiled region: let the outer graph fuse it
+        return _mix_eager(sources, w, eps)
+    return _compiled()(list(sources), w, eps)
+
+
+def uniform(sources: Sequence[torch.Tensor]) -> bool:
+    s0 = sources[0]
+    return all(s.dtype == s0.dtype and s.shape == s0.shape and s.device == s0.device for s in sources)
+
+
+MIX = {"fla": mix_fla, "compile": mix_compile}

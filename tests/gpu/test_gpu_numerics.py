@@ -1,0 +1,235 @@
+"""GPU paths vs the fp32 CPU reference, within bf16 tolerances (outputs and gradients). Skipped without CUDA.
+
+Errors are relative Frobenius norms ||gpu - ref|| / ||ref||; bf16 operands land around 1e-3..1e-2. Each test
+prints its errors (run with -s to see them; benchmarks/RESULTS.md quotes them).
+"""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "non-finite values in the GPU result"
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def report(name, **errs):
+    print(f"[gpu-numerics] {name}: " + ", ".join(f"{k}={v:.2e}" for k, v in errs.items()), flush=True)
+
+
+def leaf(x, dev, dtype=None):
+    return x.detach().to(dev, dtype or x.dtype).requires_grad_()
+
+
+# ---------------------------------------------------------------------------------------------------- KDA
+def kda_inputs(B, T, H, K, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)
+    q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
+    f = r(B, T, H, K)
+    beta = torch.rand(B, T, H, generator=g)
+    A_log = torch.rand(H, generator=g) * 1.5
+    dt_bias = r(H * K) * 0.5
+    return q, k, v, f, beta, A_log, dt_bias
+
+
+def _kda_run(backend, dev, dtype, q, k, v, f, beta, A_log, dt_bias, h0=None, cu=None, grad=True):
+    from k3.ops.kda import chunk_kda
+    xs = [leaf(t, dev, dtype) for t in (q, k, v, f)] + [leaf(beta, dev, torch.float32)]
+    ps = [leaf(A_log, dev, torch.float32), leaf(dt_bias, dev, torch.float32)]
+    o, S = chunk_kda(*xs, scale=q.shape[-1] ** -0.5, initial_state=None if h0 is None else h0.to(dev),
+                     output_final_state=True, cu_seqlens=None if cu is None else cu.to(dev),
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=ps[0], dt_bias=ps[1],
+                     lower_bound=-5.0, backend=backend)
+    grads = None
+    if grad:
+        do = torch.randn(o.shape, generator=torch.Generator().manual_seed(99)).to(dev, o.dtype)
+        dS = torch.randn(S.shape, generator=torch.Generator().manual_seed(98)).to(dev, S.dtype)
+        ((o.float() * do.float()).sum() + (S * dS).sum()).backward()
+        grads = [t.grad for t in xs + ps]
+    return o, S, grads
+
+
+needs_fla = pytest.mark.skipif(
+    not (torch.cuda.is_available() and __import__("k3.ops.kda.fla_backend", fromlist=["x"]).available()),
+    reason="needs fla")
+
+
+@needs_fla
+@pytest.mark.parametrize("T", [64, 300])
+def test_kda_fla_vs_cpu_reference(T):
+    B, H, K, V = 2, 4, 128, 128
+    q, k, v, f, beta, A_log, dt_bias = kda_inputs(B, T, H, K, V, seed=T)
+    h0 = torch.randn(B, H, K, V) * 0.1
+    o_r, S_r, g_r = _kda_run("torch", "cpu", torch.float32, q, k, v, f, beta, A_log, dt_bias, h0)
+    o_g, S_g, g_g = _kda_run("fla", DEV, BF, q, k, v, f, beta, A_log, dt_bias, h0)
+    assert o_g.dtype == BF and S_g.dtype == torch.float32
+    errs = dict(o=rel(o_g, o_r), S=rel(S_g, S_r))
+    for n, a, b in zip(["dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias"], g_g, g_r):
+        errs[n] = rel(a, b)
+    report(f"kda fla T={T}", **errs)
+    assert errs["o"] < 2e-2 and errs["S"] < 2e-2
+    assert all(errs[n] < 5e-2 for n in ("dq", "dk", "dv", "df", "dbeta", "dA_log", "ddt_bias")), errs
+
+
+@needs_fla
+def test_kda_fla_varlen_and_decode():
+    H, K, V = 4, 64, 64
+    lens = [37, 128, 5, 200]
+    T = sum(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    q, k, v, f, beta, A_log, dt_bias = kda_inputs(1, T, H, K, V, seed=7)
+    h0 = torch.randn(len(lens), H, K, V) * 0.1
+    o_r, S_r, g_r = _kda_run("torch", "cpu", torch.float32, q, k, v, f, beta, A_log, dt_bias, h0, cu)
+    o_g, S_g, g_g = _kda_run("fla", DEV, BF, q, k, v, f, beta, A_log, dt_bias, h0, cu)
+    errs = dict(o=rel(o_g, o_r), S=rel(S_g, S_r), dq=rel(g_g[0], g_r[0]), dv=rel(g_g[2], g_r[2]))
+    report("kda fla varlen", **errs)
+    assert errs["o"] < 2e-2 and errs["S"] < 2e-2 and errs["dq"] < 5e-2 and errs["dv"] < 5e-2
+    # decode: one token per sequence from a carried state -> fused_recurrent_kda, no grad
+    q1, k1, v1, f1, b1, _, _ = kda_inputs(3, 1, H, K, V, seed=8)
+    S0 = torch.randn(3, H, K, V) * 0.3
+    with torch.no_grad():
+        o_r, S_r, _ = _kda_run("torch", "cpu", torch.float32, q1, k1, v1, f1, b1, A_log, dt_bias, S0, grad=False)
+        o_g, S_g, _ = _kda_run("fla", DEV, BF, q1, k1, v1, f1, b1, A_log, dt_bias, S0, grad=False)
+    errs = dict(o=rel(o_g, o_r), S=rel(S_g, S_r))
+    report("kda fla decode", **errs)
+    assert errs["o"] < 2e-2 and errs["S"] < 1e-2
+
+
+def test_kda_dispatch_picks_fla_on_cuda():
+    from k3.ops import dispatch
+    from k3.ops.kda import fla_backend
+    expected = "fla" if fla_backend.available() else "torch"
+    assert dispatch.resolve("kda", None, "cuda") == expected
+    assert dispatch.resolve("kda", None, "cpu") == "torch"
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("case", ["dense", "varlen", "offset", "decode"])
+def test_attention_flash_vs_reference(case):
+    from k3.ops.attention import attention_reference, causal_attention
+    H, Dq, Dv = 4, 96, 64
+    g = torch.Generator().manual_seed(1)
+    B, Tq, Tk = (2, 333, 333) if case == "dense" else (1, 500, 500) if case == "varlen" else \
+        (2, 100, 300) if case == "offset" else (2, 1, 300)
+    q, k, v = (torch.randn(B, Tq, H, Dq, generator=g), torch.randn(B, Tk, H, Dq, generator=g),
+               torch.randn(B, Tk, H, Dv, generator=g))
+    cu = torch.tensor([0, 17, 200, 201, 500], dtype=torch.int32) if case == "varlen" else None
+    off = Tk - Tq
+    scale = Dq ** -0.5
+    qg, kg, vg = leaf(q, DEV, BF), leaf(k, DEV, BF), leaf(v, DEV, BF)
+    o_g, _ = causal_attention(qg, kg, vg, scale, cu_seqlens=None if cu is None else cu.to(DEV), q_offset=off,
+                              backend="flash")
+    # reference: fp64 on CPU over the full context, keep the last Tq queries
+    qc, kc, vc = leaf(q.double(), "cpu"), leaf(k.double(), "cpu"), leaf(v.double(), "cpu")
+    if off:
+        qfull = torch.cat([torch.zeros(B, off, H, Dq, dtype=torch.float64), qc], 1)
+        o_r = attention_reference(qfull, kc, vc, scale)[:, off:]
+    else:
+        o_r = attention_reference(qc, kc, vc, scale, cu)
+    do = torch.randn(o_r.shape, generator=g)
+    (o_g.float() * do.to(DEV)).sum().backward()
+    (o_r * do.double()).sum().backward()
+    errs = dict(o=rel(o_g, o_r), dq=rel(qg.grad, qc.grad), dk=rel(kg.grad, kc.grad), dv=rel(vg.grad, vc.grad))
+    report(f"attention flash {case}", **errs)
+    assert all(e < 2e-2 for e in errs.values()), errs
+
+
+# ---------------------------------------------------------------------------------------------------- AttnRes
+@pytest.mark.parametrize("backend", ["fla", "compile"])
+def test_attnres_fused_vs_reference(backend):
+    from k3.ops import dispatch
+    from k3.ops.attnres import attnres_mix, attnres_mix_reference
+    avail = dispatch._REGISTRY["attnres"][backend][0]()
+    if not avail:
+        pytest.skip(f"attnres backend {backend} not available")
+    g = torch.Generator().manual_seed(2)
+    S, N, d = 5, 777, 512
+    srcs = [torch.randn(N, d, generator=g) * (1 + i) for i in range(S)]
+    w = torch.randn(d, generator=g) * 0.1
+    for dtype, tol in ((torch.float32, 1e-4), (BF, 2e-2)):
+        sg = [leaf(s, DEV, dtype) for s in srcs]
+        wg = leaf(w, DEV, torch.float32)
+        sc = [leaf(s.to(dtype).float(), "cpu") for s in srcs]
+        wc = leaf(w, "cpu")
+        o_g = attnres_mix(sg, wg, 1e-5, backend=backend)
+        o_r = attnres_mix_reference(sc, wc, 1e-5)
+        assert o_g.dtype == dtype
+        do = torch.randn(N, d, generator=g)
+        (o_g.float() * do.to(DEV)).sum().backward()
+        (o_r * do).sum().backward()
+        errs = dict(o=rel(o_g, o_r), dw=rel(wg.grad, wc.grad),
+                    dsrc=max(rel(a.grad, b.grad) for a, b in zip(sg, sc)))
+        report(f"attnres {backend} {dtype}", **errs)
+        assert errs["o"] < tol and errs["dsrc"] < max(tol, 1e-3) * 5 and errs["dw"] < max(tol, 1e-3) * 5, errs
+
+
+# ---------------------------------------------------------------------------------------------------- MoE
+def test_experts_grouped_mm_bf16_vs_cpu():
+    from k3.ops.activations import situ_glu
+    from k3.ops.moe import experts_forward, route
+    g = torch.Generator().manual_seed(3)
+    N, d, E, k, l, M = 1000, 256, 16, 4, 128, 64
+    x = torch.randn(N, l, generator=g)
+    rw = torch.randn(E, l, generator=g) * 0.1
+    idx, w, _ = route(x, rw, None, k)
+    gu = torch.randn(E, l, 2 * M, generator=g) * l ** -0.5
+    dn = torch.randn(E, M, l, generator=g) * M ** -0.5
+    xg, gug, dng = leaf(x, DEV, BF), leaf(gu, DEV, BF), leaf(dn, DEV, BF)
+    xc, guc, dnc = leaf(x, "cpu"), leaf(gu, "cpu"), leaf(dn, "cpu")
+    o_g = experts_forward(xg, idx.to(DEV), w.to(DEV), gug, dng, situ_glu, backend="grouped_mm")
+    o_r = experts_forward(xc, idx, w, guc, dnc, situ_glu, backend="grouped_mm")
+    do = torch.randn(N, l, generator=g)
+    (o_g.float() * do.to(DEV)).sum().backward()
+    (o_r * do).sum().backward()
+    errs = dict(o=rel(o_g, o_r), dx=rel(xg.grad, xc.grad), dgu=rel(gug.grad, guc.grad), ddn=rel(dng.grad, dnc.grad))
+    report("experts grouped_mm bf16", **errs)
+    assert all(e < 2e-2 for e in errs.values()), errs
+
+
+# ---------------------------------------------------------------------------------------------------- model
+@pytest.mark.parametrize("packed", [False, True])
+def test_tiny_model_cuda_vs_cpu(packed):
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(0)
+    cfg = K3Config.from_preset("tiny")
+    m_cpu = K3ForCausalLM(cfg).float()
+    with torch.no_grad():  # non-zero pseudo-queries so the AttnRes mixes are not uniform
+        for n, p in m_cpu.named_parameters():
+            if n.endswith("_res_proj.weight"):
+                p.normal_(0, 0.05)
+    m_gpu = K3ForCausalLM(cfg, init=False).float().to(DEV)
+    m_gpu.load_state_dict(m_cpu.state_dict())
+    g = torch.Generator().manual_seed(4)
+    B, T = (1, 384) if packed else (2, 192)
+    ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
+    cu = torch.tensor([0, 100, 101, 300, 384], dtype=torch.int32) if packed else None
+    out_c = m_cpu(ids, labels=labels, cu_seqlens=cu, return_logits=True)
+    out_c.loss.backward()
+    with torch.autocast("cuda", dtype=BF):
+        out_g = m_gpu(ids.to(DEV), labels=labels.to(DEV), cu_seqlens=None if cu is None else cu.to(DEV),
+                      return_logits=True)
+    out_g.loss.backward()
+    errs = dict(logits=rel(out_g.logits.float(), out_c.logits),
+                loss=abs(out_g.loss.item() - out_c.loss.item()) / abs(out_c.loss.item()))
+    gc = dict(m_cpu.named_parameters())
+    gerr = {}
+    for n, p in m_gpu.named_parameters():
+        if p.grad is not None and gc[n].grad is not None and gc[n].grad.norm() > 0:
+            gerr[n] = rel(p.grad, gc[n].grad)
+    errs["grad_median"] = sorted(gerr.values())[len(gerr) // 2]
+    errs["grad_max"] = max(gerr.values())
+    worst = max(gerr, key=gerr.get)
+    report(f"tiny model cuda(bf16 autocast) vs cpu fp32 packed={packed} (worst grad: {worst})", **errs)
+    assert errs["logits"] < 3e-2 and errs["loss"] < 1e-2 and errs["grad_median"] < 5e-2, errs
