@@ -13,3 +13,9 @@ def __getattr__(name):  # lazy: keep `import k3` light
         from k3.generation import generate
         return generate
     raise AttributeError(name)
+
+
+def compile_model(model, mode: str = "modules", **kw):
+    """torch.compile a K3ForCausalLM in place (see k3.compile)."""
+    from k3.compile import compile_model as _cm
+    return _cm(model, mode=mode, **kw)

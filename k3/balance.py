@@ -6,18 +6,25 @@ about ``k·T/n`` of the ``T`` tokens of a step.
 
 Quantile Balancing (QB), closed form per step:
 
-* route with the current bias; the cutoff of token i is ``α_i`` = the (k+1)-th largest value of ``s_i + b``
-  (computed *with* the current bias, so the update is a fixed-point iteration in the bias, not a one-shot
-  estimate that ignores the other experts' biases);
-* margin ``m_ij = s_ij − α_i``: expert j would win token i's last slot iff ``b_j > −m_ij``;
+* route with the current bias, i.e. take the top-(k+1) of ``s_i + b`` **including** the current bias: the
+  (k+1)-th value is token i's cutoff ``α_i``, the k-th value ``β_i``. Using the biased cutoffs makes the update a
+  fixed-point iteration in ``b`` (cutoffs from unbiased scores would give a one-shot estimate that ignores the
+  other experts' biases and does not converge to balance);
+* margin ``m_ij = s_ij − θ_ij`` with ``θ_ij`` the k-th largest biased score among the *other* experts:
+  ``θ_ij = α_i`` if j is currently selected, ``β_i`` if not. Then j is selected for token i iff ``b_j > −m_ij``
+  (others fixed), so the count of margins above ``−b_j`` is exactly j's load. (The literal ``θ_ij = α_i`` for
+  every j, ``cutoff="alpha"``, has the same fixed point but under-steps for under-loaded experts: measured at
+  n=896, k=16 on skewed scores it needs ~3× more iterations.);
 * ``b̂_j = −q_j`` where ``q_j`` is the threshold with exactly ``K = round(k·T/n)`` margins of column j above it
   (the empirical ``(1 − k/n)``-quantile; midpoint between the K-th and (K+1)-th largest margin);
 * ``b = b̂ − mean(b̂)``, used from the next step on; frozen at inference (no balancer attached / eval mode).
 
 Fixed point: the map is shift-equivariant (``b̂(b + c) = b̂(b) + c``), so a fixed point of the centred map
-satisfies ``b̂(b*) = b* + c``. Expert j's load under ``b*`` equals the number of margins above ``−b*_j`` and
-margins are monotone in the bias, so ``c ≥ 0`` gives every load ``≤ K`` and ``c ≤ 0`` every load ``≥ K``;
+satisfies ``b̂(b*) = b* + c``. Expert j's load under ``b*`` equals the number of margins above ``−b*_j``, and that
+count is non-increasing in the threshold, so ``c ≥ 0`` gives every load ``≤ K`` and ``c ≤ 0`` every load ``≥ K``;
 loads sum to ``k·T = n·K``, hence every expert gets ``K`` tokens (up to ties). ``tests/test_balance.py`` checks it.
+Simultaneous (Jacobi) updates can cycle within a few tokens of the fixed point on a fixed batch; damping
+(``ema < 1``) keeps the fixed point and removes the cycling.
 
 Balancers (``make_balancer(name, **kw)``):
 
@@ -35,7 +42,6 @@ Balancers (``make_balancer(name, **kw)``):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,6 +63,7 @@ __all__ = [
     "qb_thresholds",
     "hist_thresholds",
     "route_cutoffs",
+    "entry_margins",
     "margin_histogram",
     "load_stats",
     "find_routers",
@@ -82,18 +89,39 @@ def _check_scores(scores_TE: torch.Tensor, top_k: int, bias_E: torch.Tensor | No
 
 def route_cutoffs(
     scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, topk_idx_Tk: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k selection of ``scores + bias`` and each token's cutoff α (the (k+1)-th largest biased score).
-
-    When the router's ``topk_idx_Tk`` is given, α is the max biased score over the unselected experts
-    (one masked max, no second top-k). Returns ``(topk_idx_Tk int64, alpha_T fp32)``.
-    """
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-k selection of ``scores + bias`` and each token's two cutoffs: α (the (k+1)-th largest biased score)
+    and β (the k-th largest). With the router's ``topk_idx_Tk`` given, α is the max biased score over the
+    unselected experts and β the min over the selected ones (no second top-k).
+    Returns ``(topk_idx_Tk int64, alpha_T fp32, beta_T fp32)``."""
     biased_TE = scores_TE.float() + bias_E.float()
     if topk_idx_Tk is None:
         vals_Tk1, idx_Tk1 = torch.topk(biased_TE, top_k + 1, dim=1)
-        return idx_Tk1[:, :top_k], vals_Tk1[:, top_k]
-    masked_TE = biased_TE.scatter(1, topk_idx_Tk, float("-inf"))
-    return topk_idx_Tk, masked_TE.amax(dim=1)
+        return idx_Tk1[:, :top_k], vals_Tk1[:, top_k], vals_Tk1[:, top_k - 1]
+    beta_T = biased_TE.gather(1, topk_idx_Tk).amin(dim=1)
+    alpha_T = biased_TE.scatter(1, topk_idx_Tk, float("-inf")).amax(dim=1)
+    return topk_idx_Tk, alpha_T, beta_T
+
+
+def entry_margins(
+    scores_TE: torch.Tensor,
+    bias_E: torch.Tensor,
+    top_k: int,
+    topk_idx_Tk: torch.Tensor | None = None,
+    cutoff: str = "exact",
+) -> torch.Tensor:
+    """Margins ``m_ij = s_ij − θ_ij`` fp32 [T, n]: expert j is selected for token i iff ``b_j > −m_ij`` (all other
+    biases fixed). ``θ_ij`` is the k-th largest biased score among the *other* experts: α_i for a selected j,
+    β_i for an unselected j (``cutoff="exact"``, default). ``cutoff="alpha"`` uses α_i for every expert — the
+    literal formula; same fixed point, but it under-steps for under-loaded experts and converges slower."""
+    idx_Tk, alpha_T, beta_T = route_cutoffs(scores_TE, bias_E, top_k, topk_idx_Tk)
+    scores_TE = scores_TE.float()
+    if cutoff == "alpha":
+        return scores_TE - alpha_T[:, None]
+    if cutoff != "exact":
+        raise K3ConfigError(f"cutoff must be 'exact' or 'alpha', got '{cutoff}'")
+    sel_TE = torch.zeros(scores_TE.shape, dtype=torch.bool).scatter_(1, idx_Tk, True)
+    return scores_TE - torch.where(sel_TE, alpha_T[:, None], beta_T[:, None])
 
 
 def _target_count(total_tokens: int | float, top_k: int, n: int) -> torch.Tensor | int:
@@ -112,16 +140,15 @@ def qb_thresholds(margins_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     return 0.5 * (vals_KE[K - 1] + vals_KE[K])
 
 
-def qb_bias(scores: torch.Tensor, top_k: int, bias: torch.Tensor) -> torch.Tensor:
+def qb_bias(scores: torch.Tensor, top_k: int, bias: torch.Tensor, *, cutoff: str = "exact") -> torch.Tensor:
     """One exact Quantile-Balancing update.
 
     ``scores`` fp32 [T, n] (router scores, no bias), ``bias`` [n] the bias the tokens were routed with.
-    Returns the new mean-zero bias [n] fp32 (to be used from the next step on)."""
+    Returns the new mean-zero bias [n] fp32 (to be used from the next step on). ``cutoff``: see
+    :func:`entry_margins`."""
     _check_scores(scores, top_k, bias)
-    scores_TE = scores.detach().float()
-    bias_E = bias.detach().float()
-    _, alpha_T = route_cutoffs(scores_TE, bias_E, top_k)
-    q_E = qb_thresholds(scores_TE - alpha_T[:, None], top_k)
+    margins_TE = entry_margins(scores.detach(), bias.detach(), top_k, cutoff=cutoff)
+    q_E = qb_thresholds(margins_TE, top_k)
     bhat_E = -q_E
     return bhat_E - bhat_E.mean()
 
@@ -428,11 +455,12 @@ class _EMAMixin:
     ema_warmup: int
 
     def _blend(self, r: _Router, target_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor:
-        if self.ema >= 1.0:
+        """``b ← b + β·(b̂ − b)`` with β = 1 for the first ``ema_warmup`` steps, then β = ``ema``. Same fixed point
+        as plain QB (b̂ = b + const routes like b); averages out per-batch sampling noise and damps the
+        discrete cycling of simultaneous updates, at the price of following drift ~1/β steps later."""
+        if self.ema >= 1.0 or self.num_steps < self.ema_warmup:
             return target_E
-        # warm-up: 1/(t+1) averaging until it reaches the floor `ema` (fast start, then variance reduction)
-        beta = max(self.ema, 1.0 / (1.0 + self.num_steps / max(self.ema_warmup, 1))) if self.ema_warmup else self.ema
-        out = (1.0 - beta) * bias_E.float() + beta * target_E
+        out = bias_E.float() + self.ema * (target_E - bias_E.float())
         return out - out.mean()
 
 
@@ -441,17 +469,20 @@ class QBBalancer(_EMAMixin, Balancer):
 
     name = "qb"
 
-    def __init__(self, ema: float = 1.0, ema_warmup: int = 0, collect_in_eval: bool = False):
+    def __init__(
+        self, ema: float = 1.0, ema_warmup: int = 0, cutoff: str = "exact", collect_in_eval: bool = False
+    ):
         super().__init__(collect_in_eval)
         if not 0.0 < ema <= 1.0:
             raise K3ConfigError(f"ema must be in (0, 1], got {ema}")
+        if cutoff not in ("exact", "alpha"):
+            raise K3ConfigError(f"cutoff must be 'exact' or 'alpha', got '{cutoff}'")
         self.ema = float(ema)
         self.ema_warmup = int(ema_warmup)
+        self.cutoff = cutoff
 
     def _observe_extra(self, r: _Router, idx_Nk: torch.Tensor, scores_NE: torch.Tensor) -> None:
-        scores = scores_NE.detach().float()
-        _, alpha_N = route_cutoffs(scores, r.bias.detach().float(), r.top_k, idx_Nk)
-        r.margins.append(scores - alpha_N[:, None])
+        r.margins.append(entry_margins(scores_NE.detach(), r.bias.detach(), r.top_k, idx_Nk, self.cutoff))
 
     def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor | None:
         local = torch.cat(r.margins) if r.margins else torch.zeros(0, r.num_experts)
@@ -463,12 +494,14 @@ class QBBalancer(_EMAMixin, Balancer):
 
 
 class QBEMABalancer(QBBalancer):
-    """Exact QB with the bias averaged over steps (``ema`` floor, 1/(t+1) warm-up over ``ema_warmup`` steps)."""
+    """Exact QB, then (after ``ema_warmup`` plain steps) ``b ← b + ema·(b̂ − b)``."""
 
     name = "qb_ema"
 
-    def __init__(self, ema: float = 0.2, ema_warmup: int = 1, collect_in_eval: bool = False):
-        super().__init__(ema=ema, ema_warmup=ema_warmup, collect_in_eval=collect_in_eval)
+    def __init__(
+        self, ema: float = 0.25, ema_warmup: int = 10, cutoff: str = "exact", collect_in_eval: bool = False
+    ):
+        super().__init__(ema=ema, ema_warmup=ema_warmup, cutoff=cutoff, collect_in_eval=collect_in_eval)
 
 
 class QBHistBalancer(_EMAMixin, Balancer):
@@ -489,9 +522,13 @@ class QBHistBalancer(_EMAMixin, Balancer):
         min_range: float = 1e-3,
         ema: float = 1.0,
         ema_warmup: int = 0,
+        cutoff: str = "exact",
         collect_in_eval: bool = False,
     ):
         super().__init__(collect_in_eval)
+        if cutoff not in ("exact", "alpha"):
+            raise K3ConfigError(f"cutoff must be 'exact' or 'alpha', got '{cutoff}'")
+        self.cutoff = cutoff
         if bins < 2:
             raise K3ConfigError(f"bins must be >= 2, got {bins}")
         if not 0.0 < ema <= 1.0:
@@ -510,9 +547,8 @@ class QBHistBalancer(_EMAMixin, Balancer):
             r.lo_E = -bias_E - w
             r.width = 2.0 * w / self.bins
             r.hist_EB = torch.zeros(r.num_experts, self.bins + 2, dtype=torch.int64)
-        scores = scores_NE.detach().float()
-        _, alpha_N = route_cutoffs(scores, bias_E, r.top_k, idx_Nk)
-        r.hist_EB += margin_histogram(scores - alpha_N[:, None], r.lo_E, r.width, self.bins)
+        margins_NE = entry_margins(scores_NE.detach(), bias_E, r.top_k, idx_Nk, self.cutoff)
+        r.hist_EB += margin_histogram(margins_NE, r.lo_E, r.width, self.bins)
 
     def _global_load(self, r: _Router) -> torch.Tensor | None:
         # histogram and loads travel in one all-reduce

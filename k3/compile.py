@@ -1,11 +1,14 @@
-"""torch.compile for K3 models: `compile_model(model)` compiles each decoder layer (default) or the whole model.
+"""torch.compile for K3 models: `compile_model(model)` compiles the sub-modules (default), each layer, or the model.
 
 Notable:
 - The fused kernels (fla KDA, fla AttnRes) are opaque to Dynamo (`torch.compiler.disable`), so each KDA layer
   is compiled as a few graphs around the kernel call; Inductor fuses the element-wise work between them
   (RMSNorms, SiTU-GLU, the gates, casts, the short convs' activation).
-- All layers of one type share code, and Dynamo specialises on each layer's constants (layer index, number of
-  AttnRes sources), so the per-code recompile limit is raised to cover every layer.
+- mode="modules" (default) compiles every KDAAttention, MLAAttention, LatentMoE, GLUMLP and RMSNorm instance.
+  Instances of one class share one compiled graph (Dynamo inlines nn.Modules and treats parameters as
+  inputs), so there are ~5 compilations whatever the depth. mode="layers" compiles whole decoder layers:
+  Dynamo specialises on each layer's constants (layer index, number of AttnRes sources), so it compiles once
+  per layer (the recompile limit is raised to allow it) - slow to start on deep models.
 - `explain(model, ...)` runs torch._dynamo.explain on one call and returns the graph/graph-break counts and
   reasons, for reports (benchmarks/gpu_model.py prints them).
 Whether compiling pays off is measured in benchmarks/gpu_model.py (see docs/performance.md); the training
@@ -31,23 +34,33 @@ def _raise_limits(n: int) -> None:
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 8 * n)
 
 
-def compile_model(model, mode: str = "layers", dynamic: bool = False, fullgraph: bool = False, **kw):
+def compile_model(model, mode: str = "modules", dynamic: bool = False, fullgraph: bool = False, **kw):
     """Compile `model` (a K3ForCausalLM) in place and return it.
 
-    mode="layers": each decoder layer (and the final norm) separately: short compile, works with activation
-    checkpointing. mode="model": the whole K3ForCausalLM forward. Extra keyword arguments go to torch.compile
-    (e.g. options={"max_autotune": True}).
+    mode="modules": attention / FFN / norm sub-modules (few compilations; works with activation checkpointing).
+    mode="layers": each decoder layer (and the final norm). mode="model": the whole K3ForCausalLM forward.
+    Extra keyword arguments go to torch.compile (e.g. options={"max_autotune": True}).
     """
     layers = model.model.layers
     _raise_limits(2 * len(layers) + 8)
-    if mode == "layers":
+    if mode == "modules":
+        from k3.nn.kda import KDAAttention
+        from k3.nn.mla import MLAAttention
+        from k3.nn.mlp import GLUMLP
+        from k3.nn.moe import LatentMoE
+        from k3.nn.norm import RMSNorm
+        kinds = (KDAAttention, MLAAttention, LatentMoE, GLUMLP, RMSNorm)
+        for m in model.modules():
+            if isinstance(m, kinds):
+                m.compile(dynamic=dynamic, fullgraph=fullgraph, **kw)
+    elif mode == "layers":
         for layer in layers:
             layer.compile(dynamic=dynamic, fullgraph=fullgraph, **kw)
         model.model.norm.compile(dynamic=dynamic, **kw)
     elif mode == "model":
         model.compile(dynamic=dynamic, fullgraph=fullgraph, **kw)
     else:
-        raise ValueError(f"compile_model: mode must be 'layers' or 'model', got {mode!r}")
+        raise ValueError(f"compile_model: mode must be 'modules', 'layers' or 'model', got {mode!r}")
     log.info("k3: compiled %s (mode=%s)", type(model).__name__, mode)
     return model
 

@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 
-from k3.errors import CheckpointError
+from k3.errors import CheckpointError, K3Error
 
 
 def load_for_inference(ckpt: str, device: str = "auto", dtype: str = None):
@@ -27,11 +27,9 @@ def load_for_inference(ckpt: str, device: str = "auto", dtype: str = None):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         model = from_pretrained(ckpt, device=device, dtype=dtype)
-    except CheckpointError:
+    except K3Error:
         raise
-    except (OSError, ValueError, RuntimeError) as e:  # safetensors / json parse errors of a corrupt file
-        if isinstance(e, getattr(sys.modules.get("k3.errors"), "K3Error", ())):
-            raise
+    except Exception as e:  # safetensors / json errors of a corrupt file
         raise CheckpointError(f"checkpoint {ckpt} could not be loaded: {type(e).__name__}: {e}") from None
     check_tokenizer_matches(tok, model.config)
     return model.eval(), tok

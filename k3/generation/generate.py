@@ -257,7 +257,7 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
     elif output == "text":
         if tokenizer is None or len(prompts) != 1:
             raise RequestError("output='text' needs a tokenizer and a single prompt")
-        ts = TextStreamer(tokenizer)
+        ts = TextStreamer(tokenizer, stops.strings)
         for ev in events:
             cut = state["text_cut"][0]
             chunk = ts.push(state["new_tokens"][0], cut)
@@ -271,10 +271,21 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
 
 
 class TextStreamer:
-    """Incremental detokenisation: text of all ids so far, minus what was already emitted."""
+    """Incremental detokenisation: text of all ids so far, minus what was already emitted. A tail that could be
+    the start of a stop string is held back until it is known not to be one."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop_strings=()):
         self.tok, self.emitted = tokenizer, 0
+        self.stops = [s for s in stop_strings if s]
+
+    def _hold(self, text: str) -> int:
+        h = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(text)), h, -1):
+                if text.endswith(s[:k]):
+                    h = k
+                    break
+        return h
 
     def _text(self, ids, cut):
         text = _decode(self.tok, ids)
@@ -285,6 +296,9 @@ class TextStreamer:
         if cut < 0:
             if text.endswith("\ufffd"):       # incomplete UTF-8 sequence: wait for more bytes
                 return ""
+            text = text[:len(text) - self._hold(text)]
+        if len(text) <= self.emitted:
+            return ""
         new = text[self.emitted:]
         self.emitted = len(text)
         return new

@@ -60,14 +60,37 @@ class KDAAttention(nn.Module):
         nn.init.uniform_(self.k_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
         nn.init.uniform_(self.v_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
 
+    def _conv_step(self, x_BTd, conv_state):
+        """Decode-time short conv for q, k and v at once (same math as causal_conv1d, fp32): a few new tokens
+        against the carried K-1 pre-activation inputs. Returns ((q, k, v) [B,T,P] in x.dtype, new states)."""
+        B, T, _ = x_BTd.shape
+        P, Kc = self.num_heads * self.head_dim, self.conv_size
+        x = torch.cat([self.q_proj(x_BTd), self.k_proj(x_BTd), self.v_proj(x_BTd)], -1)          # [B,T,3P]
+        W = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).reshape(3 * P, Kc)
+        if conv_state[0] is None:
+            hist = x.new_zeros(B, 3 * P, Kc - 1, dtype=f32(x).dtype)
+        else:
+            hist = f32(torch.cat(conv_state, 1))
+        ext = torch.cat([hist, f32(x).transpose(1, 2)], -1)                                      # [B,3P,Kc-1+T]
+        y = (ext.unfold(-1, Kc, 1) * f32(W).unsqueeze(1)).sum(-1)                                # [B,3P,T]
+        y = torch.nn.functional.silu(y).transpose(1, 2).to(x_BTd.dtype)
+        st = ext[..., -(Kc - 1):]
+        return y.split(P, -1), st.split(P, 1)
+
     def forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache=None):
         B, T, _ = x_BTd.shape
         H, K = self.num_heads, self.head_dim
         conv_state = cache.conv_state if cache is not None else (None, None, None)
         want_state = cache is not None
-        q, sq = causal_conv1d(self.q_proj(x_BTd), self.q_conv1d.weight, conv_state[0], cu_seqlens, "silu", want_state)
-        k, sk = causal_conv1d(self.k_proj(x_BTd), self.k_conv1d.weight, conv_state[1], cu_seqlens, "silu", want_state)
-        v, sv = causal_conv1d(self.v_proj(x_BTd), self.v_conv1d.weight, conv_state[2], cu_seqlens, "silu", want_state)
+        if cache is not None and cu_seqlens is None and T <= self.recurrent_max_tokens:
+            (q, k, v), (sq, sk, sv) = self._conv_step(x_BTd, conv_state)
+        else:
+            q, sq = causal_conv1d(self.q_proj(x_BTd), self.q_conv1d.weight, conv_state[0], cu_seqlens, "silu",
+                                  want_state)
+            k, sk = causal_conv1d(self.k_proj(x_BTd), self.k_conv1d.weight, conv_state[1], cu_seqlens, "silu",
+                                  want_state)
+            v, sv = causal_conv1d(self.v_proj(x_BTd), self.v_conv1d.weight, conv_state[2], cu_seqlens, "silu",
+                                  want_state)
         f_BTHK = self.f_b_proj(self.f_a_proj(x_BTd)).view(B, T, H, K)
         beta_BTH = torch.sigmoid(f32(self.b_proj(x_BTd)))
         kw = dict(scale=K ** -0.5, initial_state=cache.recurrent_state if cache is not None else None,

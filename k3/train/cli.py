@@ -1,0 +1,107 @@
+"""`k3 train`: train a preset (default `tiny`) on the built-in corpus or your files. See k3/train/trainer.py."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+from k3.train.trainer import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig, format_stages,
+                              parse_stages)
+
+# flag dest -> TrainConfig field (all flags default to None so --resume can tell which ones were given)
+_FIELDS = {
+    "preset": "preset", "config": "config", "steps": "steps", "save_every": "save_every", "out": "out_dir",
+    "data": "data", "tokenizer": "tokenizer", "balancer": "balancer", "lr": "lr", "batch_tokens": "tokens_per_step",
+    "grad_accum": "grad_accum", "seed": "seed", "device": "device", "activation_checkpointing":
+    "activation_checkpointing", "stages": "stages", "keep": "keep", "eval_every": "eval_every",
+    "warmup": "warmup_steps", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "stop_at": "stop_at",
+    "max_bad_steps": "max_bad_steps", "val_tokens": "val_tokens", "split_sections": "split_sections",
+    "no_progress": "progress", "no_tensorboard": "tensorboard", "no_samples": "samples",
+}
+_NEGATED = {"no_progress", "no_tensorboard", "no_samples"}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    d = TrainConfig()
+    s = subparsers.add_parser(
+        "train", help="train a model (default: `tiny` on the built-in corpus, ~10 min on 2 CPU cores)",
+        description="Train a K3 model with Muon+AdamW, staged context extension, checkpoints and exact resume.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = s.add_argument
+    a("--preset", default=None, help=f"model preset [{d.preset}]")
+    a("--config", default=None, help="model config.json / checkpoint dir (instead of --preset)")
+    a("--steps", type=int, default=None, help=f"total optimizer steps [{DEFAULT_STEPS}]")
+    a("--save-every", type=int, default=None, help=f"checkpoint every N steps; 0 = at the end [{d.save_every}]")
+    a("--keep", type=int, default=None, help=f"checkpoints to keep [{d.keep}]")
+    a("--out", default=None, help=f"run directory [{d.out_dir}]")
+    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint up to --steps")
+    a("--stop-at", type=int, default=None, help="stop (with a checkpoint) after this step; resume later")
+    a("--data", nargs="+", default=None, help="corpus .txt/.jsonl files or directories [built-in pydocs corpus]")
+    a("--split-sections", action="store_true", default=None, help=".txt files: one document per blank-line section")
+    a("--tokenizer", default=None, help="tokenizer.json (or its dir) [BPE trained on the corpus, cached]")
+    a("--balancer", default=None, choices=["qb", "qb_hist", "qb_ema", "sign", "aux_loss", "none"],
+      help=f"MoE load balancer [{d.balancer}]")
+    a("--lr", type=float, default=None, help=f"peak learning rate (Muon and AdamW) [{d.lr}]")
+    a("--warmup", type=int, default=None, help="warm-up steps [5%% of --steps]")
+    a("--weight-decay", type=float, default=None, help=f"[{d.weight_decay}]")
+    a("--grad-clip", type=float, default=None, help=f"gradient-norm clip, 0 = off [{d.grad_clip}]")
+    a("--batch-tokens", type=int, default=None, help=f"tokens per optimizer step [{DEFAULT_TOKENS_PER_STEP}]")
+    a("--grad-accum", type=int, default=None, help=f"micro-batches per step [{d.grad_accum}]")
+    a("--stages", default=None,
+      help=f"context stages SEQ:SHARE,... (rows per step = batch tokens // SEQ) [{format_stages(DEFAULT_STAGES)}]")
+    a("--seed", type=int, default=None, help=f"[{d.seed}]")
+    a("--device", default=None, help="auto | cpu | cuda[:N] [auto]")
+    a("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
+    a("--eval-every", type=int, default=None, help="evaluate every N steps; 0 = before and after [0]")
+    a("--val-tokens", type=int, default=None, help=f"validation tokens per evaluation [{d.val_tokens}]")
+    a("--max-bad-steps", type=int, default=None, help=f"consecutive NaN/inf steps tolerated [{d.max_bad_steps}]")
+    a("--no-progress", action="store_true", default=None, help="no progress bar")
+    a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
+    a("--no-samples", action="store_true", default=None, help="no sample generations at the end")
+    a("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(fn=run)
+    return s
+
+
+def _overrides(args) -> dict:
+    out = {}
+    for dest, fld in _FIELDS.items():
+        v = getattr(args, dest, None)
+        if v is None:
+            continue
+        if dest in _NEGATED:
+            v = not v
+        if dest == "stages":
+            v = parse_stages(v)
+        out[fld] = v
+    return out
+
+
+def build_train_config(args) -> TrainConfig:
+    from k3.train.trainer import resume_config
+    ov = _overrides(args)
+    out_dir = ov.pop("out_dir", TrainConfig().out_dir)
+    if args.resume:
+        return resume_config(out_dir, ov)
+    cfg = TrainConfig(out_dir=out_dir)
+    for k, v in ov.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def run(args) -> int:
+    import json
+    from k3.train.report import format_summary
+    from k3.train.trainer import Trainer
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("k3.checkpoint").setLevel(logging.WARNING)
+    cfg = build_train_config(args)
+    trainer = Trainer(cfg)
+    print(f"k3 train: preset {cfg.config or cfg.preset}, {cfg.steps} steps x {cfg.tokens_per_step} tokens, "
+          f"stages {format_stages(parse_stages(cfg.stages))}, out {cfg.out_dir}"
+          + (" (resume)" if cfg.resume else ""), flush=True)
+    summary = trainer.train()
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items()}, indent=2, default=str))
+    else:
+        print(format_summary(summary), flush=True)
+    return 130 if summary["status"] == "interrupted" else 0

@@ -1,0 +1,112 @@
+"""`k3 generate` / `k3 chat` end to end on a tiny random checkpoint with a toy tokenizer."""
+import io
+import json
+import os
+
+import pytest
+import torch
+
+from k3.cli import main
+from k3.tokenizer import build_toy_tokenizer
+
+from conftest import build, micro_config
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen_cli")
+    tok = build_toy_tokenizer(str(root / "tok"), num_merges=100)
+    cfg = micro_config(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                       pad_token_id=tok.pad_id, dtype="float32")
+    model = build(cfg, torch.float32)
+    d = str(root / "ckpt")
+    model.save_pretrained(d, tokenizer=tok)
+    return d, tok, model
+
+
+def _run(argv, capsys, monkeypatch, stdin=None):
+    if stdin is not None:
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    rc = main(argv)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_generate_cli_streams(ckpt, capsys, monkeypatch):
+    d, tok, model = ckpt
+    rc, out, err = _run(["generate", "--ckpt", d, "--prompt", "Hello world", "--max-new-tokens", "8",
+                         "--device", "cpu"], capsys, monkeypatch)
+    assert rc == 0, err
+    from k3.generation import generate
+    ids = tok.encode("Hello world")
+    ref = generate(model, [ids], 8, tokenizer=tok, return_dict=True)
+    assert out == ref.texts[0] + "\n"
+    rc, out2, err = _run(["generate", "--ckpt", d, "--prompt", "Hello", "--max-new-tokens", "8", "--temperature",
+                          "0.8", "--top-k", "20", "--top-p", "0.9", "--repetition-penalty", "1.1", "--seed", "3",
+                          "--stop", "zz", "--device", "cpu"], capsys, monkeypatch)
+    assert rc == 0, err
+
+
+def test_chat_cli_multi_turn(ckpt, capsys, monkeypatch):
+    d, tok, model = ckpt
+    seen = []
+    import sys
+    G = sys.modules["k3.generation.generate"]  # (the package attribute `generate` is the function)
+    orig = G._chat_ids
+
+    def spy(tokenizer, messages, thinking, **kw):
+        seen.append([dict(m) for m in messages])
+        return orig(tokenizer, messages, thinking, **kw)
+
+    monkeypatch.setattr(G, "_chat_ids", spy)
+    rc, out, err = _run(["chat", "--ckpt", d, "--max-new-tokens", "5", "--device", "cpu"], capsys, monkeypatch,
+                        stdin="hi there\n\nsecond turn\n")
+    assert rc == 0, err
+    assert out.count("k3> ") == 2
+    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"]
+    assert seen[1][0]["content"] == "hi there" and seen[1][2]["content"] == "second turn"
+
+
+def test_chat_stops_at_end_of_message(ckpt):
+    d, tok, model = ckpt
+    from k3.generation import chat
+    # force the model to emit <|end_of_msg|> first: bias the head towards it
+    m = build(model.config, torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight[tok.eos_id] = m.model.norm.weight * 50
+    r = chat(m, tok, [{"role": "user", "content": "hi"}], max_new_tokens=10)
+    assert r["finish_reason"] == "stop_token" and r["ids"][-1] == tok.eos_id
+
+
+def test_cli_errors_are_one_line(ckpt, tmp_path, capsys, monkeypatch):
+    d, tok, model = ckpt
+    rc, out, err = _run(["generate", "--ckpt", str(tmp_path / "nope"), "--prompt", "x"], capsys, monkeypatch)
+    assert rc == 2 and err.startswith("k3: error:") and err.count("\n") == 1
+    # corrupt weights
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(d):
+        data = open(os.path.join(d, f), "rb").read()
+        if f.endswith(".safetensors"):
+            data = data[:100]
+        (bad / f).write_bytes(data)
+    rc, out, err = _run(["generate", "--ckpt", str(bad), "--prompt", "x"], capsys, monkeypatch)
+    assert rc == 2 and err.startswith("k3: error:") and err.count("\n") == 1
+    # tokenizer of another vocabulary
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in os.listdir(d):
+        if f != "tiktoken.model":
+            (other / f).write_bytes(open(os.path.join(d, f), "rb").read())
+    build_toy_tokenizer(str(tmp_path / "tok2"), num_merges=30)
+    (other / "tiktoken.model").write_bytes((tmp_path / "tok2" / "tiktoken.model").read_bytes())
+    rc, out, err = _run(["chat", "--ckpt", str(other)], capsys, monkeypatch, stdin="")
+    assert rc == 2 and "tokenizer" in err and err.count("\n") == 1
+    # no tokenizer at all
+    none = tmp_path / "none"
+    none.mkdir()
+    for f in os.listdir(d):
+        if f != "tiktoken.model":
+            (none / f).write_bytes(open(os.path.join(d, f), "rb").read())
+    rc, out, err = _run(["generate", "--ckpt", str(none), "--prompt", "x"], capsys, monkeypatch)
+    assert rc == 2 and err.count("\n") == 1

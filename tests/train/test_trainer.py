@@ -1,0 +1,227 @@
+"""The training loop (k3.train.trainer / `k3 train`): loss falls, exact resume, atomic checkpoints, curriculum,
+NaN handling, Ctrl-C, final model, metrics. A ~0.3M-parameter model on a small slice of the built-in corpus."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.errors import K3ConfigError
+from k3.train.trainer import (Callback, Trainer, TrainConfig, TrainingError, find_checkpoints, latest_checkpoint,
+                              parse_stages, recall_batch)
+
+MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=768, eos_token_id=770,
+             pad_token_id=1023, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+             routed_expert_hidden_size=32, kda_gate_low_rank=16, attn_res_block_size=2,
+             **{"linear_attn_config.num_heads": 2, "linear_attn_config.head_dim": 16,
+                "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 60-document slice of the built-in corpus as a .jsonl file + a shared tokenizer cache."""
+    from k3.train.data import load_corpus
+    d = tmp_path_factory.mktemp("corpus")
+    train, val = load_corpus()
+    docs = train[:60] + val[:6]
+    p = d / "docs.jsonl"
+    with open(p, "w") as f:
+        for i, t in enumerate(docs):
+            f.write(json.dumps({"name": f"d{i}", "text": t[:3000]}) + "\n")
+    return {"data": [str(p)], "cache": str(d / "cache")}
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_cfg(corpus, out, **kw):
+    base = dict(out_dir=str(out), preset="tiny", model_overrides=dict(MICRO), steps=8, tokens_per_step=256,
+                stages=[(64, 0.5), (128, 0.5)], data=corpus["data"], cache_dir=corpus["cache"], lr=1e-2,
+                val_tokens=512, recall_examples=4, recall_pairs=4, progress=False, tensorboard=False,
+                samples=False, plot=False, seed=0, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(l) for l in f]
+
+
+def train_losses(out):
+    return [r["loss"] for r in metrics(out) if r["type"] == "train"]
+
+
+def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
+    out = tmp_path / "run"
+    tr = Trainer(make_cfg(corpus, out, steps=14, samples=True, plot=True, sample_tokens=4,
+                          sample_prompts=["The "]))
+    s = tr.train()
+    assert s["status"] == "completed"
+    assert s["val_loss_after"] < s["val_loss_before"] - 0.5, s
+    losses = train_losses(out)
+    assert len(losses) == 14 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.5
+    recs = metrics(out)
+    tr = [r for r in recs if r["type"] == "train"]
+    for key in ("step", "loss", "lr", "tokens_per_s", "seq_len", "stage", "maxvio"):
+        assert key in tr[0], key
+    assert [r["step"] for r in tr] == list(range(1, 15))
+    ev = [r for r in recs if r["type"] == "eval"]
+    assert [r["step"] for r in ev] == [0, 14] and "recall_acc" in ev[0] and "val_loss" in ev[0]
+    # final model + tokenizer: from_pretrained gives the trained weights
+    from k3.checkpoint import from_pretrained
+    from k3.train.data import HFTokenizer
+    final = out / "final"
+    assert {"config.json", "tokenizer.json"} <= set(os.listdir(final))
+    m = from_pretrained(str(final))
+    tok = HFTokenizer.from_pretrained(str(final))
+    assert tok.vocab_size == 1024
+    ids = torch.tensor([tok.encode("The value of the")])
+    tr.model.eval()
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, tr.model(ids).logits)
+    assert s["samples"] and s["samples"][0][0] == "The "
+    assert os.path.isfile(out / "config.json") and os.path.isfile(out / "loss.png")
+    assert os.path.isfile(out / "report.md") and os.path.isfile(out / "samples.txt")
+    assert K3Config.from_json(str(out / "config.json")).hidden_size == 64
+
+
+def test_exact_resume(corpus, tmp_path):
+    """2N steps straight == N steps, stop, resume, N steps (bitwise on CPU), across a stage switch."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    Trainer(make_cfg(corpus, a, steps=6)).train()
+    s1 = Trainer(make_cfg(corpus, b, steps=6, stop_at=3)).train()
+    assert s1["status"] == "stopped" and find_checkpoints(str(b))[-1][0] == 3
+    assert not os.path.exists(b / "final")
+    s2 = Trainer(make_cfg(corpus, b, steps=6, resume=True)).train()
+    assert s2["status"] == "completed"
+    la, lb = train_losses(a), train_losses(b)
+    assert len(la) == len(lb) == 6
+    assert la == lb, (la, lb)
+    # the final weights agree too
+    from k3.checkpoint import load_state_dict
+    sa, sb = load_state_dict(str(a / "final")), load_state_dict(str(b / "final"))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    st = torch.load(os.path.join(latest_checkpoint(str(b)), "trainer_state.pt"), weights_only=False)
+    assert st["step"] == 6 and st["stage"] == 1 and st["seq_len"] == 128
+    assert {"optimizer", "scheduler", "balancer", "loader", "rng"} <= set(st)
+
+
+def test_crash_during_save_keeps_previous_checkpoint(corpus, tmp_path):
+    out = tmp_path / "run"
+    tr = Trainer(make_cfg(corpus, out, steps=4, save_every=2, keep=1))
+
+    class Boom(Callback):
+        def on_save(self, trainer, path):
+            def broken(state, p):
+                with open(p + ".tmp", "wb") as f:
+                    f.write(b"partial")
+                raise OSError("disk full")
+            trainer._write_state = broken
+    tr.callbacks.append(Boom())
+    with pytest.raises(OSError, match="disk full"):
+        tr.train()  # step 2 saves fine, the save at step 4 crashes half-way
+    ck = find_checkpoints(str(out))
+    assert [s for s, _ in ck] == [2]
+    assert not [n for n in os.listdir(out / "checkpoints") if n.startswith(".")]  # temp dir removed
+    from k3.checkpoint import from_pretrained
+    from_pretrained(ck[0][1])
+    first = train_losses(out)[:2]
+    s = Trainer(make_cfg(corpus, out, steps=4, resume=True)).train()
+    assert s["status"] == "completed" and train_losses(out)[:2] == first
+    assert [r["step"] for r in metrics(out) if r["type"] == "train"] == [1, 2, 3, 4]
+
+
+def test_curriculum_switches_lengths(corpus, tmp_path):
+    out = tmp_path / "run"
+    Trainer(make_cfg(corpus, out, steps=6, stages=[(32, 0.34), (64, 0.33), (256, 0.33)], eval_every=0)).train()
+    tr = [r for r in metrics(out) if r["type"] == "train"]
+    assert [r["seq_len"] for r in tr] == [32, 32, 64, 64, 256, 256]
+    assert [r["stage"] for r in tr] == [0, 0, 1, 1, 2, 2]
+    assert [r["batch_rows"] for r in tr] == [8, 8, 4, 4, 1, 1]
+    assert all(r["tokens"] == 256 for r in tr)
+    assert parse_stages("256:0.6,1024:0.3,4096:0.1") == [(256, 0.6), (1024, 0.3), (4096, 0.1)]
+    with pytest.raises(K3ConfigError):
+        make_cfg(corpus, out, stages=[(512, 1.0)]).validate()
+
+
+class NaNAt(Callback):
+    def __init__(self, steps):
+        self.steps = set(steps)
+
+    def on_loss(self, trainer, loss):
+        return loss * float("nan") if trainer.step + 1 in self.steps else loss
+
+
+def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path):
+    out = tmp_path / "run"
+    tr = Trainer(make_cfg(corpus, out, steps=4), callbacks=[NaNAt({2})])
+    tr.setup()
+    before = {}
+
+    class Snap(Callback):
+        def on_step_end(self, trainer, rec):
+            before[rec["step"]] = trainer.model.lm_head.weight.detach().clone()
+    tr.callbacks.append(Snap())
+    s = tr.train()
+    assert s["status"] == "completed" and s["skipped_steps"] == 1
+    tr_recs = [r for r in metrics(out) if r["type"] == "train"]
+    assert tr_recs[1]["skipped"] and math.isnan(tr_recs[1]["loss"])
+    assert torch.equal(before[1], before[2])  # no update on the skipped step
+    assert not torch.equal(before[2], before[3])
+    assert all(p.grad is None for p in tr.model.parameters())
+
+    out2 = tmp_path / "run2"
+    with pytest.raises(TrainingError, match="NaN/inf for 3 consecutive"):
+        Trainer(make_cfg(corpus, out2, steps=8, max_bad_steps=2), callbacks=[NaNAt(range(3, 99))]).train()
+
+
+def test_ctrl_c_saves_and_resumes(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+
+    class CtrlC(Callback):
+        def on_step_end(self, trainer, rec):
+            if rec["step"] == 2:
+                raise KeyboardInterrupt
+    s = Trainer(make_cfg(corpus, out, steps=4), callbacks=[CtrlC()]).train()
+    assert s["status"] == "interrupted" and "interrupted at step 2" in capsys.readouterr().out
+    assert [st for st, _ in find_checkpoints(str(out))] == [2]
+    s = Trainer(make_cfg(corpus, out, steps=4, resume=True)).train()
+    assert s["status"] == "completed" and s["step"] == 4
+
+
+def test_cli_end_to_end(corpus, tmp_path, monkeypatch):
+    from k3.cli import main
+    monkeypatch.setenv("K3_CACHE", corpus["cache"])
+    out = tmp_path / "cli"
+    cfg = tmp_path / "micro.json"
+    K3Config.from_preset("tiny", **MICRO).save_json(str(cfg))
+    args = ["train", "--config", str(cfg), "--steps", "2", "--batch-tokens", "128", "--stages", "64:1",
+            "--out", str(out), "--data", *corpus["data"], "--no-progress", "--no-tensorboard", "--no-samples",
+            "--val-tokens", "128", "--balancer", "sign", "--grad-accum", "2", "--lr", "0.01"]
+    assert main(args) == 0
+    saved = json.load(open(out / "train_config.json"))
+    assert saved["grad_accum"] == 2 and saved["balancer"] == "sign" and saved["steps"] == 2
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--no-progress"]) == 0
+    assert [r["step"] for r in metrics(out) if r["type"] == "train"] == [1, 2, 3]
+    assert json.load(open(out / "train_config.json"))["grad_accum"] == 2
+
+
+def test_recall_batch():
+    ids, qpos, ans, cands = recall_batch(10, 100, n_examples=3, n_pairs=5)
+    assert ids.shape == (3, 20) and qpos.shape == ans.shape == (3, 5)
+    for b in range(3):
+        keys, vals = ids[b, 0:10:2].tolist(), ids[b, 1:10:2].tolist()
+        for q, a in zip(qpos[b].tolist(), ans[b].tolist()):
+            assert vals[keys.index(int(ids[b, q]))] == a and ids[b, q + 1] == a
+    assert torch.equal(recall_batch(10, 100, 3, 5)[0], ids)
