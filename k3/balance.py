@@ -166,31 +166,37 @@ def margin_histogram(margins_TE: torch.Tensor, lo_E: torch.Tensor, width: float,
 def hist_thresholds(
     hist_EB: torch.Tensor, lo_E: torch.Tensor, width: float, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Threshold per expert from a margin histogram (layout of :func:`margin_histogram`) with ``k·T/n``
-    counts above it, interpolating linearly inside the bin. Returns ``(thresholds_E fp32, clamped_E bool)``;
-    ``clamped`` marks experts whose threshold fell in the under/overflow bin (clamped to the window edge)."""
+    """Histogram version of :func:`qb_thresholds` (layout of :func:`margin_histogram`).
+
+    The K-th and (K+1)-th largest margins are placed inside their bins (the c samples of a bin assumed at
+    its c evenly spaced mid-points) and the threshold is their midpoint, so it lies within one bin width of the
+    exact threshold whenever both order statistics fall inside the window. Returns ``(thresholds_E fp32,
+    clamped_E bool)``; ``clamped`` marks experts whose order statistics fell in the under/overflow bin — their
+    threshold is clamped to the window edge."""
     n, B2 = hist_EB.shape
     bins = B2 - 2
     counts_EB = hist_EB.to(torch.float64)
-    T = float(counts_EB[0].sum())
-    K = float(_target_count(T, top_k, n))
-    # above_EB[:, r] = number of margins in bins > r (strictly above bin r)
-    tail_EB = counts_EB.flip(1).cumsum(1).flip(1)  # tail[r] = sum of bins >= r
-    above_EB = torch.cat([tail_EB[:, 1:], torch.zeros(n, 1, dtype=torch.float64)], dim=1)
-    # the bin r in 1..bins with above[r] < K <= above[r] + count[r]
-    inside_EB = (above_EB < K) & (above_EB + counts_EB >= K)
-    inside_EB[:, 0] = False
-    inside_EB[:, bins + 1] = False
-    has_E = inside_EB.any(1)
-    r_E = inside_EB.to(torch.int8).argmax(1)
-    a_E = above_EB.gather(1, r_E[:, None])[:, 0]
-    c_E = counts_EB.gather(1, r_E[:, None])[:, 0].clamp_min(1.0)
-    upper_E = lo_E.double() + r_E.double() * width  # bin r (1-based) spans [lo+(r-1)w, lo+r w)
-    thr_E = upper_E - width * (K - a_E) / c_E
-    overflow_E = counts_EB[:, bins + 1] >= K  # quantile above the window
-    hi_E = lo_E.double() + bins * width
-    thr_E = torch.where(has_E, thr_E, torch.where(overflow_E, hi_E, lo_E.double()))
-    return thr_E.float(), ~has_E
+    T = int(counts_EB[0].sum())
+    K = min(max(_target_count(T, top_k, n), 1), max(T - 1, 1))
+    tail_EB = counts_EB.flip(1).cumsum(1).flip(1)  # tail[r] = number of margins in bins >= r
+    above_EB = torch.cat([tail_EB[:, 1:], torch.zeros(n, 1, dtype=torch.float64)], dim=1)  # in bins > r
+    lo = lo_E.double()
+    hi = lo + bins * width
+
+    def position(j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # bin r holding the j-th largest: above[r] < j <= above[r] + count[r]
+        holds_EB = (above_EB < j) & (above_EB + counts_EB >= j)
+        r_E = holds_EB.to(torch.int8).argmax(1)
+        a_E = above_EB.gather(1, r_E[:, None])[:, 0]
+        c_E = counts_EB.gather(1, r_E[:, None])[:, 0].clamp_min(1.0)
+        upper_E = lo + r_E.double() * width  # regular bin r (1..bins) spans [lo+(r-1)w, lo+r·w)
+        pos_E = upper_E - width * (j - a_E - 0.5) / c_E
+        pos_E = torch.where(r_E == 0, lo, torch.where(r_E == bins + 1, hi, pos_E))
+        return pos_E, (r_E == 0) | (r_E == bins + 1)
+
+    p1_E, c1_E = position(K)
+    p2_E, c2_E = position(K + 1)
+    return (0.5 * (p1_E + p2_E)).float(), c1_E | c2_E
 
 
 def load_stats(load_E: torch.Tensor, bias_E: torch.Tensor | None = None) -> dict[str, float]:
@@ -285,6 +291,7 @@ class _Router:
     lo_E: torch.Tensor | None = None
     width: float = 0.0
     half_width: float | None = None  # qb_hist window state
+    clamped: int | None = None  # qb_hist: experts whose quantile fell outside the window last step
     aux_terms: list = field(default_factory=list)
     last: dict = field(default_factory=dict)
 
@@ -367,6 +374,8 @@ class Balancer:
                 r.bias.copy_(new_bias_E.to(r.bias.dtype))
             r.last = load_stats(load_E, r.bias.detach().float())
             r.last["tokens"] = float(load_E.sum()) / r.top_k
+            if r.clamped is not None:
+                r.last["clamped_experts"] = float(r.clamped)
             self._reset(r)
         self.num_steps += 1
 
@@ -406,7 +415,7 @@ class Balancer:
         for r in self.routers:
             if not r.last:
                 continue
-            for key in ("maxvio", "min_load_ratio", "dead_experts", "bias_range"):
+            for key in ("maxvio", "min_load_ratio", "dead_experts", "bias_range", "clamped_experts"):
                 if key in r.last:
                     out[f"{prefix}{r.name}/{key}"] = r.last[key]
                     per_key.setdefault(key, []).append(r.last[key])
@@ -518,7 +527,7 @@ class QBHistBalancer(_EMAMixin, Balancer):
         self,
         bins: int = 1000,
         init_range: float = 1.0,
-        range_factor: float = 4.0,
+        range_factor: float = 8.0,
         min_range: float = 1e-3,
         ema: float = 1.0,
         ema_warmup: int = 0,
@@ -569,7 +578,8 @@ class QBHistBalancer(_EMAMixin, Balancer):
         thr_E, clamped_E = hist_thresholds(r.hist_EB, r.lo_E, r.width, r.top_k)
         w = self.bins * r.width / 2.0
         centre_E = r.lo_E + w
-        if bool(clamped_E.any()):
+        r.clamped = int(clamped_E.sum())
+        if r.clamped:
             r.half_width = 2.0 * w
         else:
             r.half_width = max(self.min_range, self.range_factor * float((thr_E - centre_E).abs().max()))

@@ -26,6 +26,17 @@ def _act(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
+def _dwconv(ext_BLC: torch.Tensor, W_CK: torch.Tensor) -> torch.Tensor:
+    """Valid depthwise conv along dim 1 as K shifted multiply-adds (much faster than mkldnn's depthwise
+    backward on CPU for K=4): out[:, t] = sum_j W[:, j] * ext[:, t + j]."""
+    K = W_CK.shape[1]
+    L = ext_BLC.shape[1] - K + 1
+    y = ext_BLC[:, 0:L] * W_CK[:, 0]
+    for j in range(1, K):
+        y = y + ext_BLC[:, j:j + L] * W_CK[:, j]
+    return y
+
+
 def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                   cu_seqlens: Optional[torch.Tensor] = None, activation: Optional[str] = "silu",
                   output_final_state: bool = False):
@@ -49,7 +60,7 @@ def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Opti
     if cu_seqlens is None:
         hist = f32(initial_state).transpose(1, 2) if initial_state is not None else x32.new_zeros(B, K - 1, C)
         ext_BLC = torch.cat([hist, x32], 1)                           # [B, K-1+T, C]
-        y = F.conv1d(ext_BLC.transpose(1, 2), f32(W_CK).unsqueeze(1), groups=C).transpose(1, 2)
+        y = _dwconv(ext_BLC, f32(W_CK))
         state = ext_BLC[:, -(K - 1):].transpose(1, 2).contiguous() if output_final_state else None
         return _act(y, activation).to(x_BTC.dtype), state
     # varlen: token t of document n sits at slot t + (n+1)*(K-1) of the extended buffer
@@ -61,8 +72,7 @@ def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Opti
     if initial_state is not None:
         pre = (starts + torch.arange(N, device=x_BTC.device) * (K - 1)).unsqueeze(1) + torch.arange(K - 1, device=x_BTC.device)
         ext = ext.index_copy(0, pre.reshape(-1), f32(initial_state).transpose(1, 2).reshape(-1, C))
-    ext_p = F.pad(ext.t().unsqueeze(0), (K - 1, 0))
-    y_full = F.conv1d(ext_p, f32(W_CK).unsqueeze(1), groups=C)[0].t()  # [T+N(K-1), C]
+    y_full = _dwconv(F.pad(ext, (0, 0, K - 1, 0)).unsqueeze(0), f32(W_CK))[0]  # [T+N(K-1), C]
     y = y_full.index_select(0, tok_slot).unsqueeze(0)
     state = None
     if output_final_state:

@@ -15,7 +15,7 @@ _FIELDS = {
     "activation_checkpointing", "stages": "stages", "keep": "keep", "eval_every": "eval_every",
     "warmup": "warmup_steps", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "stop_at": "stop_at",
     "max_bad_steps": "max_bad_steps", "val_tokens": "val_tokens", "split_sections": "split_sections",
-    "no_progress": "progress", "no_tensorboard": "tensorboard", "no_samples": "samples",
+    "threads": "threads", "no_progress": "progress", "no_tensorboard": "tensorboard", "no_samples": "samples",
 }
 _NEGATED = {"no_progress", "no_tensorboard", "no_samples"}
 
@@ -50,6 +50,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
       help=f"context stages SEQ:SHARE,... (rows per step = batch tokens // SEQ) [{format_stages(DEFAULT_STAGES)}]")
     a("--seed", type=int, default=None, help=f"[{d.seed}]")
     a("--device", default=None, help="auto | cpu | cuda[:N] [auto]")
+    a("--threads", type=int, default=None, help="torch CPU threads [torch default]")
     a("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
     a("--eval-every", type=int, default=None, help="evaluate every N steps; 0 = before and after [0]")
     a("--val-tokens", type=int, default=None, help=f"validation tokens per evaluation [{d.val_tokens}]")

@@ -107,6 +107,7 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     device: str = "auto"                    # auto | cpu | cuda | cuda:N
+    threads: Optional[int] = None           # torch CPU threads (None: torch's default)
     activation_checkpointing: bool = False
     resume: bool = False
     stop_at: Optional[int] = None           # stop (with a checkpoint) after this step; the schedule still uses `steps`
@@ -369,6 +370,8 @@ class Trainer:
                 log.warning("--resume: no checkpoint in %s; starting a new run", cfg.out_dir)
         cfg.validate()
         self.device = _resolve_device(cfg.device)
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
         _seed_everything(cfg.seed)
 
         # ---- model config (a resumed run always uses the run's own config.json)

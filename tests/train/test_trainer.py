@@ -63,9 +63,9 @@ def train_losses(out):
 
 def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
     out = tmp_path / "run"
-    tr = Trainer(make_cfg(corpus, out, steps=14, samples=True, plot=True, sample_tokens=4,
+    trainer = Trainer(make_cfg(corpus, out, steps=14, samples=True, plot=True, sample_tokens=4,
                           sample_prompts=["The "]))
-    s = tr.train()
+    s = trainer.train()
     assert s["status"] == "completed"
     assert s["val_loss_after"] < s["val_loss_before"] - 0.5, s
     losses = train_losses(out)
@@ -87,9 +87,9 @@ def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
     tok = HFTokenizer.from_pretrained(str(final))
     assert tok.vocab_size == 1024
     ids = torch.tensor([tok.encode("The value of the")])
-    tr.model.eval()
+    trainer.model.eval()
     with torch.no_grad():
-        assert torch.equal(m(ids).logits, tr.model(ids).logits)
+        assert torch.equal(m(ids).logits, trainer.model(ids).logits)
     assert s["samples"] and s["samples"][0][0] == "The "
     assert os.path.isfile(out / "config.json") and os.path.isfile(out / "loss.png")
     assert os.path.isfile(out / "report.md") and os.path.isfile(out / "samples.txt")
