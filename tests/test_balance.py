@@ -120,31 +120,42 @@ def iterate_qb(scores_TE, k, iters, damp_after=None, damp=0.5):
 KINDS = ["random", "skewed", "skew3", "dominant", "clusters", "near_tie"]
 
 
+def iterations_to_balance(scores_TE, k, max_iters, tol=0.05):
+    """Iterate route -> exact QB update on one fixed batch; first iteration with MaxVio <= tol (None if never)."""
+    bias = torch.zeros(scores_TE.shape[1])
+    for it in range(max_iters + 1):
+        if load_stats(loads(scores_TE, bias, k))["maxvio"] <= tol:
+            return it
+        bias = qb_bias(scores_TE, k, bias)
+    return None
+
+
 @pytest.mark.parametrize("k", [8, 16])
 @pytest.mark.parametrize("kind", KINDS)
 def test_qb_converges_64(kind, k):
     n, K = 64, 200
     T = n * K // k
     s = make_scores(kind, T, n, k, torch.Generator().manual_seed(hash((kind, k)) % 1000))
-    _, vios = iterate_qb(s, k, 10)
-    assert vios[0] > 0.05 or kind == "random"
-    assert vios[10] <= 0.05, vios
+    it = iterations_to_balance(s, k, 10)
+    assert it is not None and (it > 0 or kind == "random"), it
 
 
-@pytest.mark.parametrize("kind", KINDS)
+# random/dominant converge in <= 3 iterations at 896 too; they are slow-marked to keep the suite fast
+@pytest.mark.parametrize(
+    "kind", [pytest.param(x, marks=pytest.mark.slow) if x in ("random", "dominant") else x for x in KINDS]
+)
 def test_qb_converges_896(kind):
     n, k, K = 896, 16, 200
     T = n * K // k
     s = make_scores(kind, T, n, k, torch.Generator().manual_seed(7))
-    _, vios = iterate_qb(s, k, 20)
-    assert vios[20] <= 0.05, vios
+    assert iterations_to_balance(s, k, 20) is not None
 
 
 @pytest.mark.parametrize("kind", ["random", "skewed", "skew3", "clusters"])
 def test_qb_fixed_point_is_balanced(kind):
     n, k, T = 64, 8, 1000  # k*T/n = 125 exactly
     s = make_scores(kind, T, n, k, torch.Generator().manual_seed(3))
-    bias, _ = iterate_qb(s, k, 60, damp_after=10)
+    bias, _ = iterate_qb(s, k, 35, damp_after=10)
     load = loads(s, bias, k)
     assert int(load.sum()) == k * T
     assert (load - k * T // n).abs().max() <= 1, load
@@ -169,7 +180,7 @@ def test_balanced_routing_is_exact_fixed_point():
     assert torch.equal(route_cutoffs(s, b1, k)[0].sort(1).values, idx0)
 
 
-def test_alpha_cutoff_same_fixed_point_slower():
+def test_alpha_cutoff_also_balances():
     n, k = 64, 8
     s = make_scores("skew3", 1600, n, k, torch.Generator().manual_seed(5))
     b_e, b_a = torch.zeros(n), torch.zeros(n)
