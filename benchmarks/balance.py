@@ -15,8 +15,9 @@
 (b) ``--model-runs``: a short tiny-model training run per balancer through ``k3.train`` (imported lazily;
     skipped with a message when the trainer is not available).
 
-    python benchmarks/balance.py            # full grid, ~5 min on 2 CPU cores
-    python benchmarks/balance.py --quick    # smoke run (~30 s)
+    python benchmarks/balance.py            # default grid, ~4 min on 2 CPU cores
+    python benchmarks/balance.py --full --device cuda   # full grid (4K..128K tokens), ~10 s on a GPU
+    python benchmarks/balance.py --quick    # smoke run (~1 min on 2 CPU cores)
 
 Writes ``benchmarks/balance_results/{results.json,results.md,*.png}`` and prints the markdown table.
 """
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -55,23 +55,23 @@ class ScoreRouter(nn.Module):
 
 
 def draw_logits(offsets_E: torch.Tensor, T: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(T, offsets_E.numel(), generator=gen) + offsets_E
+    return torch.randn(T, offsets_E.numel(), generator=gen, device=offsets_E.device) + offsets_E
 
 
 def expected_loads(offsets_E, bias_E, k, T_eval, gen, chunk=8192) -> torch.Tensor:
     """Rao-Blackwellised estimate of the expected per-expert loads (per T_eval tokens)."""
     n = offsets_E.numel()
-    total_E = torch.zeros(n, dtype=torch.float64)
+    total_E = torch.zeros(n, dtype=torch.float64, device=offsets_E.device)
     for start in range(0, T_eval, chunk):
         rows = min(chunk, T_eval - start)
         s_TE = torch.sigmoid(draw_logits(offsets_E, rows, gen))
         idx_Tk, alpha_T, beta_T = route_cutoffs(s_TE, bias_E, k)
-        sel_TE = torch.zeros(s_TE.shape, dtype=torch.bool).scatter_(1, idx_Tk, True)
+        sel_TE = torch.zeros_like(s_TE, dtype=torch.bool).scatter_(1, idx_Tk, True)
         theta_TE = torch.where(sel_TE, alpha_T[:, None], beta_T[:, None])
-        u_TE = (theta_TE - bias_E).double()
-        p_TE = torch.special.ndtr(offsets_E.double() - torch.logit(u_TE.clamp(1e-12, 1 - 1e-12)))
+        u_TE = theta_TE - bias_E
+        p_TE = torch.special.ndtr(offsets_E - torch.logit(u_TE.clamp(1e-7, 1 - 1e-7)))
         p_TE = torch.where(u_TE <= 0, 1.0, torch.where(u_TE >= 1, 0.0, p_TE))
-        total_E += p_TE.sum(0)
+        total_E += p_TE.sum(0, dtype=torch.float64)
     return total_E
 
 
@@ -79,10 +79,10 @@ def batch_floor(n, k, T, reps, gen, chunk=16384) -> float:
     """Mean MaxVio of a router with exactly equal expected loads (uniform random k-subsets), batch size T."""
     vals = []
     for _ in range(reps):
-        load_E = torch.zeros(n, dtype=torch.int64)
+        load_E = torch.zeros(n, dtype=torch.int64, device=gen.device)
         for start in range(0, T, chunk):
             rows = min(chunk, T - start)
-            idx = torch.topk(torch.rand(rows, n, generator=gen), k, dim=1).indices
+            idx = torch.topk(torch.rand(rows, n, generator=gen, device=gen.device), k, dim=1).indices
             load_E += torch.bincount(idx.reshape(-1), minlength=n)
         vals.append(load_stats(load_E)["maxvio"])
     return sum(vals) / len(vals)
@@ -90,7 +90,8 @@ def batch_floor(n, k, T, reps, gen, chunk=16384) -> float:
 
 def sys_floor(n, k, T_eval, reps, gen) -> float:
     """Noise of the systematic-MaxVio estimator itself: identical experts (offsets 0, bias 0)."""
-    vals = [load_stats(expected_loads(torch.zeros(n), torch.zeros(n), k, T_eval, gen))["maxvio"] for _ in range(reps)]
+    z = torch.zeros(n, device=gen.device)
+    vals = [load_stats(expected_loads(z, z, k, T_eval, gen))["maxvio"] for _ in range(reps)]
     return sum(vals) / len(vals)
 
 
@@ -102,13 +103,13 @@ BALANCER_SPECS = {
 }
 
 
-def simulate(n, k, T, steps, drift, eval_steps, T_eval, seed, balancers):
-    gen_o = torch.Generator().manual_seed(seed)
-    offsets_E = 1.5 * torch.randn(n, generator=gen_o)
-    gen_batch = torch.Generator().manual_seed(seed + 1)
-    gen_eval = torch.Generator().manual_seed(seed + 2)
-    gen_drift = torch.Generator().manual_seed(seed + 3)
-    routers = {b: ScoreRouter(n, k) for b in balancers}
+def simulate(n, k, T, steps, drift, eval_steps, T_eval, seed, balancers, device="cpu"):
+    gen_o = torch.Generator(device).manual_seed(seed)
+    offsets_E = 1.5 * torch.randn(n, generator=gen_o, device=device)
+    gen_batch = torch.Generator(device).manual_seed(seed + 1)
+    gen_eval = torch.Generator(device).manual_seed(seed + 2)
+    gen_drift = torch.Generator(device).manual_seed(seed + 3)
+    routers = {b: ScoreRouter(n, k).to(device) for b in balancers}
     bals = {b: make_balancer(BALANCER_SPECS[b][0], **BALANCER_SPECS[b][1]).attach(routers[b]) for b in balancers}
     hist = {b: {"batch": [], "sys": {}, "clamped": 0} for b in balancers}
     t_bal = {b: 0.0 for b in balancers}
@@ -123,18 +124,25 @@ def simulate(n, k, T, steps, drift, eval_steps, T_eval, seed, balancers):
             break
         s_TE = torch.sigmoid(draw_logits(offsets_E, T, gen_batch))  # one batch, shared by all balancers
         for b in balancers:
+            _sync(device)
             t0 = time.perf_counter()
             routers[b](s_TE)
             bals[b].step()
+            _sync(device)
             t_bal[b] += time.perf_counter() - t0
             m = bals[b].routers[0].last
             hist[b]["batch"].append(m["maxvio"])
             hist[b]["clamped"] += int(m.get("clamped_experts", 0))
         if drift > 0:
-            offsets_E = offsets_E + drift * torch.randn(n, generator=gen_drift)
+            offsets_E = offsets_E + drift * torch.randn(n, generator=gen_drift, device=device)
     for b in balancers:
         hist[b]["ms_per_step"] = 1000 * t_bal[b] / steps
     return hist
+
+
+def _sync(device):
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def fmt(x):
@@ -144,12 +152,16 @@ def fmt(x):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny grid for a smoke test")
+    ap.add_argument("--full", action="store_true",
+                    help="full grid (T up to 128K at n=64, 64K at n=896, drift at both n); ~1 min on a GPU")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: same code, faster for --full")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--drift", type=float, default=0.02, help="random-walk std of the logit offsets per step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--balancers", default="qb,qb_hist,qb_ema,sign")
     ap.add_argument("--out", default=OUT_DIR)
     ap.add_argument("--model-runs", action="store_true", help="also run part (b): tiny-model training per balancer")
+    ap.add_argument("--model-steps", type=int, default=30, help="optimizer steps per --model-runs run")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
@@ -159,34 +171,39 @@ def main(argv=None):
     if args.quick:
         grid = [(64, 8, 4 * K, False), (64, 8, 4 * K, True), (896, 16, 16 * K, False)]
         steps = min(args.steps, 12)
-    else:  # (n, k, T, drift); batch sizes subsampled from 4K..128K to keep the run ~5 min on 2 cores
+    elif args.full:  # (n, k, T, drift)
         grid = [
             (64, 8, 4 * K, False), (64, 8, 16 * K, False), (64, 8, 128 * K, False),
-            (64, 8, 4 * K, True), (64, 8, 16 * K, True),
-            (896, 16, 16 * K, False), (896, 16, 64 * K, False),
-            (896, 16, 16 * K, True),
+            (64, 8, 4 * K, True), (64, 8, 16 * K, True), (64, 8, 128 * K, True),
+            (896, 16, 16 * K, False), (896, 16, 64 * K, False), (896, 16, 128 * K, False),
+            (896, 16, 16 * K, True), (896, 16, 64 * K, True),
         ]
         steps = args.steps
+    else:  # batch sizes subsampled to keep the CPU run at a few minutes
+        grid = [
+            (64, 8, 4 * K, False), (64, 8, 16 * K, False), (64, 8, 16 * K, True),
+            (896, 16, 16 * K, False),
+        ]
+        steps = min(args.steps, 25)
     eval_steps = sorted({0, 1, 2, 3, 5, 7, 10, 15, 20, 25, 30, steps} & set(range(steps + 1)))
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     results = []
     floors_cache = {}
     for n, k, T, drift in grid:
-        T_eval = 256 * K if n == 64 else 64 * K
-        if args.quick:
-            T_eval //= 4
-        g = torch.Generator().manual_seed(1234)
+        T_eval = (256 * K if n == 64 else 64 * K) // (1 if args.full else 8)
+        g = torch.Generator(args.device).manual_seed(1234)
         if (n, k, T) not in floors_cache:
             floors_cache[(n, k, T)] = (
-                batch_floor(n, k, T, reps=8 if n * T <= 64 * 128 * K else 3, gen=g),
+                batch_floor(n, k, T, reps=8 if (args.full or n * T <= 64 * 16 * K) else 4, gen=g),
                 sys_floor(n, k, T_eval, reps=2, gen=g),
             )
         bfloor, sfloor = floors_cache[(n, k, T)]
         t0 = time.time()
-        hist = simulate(n, k, T, steps, args.drift if drift else 0.0, eval_steps, T_eval, args.seed, balancers)
+        hist = simulate(n, k, T, steps, args.drift if drift else 0.0, eval_steps, T_eval, args.seed, balancers,
+                        args.device)
         print(f"[n={n} k={k} T={T // K}K drift={drift}] {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
-        results.append(dict(n=n, k=k, T=T, drift=args.drift if drift else 0.0, T_eval=T_eval,
+        results.append(dict(n=n, k=k, T=T, device=args.device, drift=args.drift if drift else 0.0, T_eval=T_eval,
                             batch_floor=bfloor, sys_floor=sfloor, steps=steps, balancers=hist))
     elapsed = time.time() - t_start
 
@@ -267,22 +284,35 @@ def plot(results, out_dir):
 
 
 def model_runs(balancers, args):
-    """Part (b): short tiny-model training per balancer (needs k3.train)."""
+    """Part (b): a short tiny-model training run per balancer through k3.train (imported lazily)."""
     try:
-        import k3.train as train  # noqa: F401
-        run = getattr(train, "run_tiny_balance_experiment", None) or getattr(train, "train_tiny", None)
-    except Exception as e:  # trainer not there yet
+        from k3.train.trainer import TrainConfig, Trainer
+    except Exception as e:  # trainer not there (yet)
         print(f"--model-runs skipped: k3.train unavailable ({type(e).__name__}: {e})", file=sys.stderr)
         return
-    if run is None:
-        print("--model-runs skipped: k3.train has no tiny-run entry point (run_tiny_balance_experiment/train_tiny)",
-              file=sys.stderr)
-        return
-    for b in balancers + ["aux_loss", "none"]:
-        spec = BALANCER_SPECS.get(b, (b, {}))
-        print(f"model run with balancer {b}", file=sys.stderr)
-        out = run(balancer=make_balancer(spec[0], **spec[1]), out_dir=os.path.join(args.out, f"model_{b}"))
-        print(f"{b}: {out}")
+    rows = []
+    for b in list(dict.fromkeys(balancers + ["aux_loss", "none"])):
+        out_dir = os.path.join(args.out, "model_runs", b)
+        try:
+            cfg = TrainConfig(balancer=b, steps=args.model_steps, out_dir=out_dir, device=args.device,
+                              seed=args.seed, eval_every=0)
+            trainer = Trainer(cfg)
+            summary = trainer.train()
+        except Exception as e:
+            print(f"--model-runs: balancer {b} failed/skipped ({type(e).__name__}: {e})", file=sys.stderr)
+            continue
+        hist = [h for h in trainer.history if h.get("type") == "train" and not h.get("skipped")]
+        last = hist[-5:] if hist else []
+        mean = lambda key: (sum(h[key] for h in last if key in h) / max(1, sum(key in h for h in last)))  # noqa
+        rows.append(f"| {b} | {len(hist)} | {mean('loss'):.4f} | {mean('maxvio'):.3f} | "
+                    f"{mean('maxvio_max'):.3f} | {mean('dead_experts_mean'):.2f} |")
+        print(f"{b}: {summary}", file=sys.stderr)
+    if rows:
+        table = "\n".join(["| balancer | steps | loss (last 5) | MaxVio mean | MaxVio max | dead experts |",
+                           "|---|---|---|---|---|---|", *rows])
+        print(table)
+        with open(os.path.join(args.out, "model_runs.md"), "w") as f:
+            f.write(table + "\n")
 
 
 if __name__ == "__main__":

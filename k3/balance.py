@@ -120,7 +120,7 @@ def entry_margins(
         return scores_TE - alpha_T[:, None]
     if cutoff != "exact":
         raise K3ConfigError(f"cutoff must be 'exact' or 'alpha', got '{cutoff}'")
-    sel_TE = torch.zeros(scores_TE.shape, dtype=torch.bool).scatter_(1, idx_Tk, True)
+    sel_TE = torch.zeros(scores_TE.shape, dtype=torch.bool, device=scores_TE.device).scatter_(1, idx_Tk, True)
     return scores_TE - torch.where(sel_TE, alpha_T[:, None], beta_T[:, None])
 
 
@@ -159,7 +159,7 @@ def margin_histogram(margins_TE: torch.Tensor, lo_E: torch.Tensor, width: float,
     T, n = margins_TE.shape
     pos_TE = torch.floor((margins_TE.float() - lo_E.float()) / width)
     pos_TE = pos_TE.clamp_(-1, bins).to(torch.int64) + 1
-    flat_T = (pos_TE + torch.arange(n, dtype=torch.int64) * (bins + 2)).reshape(-1)
+    flat_T = (pos_TE + torch.arange(n, dtype=torch.int64, device=pos_TE.device) * (bins + 2)).reshape(-1)
     return torch.bincount(flat_T, minlength=n * (bins + 2)).view(n, bins + 2)
 
 
@@ -179,8 +179,8 @@ def hist_thresholds(
     T = int(counts_EB[0].sum())
     K = min(max(_target_count(T, top_k, n), 1), max(T - 1, 1))
     tail_EB = counts_EB.flip(1).cumsum(1).flip(1)  # tail[r] = number of margins in bins >= r
-    above_EB = torch.cat([tail_EB[:, 1:], torch.zeros(n, 1, dtype=torch.float64)], dim=1)  # in bins > r
-    lo = lo_E.double()
+    above_EB = torch.cat([tail_EB[:, 1:], tail_EB.new_zeros(n, 1)], dim=1)  # in bins > r
+    lo = lo_E.double().to(counts_EB.device)
     hi = lo + bins * width
 
     def position(j: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,12 +252,12 @@ def _all_gather_rows(x_TE: torch.Tensor) -> torch.Tensor:
         return x_TE
     import torch.distributed as dist
 
-    n_rows = torch.tensor([x_TE.shape[0]], dtype=torch.int64)
+    n_rows = torch.tensor([x_TE.shape[0]], dtype=torch.int64, device=x_TE.device)
     sizes = [torch.zeros_like(n_rows) for _ in range(world)]
     dist.all_gather(sizes, n_rows)
     rows = [int(s) for s in sizes]
     pad = max(rows)
-    padded = torch.zeros(pad, x_TE.shape[1], dtype=x_TE.dtype)
+    padded = x_TE.new_zeros(pad, x_TE.shape[1])
     padded[: x_TE.shape[0]] = x_TE
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded)
@@ -299,6 +299,9 @@ class _Router:
     def bias(self) -> torch.Tensor:
         return getattr(self.module, BIAS_BUFFER)
 
+    def zeros_load(self) -> torch.Tensor:
+        return self.bias.new_zeros(self.num_experts, dtype=torch.int64)
+
 
 class Balancer:
     """Base class: hooks, load accounting, metrics, checkpoint state. Subclasses implement ``_observe_extra``
@@ -322,13 +325,13 @@ class Balancer:
                 f"no router found: need a module with buffer '{BIAS_BUFFER}' and attributes top_k, num_experts"
             )
         for name, mod in routers:
-            r = _Router(name=name, module=mod, top_k=int(mod.top_k), num_experts=int(mod.num_experts))
+            r = _Router(name=name or "router", module=mod, top_k=int(mod.top_k), num_experts=int(mod.num_experts))
             if tuple(r.bias.shape) != (r.num_experts,):
                 raise K3ConfigError(f"{name}.{BIAS_BUFFER} has shape {tuple(r.bias.shape)}, want [{r.num_experts}]")
             r.handle = mod.register_forward_hook(self._make_hook(r))
             self.routers.append(r)
-            if name in self._pending_state:
-                self._load_router_state(r, self._pending_state.pop(name))
+            if r.name in self._pending_state:
+                self._load_router_state(r, self._pending_state.pop(r.name))
         return self
 
     def detach(self) -> None:
@@ -342,7 +345,7 @@ class Balancer:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             if not (module.training or self.collect_in_eval) or _in_backward():
                 return None
-            topk_idx_Nk, _topk_weight_Nk, scores_NE = output[0], output[1], output[2]
+            topk_idx_Nk, scores_NE = output[0], output[2]  # output[1] (combine weights) is never touched
             scores_NE = scores_NE.reshape(-1, r.num_experts)
             topk_idx_Nk = topk_idx_Nk.reshape(-1, r.top_k)
             self._observe(r, topk_idx_Nk, scores_NE)
@@ -364,10 +367,12 @@ class Balancer:
     @torch.no_grad()
     def step(self) -> None:
         """Update every router's bias in place from the statistics gathered since the last step."""
+        updated = False
         for r in self.routers:
             load_E = self._global_load(r)
             if load_E is None:
                 continue
+            updated = True
             old_bias_E = r.bias.detach().clone()
             new_bias_E = self._new_bias(r, load_E, old_bias_E)
             if new_bias_E is not None:
@@ -377,18 +382,24 @@ class Balancer:
             if r.clamped is not None:
                 r.last["clamped_experts"] = float(r.clamped)
             self._reset(r)
-        self.num_steps += 1
+        if updated:  # steps without statistics (eval, frozen) do not count
+            self.num_steps += 1
 
     def _global_load(self, r: _Router) -> torch.Tensor | None:
         """Summed loads of the step over micro-batches and ranks (one all-reduce). None if nothing observed
         on any rank (every rank must call step())."""
-        local = r.load_E if r.load_E is not None else torch.zeros(r.num_experts, dtype=torch.int64)
+        local = r.load_E if r.load_E is not None else r.zeros_load()
         if _dist_world() > 1:
             local = _all_reduce_sum(local.clone())
         return local if int(local.sum()) > 0 else None
 
     def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def discard_stats(self) -> None:
+        """Drop the statistics and aux-loss terms gathered since the last step (e.g. a skipped NaN step)."""
+        for r in self.routers:
+            self._reset(r)
 
     def _reset(self, r: _Router) -> None:
         r.load_E = None
@@ -404,7 +415,8 @@ class Balancer:
         for r in self.routers:
             r.aux_terms = []
         if not terms:
-            return torch.zeros(())
+            device = self.routers[0].bias.device if self.routers else None
+            return torch.zeros((), device=device)
         return torch.stack([t.reshape(()) for t in terms]).sum()
 
     # ---- metrics -------------------------------------------------------------------------------------------
@@ -494,7 +506,7 @@ class QBBalancer(_EMAMixin, Balancer):
         r.margins.append(entry_margins(scores_NE.detach(), r.bias.detach(), r.top_k, idx_Nk, self.cutoff))
 
     def _new_bias(self, r: _Router, load_E: torch.Tensor, bias_E: torch.Tensor) -> torch.Tensor | None:
-        local = torch.cat(r.margins) if r.margins else torch.zeros(0, r.num_experts)
+        local = torch.cat(r.margins) if r.margins else r.bias.new_zeros(0, r.num_experts, dtype=torch.float32)
         margins_TE = _all_gather_rows(local)
         if margins_TE.shape[0] < 2:
             return None
@@ -518,8 +530,9 @@ class QBHistBalancer(_EMAMixin, Balancer):
 
     Window of expert j for a step: ``[−b_j − w, −b_j + w)`` split in ``bins`` bins (+ under/overflow), ``−b_j``
     being where the quantile lies at the fixed point. ``w`` starts at ``init_range`` and is recomputed each step
-    as ``range_factor ·`` the largest distance of a quantile from its window centre (at least ``min_range``);
-    a quantile outside the window is clamped to its edge (a trust-region step) and ``w`` doubles."""
+    as ``range_factor ·`` the largest distance of a quantile from its window centre (at least ``min_range``, at
+    most ``max(w, init_range)``); a quantile outside the window is clamped to its edge (a trust-region step) and
+    ``w`` doubles."""
 
     name = "qb_hist"
 
@@ -555,7 +568,7 @@ class QBHistBalancer(_EMAMixin, Balancer):
             w = r.half_width if r.half_width is not None else self.init_range
             r.lo_E = -bias_E - w
             r.width = 2.0 * w / self.bins
-            r.hist_EB = torch.zeros(r.num_experts, self.bins + 2, dtype=torch.int64)
+            r.hist_EB = r.bias.new_zeros(r.num_experts, self.bins + 2, dtype=torch.int64)
         margins_NE = entry_margins(scores_NE.detach(), bias_E, r.top_k, idx_Nk, self.cutoff)
         r.hist_EB += margin_histogram(margins_NE, r.lo_E, r.width, self.bins)
 
@@ -566,8 +579,8 @@ class QBHistBalancer(_EMAMixin, Balancer):
             w = r.half_width if r.half_width is not None else self.init_range
             r.lo_E = -r.bias.detach().float() - w
             r.width = 2.0 * w / self.bins
-            r.hist_EB = torch.zeros(n, self.bins + 2, dtype=torch.int64)
-        load = r.load_E if r.load_E is not None else torch.zeros(n, dtype=torch.int64)
+            r.hist_EB = r.bias.new_zeros(n, self.bins + 2, dtype=torch.int64)
+        load = r.load_E if r.load_E is not None else r.zeros_load()
         packed = torch.cat([r.hist_EB.reshape(-1), load])
         packed = _all_reduce_sum(packed)
         r.hist_EB = packed[: n * (self.bins + 2)].view(n, self.bins + 2)
@@ -582,7 +595,10 @@ class QBHistBalancer(_EMAMixin, Balancer):
         if r.clamped:
             r.half_width = 2.0 * w
         else:
-            r.half_width = max(self.min_range, self.range_factor * float((thr_E - centre_E).abs().max()))
+            # shrink toward the observed update size; never widen without a clamp (a big first step would
+            # otherwise leave coarse bins for the next one)
+            target = self.range_factor * float((thr_E - centre_E).abs().max())
+            r.half_width = max(self.min_range, min(target, max(w, self.init_range)))
         bhat_E = -thr_E
         return self._blend(r, bhat_E - bhat_E.mean(), bias_E)
 

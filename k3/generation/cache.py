@@ -306,3 +306,11 @@ class K3CacheView:
 
     def advance(self, n: int) -> None:
         self.cache.advance(n, self.rows)
+
+    def reset(self) -> None:
+        """Empty these rows only (KDA state/conv zeroed, MLA lengths and token counts set to 0), so a row can be
+        reused for a new sequence while the other rows keep their state (continuous batching)."""
+        for lc in self.layers:
+            lc.reset()
+        for i in range(self.cache.batch_size)[self.rows]:
+            self.cache._seen[i] = 0

@@ -69,16 +69,20 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     order = torch.argsort(flat_e, stable=True)
     tok_of_a = order // k
     # counts by scatter_add: bincount's output size depends on the data (a host sync on CUDA, a graph break)
-    counts_E = torch.zeros(E, dtype=torch.int64, device=flat_e.device).scatter_add_(
-        0, flat_e, torch.ones_like(flat_e))
+    if flat_e.is_cuda:
+        counts_E = torch.zeros(E, dtype=torch.int64, device=flat_e.device).scatter_add_(
+            0, flat_e, torch.ones_like(flat_e))
+    else:  # CPU: bincount is much faster than scatter_add_ here, and there is no device sync to avoid
+        counts_E = torch.bincount(flat_e, minlength=E)
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
     x_Al = x_Nl.index_select(0, tok_of_a)
     h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)
     g, u = h_A2M.chunk(2, dim=-1)
     y_Al = _gmm(glu(g, u).contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
-    w_A = f32(topk_w_Nk.reshape(-1).index_select(0, order))
-    out = torch.zeros(N, l, dtype=f32(x_Nl).dtype, device=x_Nl.device)
-    out = out.index_add(0, tok_of_a, f32(y_Al) * w_A.unsqueeze(1))
+    # unpermute (inverse permutation, a gather) and combine the k outputs of each token in a fixed order, in fp32
+    inv_A = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    y_Nkl = y_Al.index_select(0, inv_A).view(N, k, l)
+    out = (f32(y_Nkl) * f32(topk_w_Nk).unsqueeze(-1)).sum(1)
     return out.to(x_Nl.dtype)
 
 

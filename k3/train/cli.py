@@ -25,7 +25,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser(
         "train", help="train a model (default: `tiny` on the built-in corpus, ~10 min on 2 CPU cores)",
         description="Train a K3 model with Muon+AdamW, staged context extension, checkpoints and exact resume.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog="Outputs in --out: config.json, train_config.json, metrics.jsonl, checkpoints/step-N/, final/, "
+               "loss.png, samples.txt, report.md, tb/. Ctrl-C saves a checkpoint; continue with --resume.")
     a = s.add_argument
     a("--preset", default=None, help=f"model preset [{d.preset}]")
     a("--config", default=None, help="model config.json / checkpoint dir (instead of --preset)")
@@ -52,7 +53,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--device", default=None, help="auto | cpu | cuda[:N] [auto]")
     a("--threads", type=int, default=None, help="torch CPU threads [torch default]")
     a("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
-    a("--eval-every", type=int, default=None, help="evaluate every N steps; 0 = before and after [0]")
+    a("--eval-every", type=int, default=None, help="evaluate every N steps; 0 = before and after only [steps/4]")
     a("--val-tokens", type=int, default=None, help=f"validation tokens per evaluation [{d.val_tokens}]")
     a("--max-bad-steps", type=int, default=None, help=f"consecutive NaN/inf steps tolerated [{d.max_bad_steps}]")
     a("--no-progress", action="store_true", default=None, help="no progress bar")

@@ -26,11 +26,15 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     return train, ev
 
 
-def _smooth(xs: Sequence[float], alpha: float = 0.1) -> list[float]:
-    out, m = [], None
+def _smooth(xs: Sequence[float], alpha: Optional[float] = None) -> list[float]:
+    """Bias-corrected EMA (no lag towards the first value); alpha defaults to ~8/len, in [0.02, 0.3]."""
+    if alpha is None:
+        alpha = max(0.02, min(0.3, 8.0 / max(len(xs), 1)))
+    out, m, w = [], 0.0, 0.0
     for x in xs:
-        m = x if m is None else (1 - alpha) * m + alpha * x
-        out.append(m)
+        m = (1 - alpha) * m + alpha * x
+        w = (1 - alpha) * w + alpha
+        out.append(m / w)
     return out
 
 
@@ -58,10 +62,11 @@ def plot_loss(metrics_path: str, png_path: str, boundaries: Optional[Sequence[in
     seqs = {}
     for r in train:
         seqs.setdefault(r.get("stage", 0), (r["step"], r.get("seq_len")))
+    y0 = ax.get_ylim()[0]
     for i, (st, (s, seq)) in enumerate(sorted(seqs.items())):
         if i:
             ax.axvline(s - 0.5, color="gray", ls="--", lw=1)
-        ax.text(s, ax.get_ylim()[1] if train else 1, f" T={seq}", va="top", fontsize=8, color="gray")
+        ax.text(s, y0, f" T={seq}", va="bottom", fontsize=8, color="gray")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("k3 training")

@@ -55,7 +55,7 @@ __all__ = ["TrainConfig", "Trainer", "TrainingError", "Callback", "parse_stages"
 # ~10 minutes on 2 CPU cores including tokenizer training (see benchmarks/RESULTS.md / the trainer tests).
 # Context stages scaled from K3's 8K -> 64K -> 256K -> 1M: most steps short, a few long ones at the end.
 DEFAULT_STAGES = [(256, 0.6), (1024, 0.3), (2048, 0.1)]
-DEFAULT_STEPS = 120
+DEFAULT_STEPS = 72
 DEFAULT_TOKENS_PER_STEP = 2048
 
 CKPT_PREFIX = "step-"
@@ -65,6 +65,10 @@ STATE_JSON = "trainer_state.json"
 
 class TrainingError(K3Error, RuntimeError):
     """The run cannot continue (e.g. the loss kept being NaN/inf)."""
+
+
+class _Abort(KeyboardInterrupt):
+    """A second Ctrl-C: stop at once, without a checkpoint."""
 
 
 # ------------------------------------------------------------------------------------------------- config
@@ -128,7 +132,7 @@ class TrainConfig:
     # logging / evaluation / checkpoints
     save_every: int = 0                     # 0: only at the end (and on Ctrl-C)
     keep: int = 2
-    eval_every: int = 0                     # 0: before and after training only
+    eval_every: Optional[int] = None        # None: ~4 evaluations per run; 0: before and after training only
     val_tokens: int = 4096                  # validation tokens per evaluation (fixed batches)
     val_seq_len: Optional[int] = None       # default: the first stage's seq_len
     recall_examples: int = 16
@@ -551,7 +555,9 @@ class Trainer:
             _atomic_json({k: st[k] for k in ("step", "stage", "seq_len", "tokens_seen", "train_time")}
                          | {"time": time.time()}, os.path.join(model_dir, STATE_JSON))
             _fsync_dir(model_dir)
-            if os.path.exists(final):  # same step saved twice (e.g. Ctrl-C right after a periodic save)
+            if os.path.isfile(os.path.join(final, STATE_FILE)):  # this step is saved already (same state)
+                return final
+            if os.path.exists(final):  # leftover without a state file: not a checkpoint
                 shutil.rmtree(final)
             os.rename(model_dir, final)
             _fsync_dir(root)
@@ -701,6 +707,8 @@ class Trainer:
         stage, seq = self.schedule.stage_at(self.step)
         rows = cfg.tokens_per_step // seq
         t0 = time.time()
+        self._loader_at_step_start = self.data.train.state_dict()
+        self._phase = "compute"
         batches = self._micro_batches(seq, rows)
         n_total = sum(int((b["labels"] != -100).sum()) for b in batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -733,6 +741,7 @@ class Trainer:
             bad = not math.isfinite(grad_norm)
         rec: dict[str, Any] = {"type": "train"}
         clipped = 0
+        self._phase = "update"
         if bad:
             self.optimizer.zero_grad(set_to_none=True)
             self._discard_balancer_stats()
@@ -758,6 +767,7 @@ class Trainer:
         self.step += 1
         self.tokens_seen += tokens
         self.train_time += dt
+        self._phase = "idle"
         rec.update({"step": self.step, "loss": float(loss_sum) if not bad else float("nan"), "lr": lr,
                     "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9), "step_time": dt,
                     "seq_len": seq, "stage": stage, "batch_rows": rows, "grad_norm": grad_norm,
@@ -786,9 +796,19 @@ class Trainer:
             pass
 
     # ------------------------------------------------------------------ loop
+    def _rollback_partial_step(self) -> None:
+        """Interrupted between fetching a step's batches and updating: undo the data position and the
+        gradients, so the checkpoint is exactly the state after the last completed step."""
+        if getattr(self, "_phase", "idle") != "compute":
+            return
+        self.data.train.load_state_dict(self._loader_at_step_start)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._discard_balancer_stats()
+        self._phase = "idle"
+
     def _on_sigint(self, signum, frame):
         if self._stop_requested:  # second Ctrl-C: give up immediately
-            raise KeyboardInterrupt
+            raise _Abort
         self._stop_requested = True
         log.warning("Ctrl-C: finishing the current step, saving a checkpoint (Ctrl-C again to abort)")
 
@@ -810,6 +830,7 @@ class Trainer:
                 self._run_eval()
             self.first_eval = self.eval_history[0] if self.eval_history else None
             end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+            eval_every = cfg.eval_every if cfg.eval_every is not None else max(1, cfg.steps // 4)
             pbar = self._progress(end)
             last_saved = self.step
             while self.step < end:
@@ -822,8 +843,8 @@ class Trainer:
                 self.history.append(rec)
                 self._log(rec)
                 if pbar is not None:
-                    pbar.update(1)
                     self._set_postfix(pbar, rec)
+                    pbar.update(1)
                 if self.bad_streak > cfg.max_bad_steps:
                     raise TrainingError(
                         f"stopping at step {self.step}: the loss or gradient was NaN/inf for {self.bad_streak} "
@@ -831,7 +852,7 @@ class Trainer:
                         f"data, or resume from the last good checkpoint ({latest_checkpoint(cfg.out_dir)}).")
                 for cb in self.callbacks:
                     cb.on_step_end(self, rec)
-                if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < end:
+                if eval_every and self.step % eval_every == 0 and self.step < end:
                     self._run_eval()
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step < end:
                     self.save_checkpoint()
@@ -842,8 +863,15 @@ class Trainer:
                 self.save_checkpoint()
             if self.step < cfg.steps:
                 status = "stopped"
+        except _Abort:
+            print(f"\nk3 train: aborted at step {self.step}; last checkpoint: {latest_checkpoint(cfg.out_dir)}",
+                  flush=True)
+            raise
         except KeyboardInterrupt:
             status = "interrupted"
+            if getattr(self, "_phase", "idle") == "update":  # pragma: no cover - only a raise inside an update
+                raise
+            self._rollback_partial_step()
             if pbar is not None:
                 pbar.close()
                 pbar = None

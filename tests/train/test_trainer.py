@@ -47,7 +47,7 @@ def make_cfg(corpus, out, **kw):
     base = dict(out_dir=str(out), preset="tiny", model_overrides=dict(MICRO), steps=8, tokens_per_step=256,
                 stages=[(64, 0.5), (128, 0.5)], data=corpus["data"], cache_dir=corpus["cache"], lr=1e-2,
                 val_tokens=512, recall_examples=4, recall_pairs=4, progress=False, tensorboard=False,
-                samples=False, plot=False, seed=0, device="cpu")
+                samples=False, plot=False, seed=0, device="cpu", eval_every=0)
     base.update(kw)
     return TrainConfig(**base)
 
@@ -63,7 +63,7 @@ def train_losses(out):
 
 def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
     out = tmp_path / "run"
-    trainer = Trainer(make_cfg(corpus, out, steps=14, samples=True, plot=True, sample_tokens=4,
+    trainer = Trainer(make_cfg(corpus, out, steps=14, eval_every=7, samples=True, plot=True, sample_tokens=4,
                           sample_prompts=["The "]))
     s = trainer.train()
     assert s["status"] == "completed"
@@ -77,7 +77,7 @@ def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
         assert key in tr[0], key
     assert [r["step"] for r in tr] == list(range(1, 15))
     ev = [r for r in recs if r["type"] == "eval"]
-    assert [r["step"] for r in ev] == [0, 14] and "recall_acc" in ev[0] and "val_loss" in ev[0]
+    assert [r["step"] for r in ev] == [0, 7, 14] and "recall_acc" in ev[0] and "val_loss" in ev[0]
     # final model + tokenizer: from_pretrained gives the trained weights
     from k3.checkpoint import from_pretrained
     from k3.train.data import HFTokenizer
@@ -100,7 +100,7 @@ def test_exact_resume(corpus, tmp_path):
     """2N steps straight == N steps, stop, resume, N steps (bitwise on CPU), across a stage switch."""
     a, b = tmp_path / "a", tmp_path / "b"
     Trainer(make_cfg(corpus, a, steps=6)).train()
-    s1 = Trainer(make_cfg(corpus, b, steps=6, stop_at=3)).train()
+    s1 = Trainer(make_cfg(corpus, b, steps=6, stop_at=3, eval_every=2)).train()  # evals must not perturb
     assert s1["status"] == "stopped" and find_checkpoints(str(b))[-1][0] == 3
     assert not os.path.exists(b / "final")
     s2 = Trainer(make_cfg(corpus, b, steps=6, resume=True)).train()
@@ -187,6 +187,10 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path):
 
 
 def test_ctrl_c_saves_and_resumes(corpus, tmp_path, capsys):
+    """Ctrl-C (KeyboardInterrupt) after a step or in the middle of one: a checkpoint of the last completed step,
+    from which the run continues exactly."""
+    ref = tmp_path / "ref"
+    Trainer(make_cfg(corpus, ref, steps=4)).train()
     out = tmp_path / "run"
 
     class CtrlC(Callback):
@@ -198,6 +202,18 @@ def test_ctrl_c_saves_and_resumes(corpus, tmp_path, capsys):
     assert [st for st, _ in find_checkpoints(str(out))] == [2]
     s = Trainer(make_cfg(corpus, out, steps=4, resume=True)).train()
     assert s["status"] == "completed" and s["step"] == 4
+    assert train_losses(out) == train_losses(ref)
+
+    class CtrlCMidStep(Callback):  # during the forward/backward of step 3
+        def on_loss(self, trainer, loss):
+            if trainer.step == 2:
+                raise KeyboardInterrupt
+            return loss
+    out2 = tmp_path / "run2"
+    s = Trainer(make_cfg(corpus, out2, steps=4), callbacks=[CtrlCMidStep()]).train()
+    assert s["status"] == "interrupted" and [st for st, _ in find_checkpoints(str(out2))] == [2]
+    Trainer(make_cfg(corpus, out2, steps=4, resume=True)).train()
+    assert train_losses(out2) == train_losses(ref)
 
 
 def test_cli_end_to_end(corpus, tmp_path, monkeypatch):

@@ -1,0 +1,18 @@
+"""`k3 serve`: an OpenAI-compatible HTTP server with streaming, continuous batching and strict input checking.
+
+    from k3.serve import ServeConfig, create_app
+    app = create_app(model, tokenizer, ServeConfig(model_name="k3-tiny", max_batch=8))
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+The HTTP parts (app.py) need the `serve` extra (fastapi, uvicorn); the scheduler does not.
+"""
+from k3.serve.scheduler import GenRequest, QueueFull, Scheduler
+
+__all__ = ["GenRequest", "QueueFull", "Scheduler", "ServeConfig", "create_app"]
+
+
+def __getattr__(name):  # the FastAPI app is imported lazily (optional dependency)
+    if name in ("ServeConfig", "create_app"):
+        from k3.serve import app
+        return getattr(app, name)
+    raise AttributeError(name)

@@ -1,0 +1,334 @@
+"""Continuous batching for `k3 serve`: one scheduler thread owns the model and a K3Cache with `max_batch` rows.
+
+Each request gets a cache row (a *slot*). Every scheduler iteration
+  1. drops cancelled requests (client gone) and frees their slots,
+  2. admits queued requests into free slots (the lowest free row first, which keeps active rows contiguous),
+  3. prefills waiting prompts, at most `prefill_chunk` prompt tokens per iteration in total (so a long prompt
+     never stalls the running streams for more than one chunk), sampling the first token of a prompt as soon as
+     its prefill completes,
+  4. decodes one token for every slot that has one pending, all of them in one forward per contiguous run of
+     rows (rows still prefilling split a run; free rows inside a run are reset and fed a dummy token).
+Sampling is per request (own SamplingParams, own torch.Generator seeded from the request seed), so a request's
+output does not depend on what else is running: greedy and seeded requests give what `k3.generate` gives for the
+same prompt alone (up to batch-size dependent floating point rounding).
+
+Events go to each request's `sink` (called on the scheduler thread): ("text", delta), then ("done",
+finish_reason, prompt_tokens, completion_tokens) with finish_reason "stop" | "length" | "cancelled", or
+("error", message). Text is detokenised incrementally (an incomplete UTF-8 character and a tail that may start
+a stop string are held back; stop strings and what follows are never sent).
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Deque, List, Optional
+
+import torch
+
+from k3.generation.cache import K3Cache
+from k3.generation.sampling import SamplingParams, select_next
+
+__all__ = ["GenRequest", "Scheduler", "QueueFull"]
+
+log = logging.getLogger("k3.serve")
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the wait queue is full."""
+
+
+@dataclass
+class GenRequest:
+    prompt: List[int]
+    max_tokens: int
+    sink: Callable[[tuple], None]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: Optional[int] = None
+    stop_ids: frozenset = frozenset()
+    stop_strings: List[str] = field(default_factory=list)
+    text_ends_at_special: bool = False   # chat: the reply text ends at the first special token (<|close|> ...)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    id: str = ""
+    # ---- scheduler state
+    slot: int = -1
+    state: str = "queued"                # queued | prefill | decode | done
+    pos: int = 0                         # prompt tokens prefilled
+    generated: List[int] = field(default_factory=list)
+    text_ids: List[int] = field(default_factory=list)
+    text_closed: bool = False
+    emitted: int = 0                     # characters of text already sent
+    finish: Optional[str] = None
+    t_submit: float = 0.0
+    t_first: Optional[float] = None
+    _order: int = 0
+    _gen: Optional[torch.Generator] = None
+    _seen: Optional[torch.Tensor] = None
+
+
+class Scheduler:
+    def __init__(self, model, tokenizer, max_batch: int = 8, max_queue: int = 64, max_context: int = 4096,
+                 prefill_chunk: int = 512):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.model, self.tok = model, tokenizer
+        self.max_batch, self.max_queue, self.max_context = int(max_batch), int(max_queue), int(max_context)
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.device = model.device
+        self.vocab = model.config.vocab_size
+        self.cache = K3Cache.for_model(model, self.max_batch, max_length=self.max_context + 1)
+        self.slots: List[Optional[GenRequest]] = [None] * self.max_batch
+        self.pending: Deque[GenRequest] = collections.deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self._order = itertools.count()
+        self.stats = dict(requests=0, completed=0, cancelled=0, rejected=0, errors=0, prompt_tokens=0,
+                          generated_tokens=0, decode_steps=0, peak_active=0)
+
+    # ------------------------------------------------------------------ public (any thread)
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop = False
+            self._thread = threading.Thread(target=self._run, name="k3-serve-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; raises QueueFull when max_batch + max_queue requests are already in the server."""
+        with self._cv:
+            busy = sum(s is not None for s in self.slots) + len(self.pending)
+            if busy >= self.max_batch + self.max_queue:
+                self.stats["rejected"] += 1
+                raise QueueFull(f"server busy: {self.max_batch} streams running and {len(self.pending)} queued "
+                                f"(max_queue {self.max_queue})")
+            req.t_submit = time.perf_counter()
+            req.state = "queued"
+            self.pending.append(req)
+            self.stats["requests"] += 1
+            self._cv.notify_all()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def snapshot(self) -> dict:
+        with self._cv:
+            active = sum(s is not None for s in self.slots)
+            return dict(active=active, queued=len(self.pending), max_batch=self.max_batch,
+                        max_queue=self.max_queue, scheduler_alive=self.alive, **self.stats)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stop and not self.pending and all(s is None for s in self.slots):
+                        self._cv.wait(0.5)
+                    if self._stop:
+                        break
+                    self._admit()
+                try:
+                    self._step()
+                except Exception as e:  # never let one bad step kill the server: fail what was running
+                    log.exception("scheduler step failed")
+                    self._fail_all(f"internal error during generation: {type(e).__name__}: {e}")
+        with self._cv:
+            for r in list(self.pending) + [s for s in self.slots if s is not None]:
+                self._emit(r, ("error", "server shutting down"))
+            self.pending.clear()
+            self.slots = [None] * self.max_batch
+
+    def _admit(self) -> None:  # under the lock
+        if any(r.cancel.is_set() for r in self.pending):   # a queued request whose client left
+            for r in [r for r in self.pending if r.cancel.is_set()]:
+                self.pending.remove(r)
+                self._finish(r, "cancelled")
+        while self.pending:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                return
+            r = self.pending.popleft()
+            if r.cancel.is_set():
+                self._finish(r, "cancelled")
+                continue
+            i = free[0]
+            self.cache.rows(i).reset()
+            r.slot, r.state, r.pos = i, "prefill", 0
+            r._order = next(self._order)
+            if r.params.do_sample:
+                seed = r.seed if r.seed is not None else secrets.randbits(63)
+                r._gen = torch.Generator(device=self.device).manual_seed(int(seed))
+            if r.params.repetition_penalty != 1.0:
+                r._seen = torch.zeros(1, self.vocab, dtype=torch.bool, device=self.device)
+                r._seen[0, torch.tensor(r.prompt, device=self.device)] = True
+            self.slots[i] = r
+            self.stats["prompt_tokens"] += len(r.prompt)
+            self.stats["peak_active"] = max(self.stats["peak_active"], sum(s is not None for s in self.slots))
+
+    def _free(self, r: GenRequest) -> None:
+        with self._cv:
+            if 0 <= r.slot < self.max_batch and self.slots[r.slot] is r:
+                self.slots[r.slot] = None
+            r.state = "done"
+
+    def _fail_all(self, msg: str) -> None:
+        for r in [s for s in self.slots if s is not None]:
+            self.stats["errors"] += 1
+            self._emit(r, ("error", msg))
+            self._free(r)
+
+    def _emit(self, r: GenRequest, ev: tuple) -> None:
+        try:
+            r.sink(ev)
+        except Exception:  # a sink whose event loop is gone: the request is orphaned
+            r.cancel.set()
+
+    def _finish(self, r: GenRequest, reason: str) -> None:
+        r.finish = reason
+        if reason == "cancelled":
+            self.stats["cancelled"] += 1
+        else:
+            self.stats["completed"] += 1
+        self._emit(r, ("done", reason, len(r.prompt), len(r.generated)))
+        self._free(r)
+
+    def _step(self) -> None:
+        model, cache = self.model, self.cache
+        for r in [s for s in self.slots if s is not None]:
+            if r.cancel.is_set():
+                self._finish(r, "cancelled")
+        # ---- prefill (bounded work per iteration), oldest admission first
+        budget = self.prefill_chunk
+        for r in sorted((s for s in self.slots if s is not None and s.state == "prefill"), key=lambda s: s._order):
+            if budget <= 0:
+                break
+            n = min(budget, len(r.prompt) - r.pos)
+            view = cache.rows(r.slot)
+            ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+            logits = model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            view.advance(n)
+            r.pos += n
+            budget -= n
+            if r.pos == len(r.prompt):
+                r.state = "decode"
+                r.t_first = time.perf_counter()
+                self._accept(r, self._pick(r, logits))
+        # ---- one decode step for every slot with a pending token
+        for lo, hi in self._runs():
+            rows = self.slots[lo:hi + 1]
+            feed = []
+            for j, r in enumerate(rows):
+                if r is not None and r.state == "decode":
+                    feed.append(r.generated[-1])
+                else:                                    # a free row inside the run: reset, feed a dummy
+                    cache.rows(lo + j).reset()
+                    feed.append(0)
+            view = cache.rows(slice(lo, hi + 1))
+            ids = torch.tensor(feed, dtype=torch.long, device=self.device).unsqueeze(1)
+            logits = model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            view.advance(1)
+            self.stats["decode_steps"] += 1
+            greedy = logits.argmax(-1).tolist()
+            for j, r in enumerate(rows):
+                if r is None or r.state != "decode":
+                    continue
+                if r.params.do_sample or r.params.repetition_penalty != 1.0:
+                    tok = self._pick(r, logits[j:j + 1])
+                else:
+                    tok = int(greedy[j])
+                self._accept(r, tok)
+
+    def _runs(self):
+        """Contiguous row ranges to decode together: rows that decode, bridging free rows, split at rows that
+        are still prefilling (their state must not move)."""
+        runs, start, last = [], None, None
+        for i, r in enumerate(self.slots + [None]):
+            if i < self.max_batch and r is not None and r.state == "prefill":
+                if start is not None:
+                    runs.append((start, last))
+                start = last = None
+                continue
+            if i < self.max_batch and r is not None and r.state == "decode":
+                if start is None:
+                    start = i
+                last = i
+        if start is not None:
+            runs.append((start, last))
+        return runs
+
+    def _pick(self, r: GenRequest, logits_1V: torch.Tensor) -> int:
+        return int(select_next(logits_1V, r.params, r._seen, r._gen)[0])
+
+    # ------------------------------------------------------------------ tokens -> text events
+    def _decode(self, ids) -> str:
+        n = self.tok.vocab_size
+        return self.tok.decode([i for i in ids if i < n], skip_special=True)
+
+    def _accept(self, r: GenRequest, tok: int) -> None:
+        r.generated.append(tok)
+        self.stats["generated_tokens"] += 1
+        if r._seen is not None:
+            r._seen[0, tok] = True
+        finish, cut = None, -1
+        changed = False
+        if tok in r.stop_ids:
+            finish = "stop"
+        elif not r.text_closed:
+            if r.text_ends_at_special and tok < self.tok.vocab_size and self.tok.is_special(tok):
+                r.text_closed = True
+            else:
+                r.text_ids.append(tok)
+                changed = True
+        text = self._decode(r.text_ids) if (changed or finish) else None
+        if changed and r.stop_strings:
+            hits = [h for h in (text.find(s) for s in r.stop_strings) if h >= 0]
+            if hits:
+                finish, cut = "stop", min(hits)
+        if finish is None and len(r.generated) >= r.max_tokens:
+            finish = "length"
+            if text is None:
+                text = self._decode(r.text_ids)
+        if text is not None:
+            if finish is not None:
+                final = text[:cut] if cut >= 0 else text
+                delta = final[r.emitted:]
+            else:
+                if text.endswith("\ufffd"):       # incomplete UTF-8 character: wait for more bytes
+                    delta = ""
+                else:
+                    end = len(text) - _hold(text, r.stop_strings)
+                    delta = text[r.emitted:end] if end > r.emitted else ""
+            if delta:
+                r.emitted += len(delta)
+                self._emit(r, ("text", delta))
+        if finish is not None:
+            self._finish(r, finish)
+
+
+def _hold(text: str, stops) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string (held back)."""
+    h = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), h, -1):
+            if text.endswith(s[:k]):
+                h = k
+                break
+    return h
