@@ -660,12 +660,12 @@ class Trainer:
                 new = None
                 if gen is not None:
                     try:
-                        res = gen(self.model, [ids], max_new_tokens=self.cfg.sample_tokens, temperature=0.0)
-                        new = list(res[0]) if not isinstance(res, torch.Tensor) else res[0].tolist()
-                        if new[:len(ids)] == ids:
-                            new = new[len(ids):]
+                        with self._autocast():
+                            res = gen(self.model, [ids], max_new_tokens=self.cfg.sample_tokens,
+                                      stop_token_ids=[tok.eod_id, tok.eos_id])
+                        new = [t for t in res[0, len(ids):].tolist() if t != self.model_config.pad_token_id]
                     except Exception as e:  # API mismatch: fall back to the simple loop
-                        log.debug("k3.generation.generate failed (%s); using greedy loop", e)
+                        log.warning("k3.generation.generate failed (%s); using the plain greedy loop", e)
                         new = None
                 if new is None:
                     with self._autocast():

@@ -61,7 +61,7 @@ def train_losses(out):
     return [r["loss"] for r in metrics(out) if r["type"] == "train"]
 
 
-def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
+def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path, caplog):
     out = tmp_path / "run"
     trainer = Trainer(make_cfg(corpus, out, steps=14, eval_every=7, samples=True, plot=True, sample_tokens=4,
                           sample_prompts=["The "]))
@@ -90,7 +90,7 @@ def test_loss_falls_final_loads_and_artifacts(corpus, tmp_path):
     trainer.model.eval()
     with torch.no_grad():
         assert torch.equal(m(ids).logits, trainer.model(ids).logits)
-    assert s["samples"] and s["samples"][0][0] == "The "
+    assert s["samples"] and s["samples"][0][0] == "The " and "generate failed" not in caplog.text
     assert os.path.isfile(out / "config.json") and os.path.isfile(out / "loss.png")
     assert os.path.isfile(out / "report.md") and os.path.isfile(out / "samples.txt")
     assert K3Config.from_json(str(out / "config.json")).hidden_size == 64
