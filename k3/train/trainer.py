@@ -788,12 +788,7 @@ class Trainer:
         b = self.balancer
         if b is None:
             return
-        try:
-            b.aux_loss()
-            for r in getattr(b, "routers", []):
-                b._reset(r)
-        except Exception:  # pragma: no cover - a balancer without these internals
-            pass
+        b.discard_stats()
 
     # ------------------------------------------------------------------ loop
     def _rollback_partial_step(self) -> None:
