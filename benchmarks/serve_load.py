@@ -7,7 +7,7 @@ of concurrent streams.
 Without --ckpt a random-init `tiny` model (vocab resized to a toy BPE tokenizer's, 612 ids) is saved in a temp
 dir. The server runs as a subprocess (`python -m k3.cli serve ... --max-batch max(concurrency)`) on a free
 127.0.0.1 port; this process drives it with C concurrent streaming clients (httpx), each sending
-/v1/completions requests (stream, greedy, fixed prompt length, max_tokens) back to back until the level's
+/v1/completions requests (stream, greedy, fixed prompt length, exactly max_tokens: ignore_eos) back to back until the level's
 request count or time budget is spent. Only 127.0.0.1 is ever contacted.
 
 Per request: TTFT = send -> first non-empty text chunk; TPOT (per-token latency) = (last chunk - first chunk) /
@@ -64,7 +64,7 @@ def pct(xs, p):
 
 async def one_request(client, model, prompt, max_tokens):
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     t_first = t_last = None
     n = None

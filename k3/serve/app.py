@@ -13,7 +13,7 @@ generation stops at <|end_of_msg|>; the reply `content` is the plain text of the
 generated text up to the first special token (<|close|>). No tools / images / logprobs (rejected with a 400
 naming the field). Completions: the prompt is text (no special-token recognition) or token ids; generation stops
 at the tokenizer's stop ids. Greedy when temperature (or top_p) is 0; `seed` makes sampling reproducible (the
-same tokens k3.generate gives with that seed); extensions: `top_k`, `repetition_penalty`.
+same tokens k3.generate gives with that seed); extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
 """
 from __future__ import annotations
 
@@ -109,6 +109,8 @@ class _Engine:
                                 top_k=p.top_k, top_p=p.top_p if do_sample else 1.0,
                                 repetition_penalty=p.repetition_penalty)
         stop_ids = frozenset(self.tok.stop_ids) if p.kind == "completion" else frozenset([self.tok.eos_id])
+        if p.ignore_eos:
+            stop_ids = frozenset()
         return GenRequest(prompt=list(ids), max_tokens=max_tokens, sink=sink, params=params, seed=p.seed,
                           stop_ids=stop_ids, stop_strings=list(p.stop), text_ends_at_special=p.kind == "chat",
                           id=("chatcmpl-" if p.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24])

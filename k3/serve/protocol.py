@@ -50,6 +50,7 @@ class ParsedRequest:
     seed: Optional[int] = None
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False                   # extension (as in vLLM): do not stop at the end-of-turn token
     user: Optional[str] = None
 
 
@@ -174,7 +175,8 @@ class _Fields:
 
 
 COMMON = ("model", "temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "stop", "seed", "n",
-          "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs")
+          "stream", "stream_options", "user", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+          "ignore_eos")
 CHAT_KEYS = set(COMMON) | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                            "parallel_tool_calls", "response_format", "functions", "function_call"}
 COMPLETION_KEYS = set(COMMON) | {"prompt", "echo", "best_of", "suffix"}
@@ -190,6 +192,7 @@ def _common(f: _Fields, p: ParsedRequest) -> None:
     if n != 1:
         raise bad(f"'n' must be 1 (this server returns one choice per request), got {n}", "n", "unsupported_value")
     p.stream = f.boolean("stream")
+    p.ignore_eos = f.boolean("ignore_eos")
     so = f.body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):

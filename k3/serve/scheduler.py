@@ -87,6 +87,7 @@ class Scheduler:
         self.pending: Deque[GenRequest] = collections.deque()
         self._cv = threading.Condition()
         self._stop = False
+        self._paused = False
         self._thread: Optional[threading.Thread] = None
         self._order = itertools.count()
         self.stats = dict(requests=0, completed=0, cancelled=0, rejected=0, errors=0, prompt_tokens=0,
@@ -125,6 +126,16 @@ class Scheduler:
             self.stats["requests"] += 1
             self._cv.notify_all()
 
+    def pause(self) -> None:
+        """Stop admitting and stepping after the current step (requests still queue); resume() continues."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
     def wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -132,7 +143,7 @@ class Scheduler:
     def snapshot(self) -> dict:
         with self._cv:
             active = sum(s is not None for s in self.slots)
-            return dict(active=active, queued=len(self.pending), max_batch=self.max_batch,
+            return dict(active=active, queued=len(self.pending), paused=self._paused, max_batch=self.max_batch,
                         max_queue=self.max_queue, scheduler_alive=self.alive, **self.stats)
 
     # ------------------------------------------------------------------ scheduler thread
@@ -140,7 +151,8 @@ class Scheduler:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stop and not self.pending and all(s is None for s in self.slots):
+                    while not self._stop and (self._paused or (not self.pending and
+                                                               all(s is None for s in self.slots))):
                         self._cv.wait(0.5)
                     if self._stop:
                         break

@@ -26,7 +26,7 @@ def _requests():
     return out
 
 
-async def _stream_all(base, reqs):
+async def _stream_all(base, sched, reqs):
     client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
 
     async def one(prompt, kw):
@@ -41,16 +41,25 @@ async def _stream_all(base, reqs):
                 usage = ch.usage
         return "".join(text), finish, usage
 
+    async def release():
+        # the scheduler is paused until every request is queued: 16 start together, 8 take freed slots later
+        while sched.snapshot()["queued"] < len(reqs):
+            await asyncio.sleep(0.01)
+        sched.resume()
+
+    sched.pause()
     try:
-        return await asyncio.gather(*(one(p, kw) for p, kw in reqs))
+        out = await asyncio.gather(release(), *(one(p, kw) for p, kw in reqs))
+        return out[1:]
     finally:
+        sched.resume()
         await client.close()
 
 
 def test_concurrent_streams_are_independent_and_exact(server, loaded):
     model, tok = loaded
     reqs = _requests()
-    results = asyncio.run(_stream_all(server.base, reqs))
+    results = asyncio.run(_stream_all(server.base, server.engine.scheduler, reqs))
     snap = server.engine.scheduler.snapshot()
     assert snap["active"] == 0 and snap["queued"] == 0
     assert snap["peak_active"] == 16            # the streams really shared the batch

@@ -42,7 +42,7 @@ FIELDS = {
     "stream": st.one_of(st.booleans(), scalars),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), json_values),
     "user": scalars, "presence_penalty": scalars, "frequency_penalty": scalars, "logprobs": scalars,
-    "echo": scalars, "logit_bias": json_values, "tools": json_values, "unknown_field": scalars,
+    "echo": scalars, "logit_bias": json_values, "ignore_eos": scalars, "tools": json_values, "unknown_field": scalars,
 }
 
 
