@@ -10,6 +10,9 @@ not on its content; the JSON/table say which one was used. Weights are random (s
 CPU:  python benchmarks/decode.py --preset tiny --max-context 32768 --json decode_cpu.json
 CUDA: python benchmarks/decode.py --device cuda --preset small --max-context 1048576 --json decode_h200.json
       (bf16 on CUDA by default; the small all-MLA control needs ~14 GB of latent cache at 1M tokens)
+--static: decode with k3.generation.static.StaticDecoder (fused, shape-static step; MLA attention over a window of
+context + steps tokens with a length mask; one decoder per context). --cuda-graph: the same, captured as a CUDA
+graph and replayed per token (implies --static; CUDA only).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 
 from k3.config import K3Config
 from k3.generation.cache import K3Cache, KDALayerCache, MLALayerCache, cache_memory
+from k3.generation.static import StaticDecoder
 from k3.model import K3ForCausalLM
 
 
@@ -78,21 +82,33 @@ def fill(model, cache: K3Cache, target: int, chunk: int, synthetic: bool, gen: t
 class Runner:
     """One model + its batch-1 cache; `step()` times one greedy decode step."""
 
-    def __init__(self, name, cfg, device, dtype, max_len):
+    def __init__(self, name, cfg, device, dtype, max_len, static=False, cuda_graph=False):
         self.name, self.cfg, self.device = name, cfg, device
+        self.static, self.cuda_graph, self.dec = static, cuda_graph, None
         self.model = build(cfg, device, dtype)
         self.cache = K3Cache.for_model(self.model, 1, max_length=max_len)
         self.gen = torch.Generator(device=device).manual_seed(1)
         self.tok = torch.randint(0, cfg.vocab_size, (1, 1), device=device, generator=self.gen)
 
+    def start(self, n_steps: int) -> None:
+        """Before timing a context: a static decoder whose MLA window holds the next n_steps tokens."""
+        if self.static:
+            self.dec = StaticDecoder(self.model, self.cache, 1, max_length=self.cache.lengths[0] + n_steps + 1,
+                                     cuda_graph=self.cuda_graph)
+
     @torch.inference_mode()
     def step(self) -> float:
         sync(self.device)
         t0 = time.perf_counter()
-        logits = self.model(self.tok, cache=self.cache, logits_to_keep=1).logits
-        self.tok = logits[:, -1].float().argmax(-1, keepdim=True)
+        if self.dec is not None:
+            logits = self.dec.step(self.tok)
+            self.tok = logits.argmax(-1, keepdim=True)
+        else:
+            logits = self.model(self.tok, cache=self.cache, logits_to_keep=1).logits
+            self.tok = logits[:, -1].float().argmax(-1, keepdim=True)
         sync(self.device)
-        self.cache.advance(1)
+        if self.dec is None:
+            self.cache.advance(1)
         return time.perf_counter() - t0
 
 
@@ -111,10 +127,17 @@ def main(argv=None):
                          "(default: max-context on CPU, 131072 on CUDA)")
     ap.add_argument("--models", default="hybrid,all-mla")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--static", action="store_true", help="decode with the fused StaticDecoder step")
+    ap.add_argument("--cuda-graph", action="store_true", help="StaticDecoder captured as a CUDA graph (CUDA)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
 
     device = torch.device(a.device)
+    if a.cuda_graph:
+        if device.type != "cuda":
+            ap.error("--cuda-graph needs --device cuda")
+        a.static = True
+        a.warmup = max(a.warmup, 3)   # step 1 eager warm-up, step 2 capture + replay, then replays
     if a.threads:
         torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -134,7 +157,7 @@ def main(argv=None):
     extra = (a.warmup + a.steps) * len(contexts)
     # Both models stay resident and their decode steps are interleaved, so load drift on a shared machine hits
     # them alike (for the small preset at 1M on one GPU: ~14 GB + ~4 GB of latent cache).
-    runners = [Runner(n, cfgs[n], device, dtype, contexts[-1] + extra + 1) for n in names]
+    runners = [Runner(n, cfgs[n], device, dtype, contexts[-1] + extra + 1, a.static, a.cuda_graph) for n in names]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for ctx in contexts:
@@ -146,6 +169,8 @@ def main(argv=None):
             fill(r.model, r.cache, target, chunk, synthetic, r.gen)
             sync(device)
             fills[r.name] = ("synthetic" if synthetic else "prefill", time.perf_counter() - t0, r.cache.lengths[0])
+        for r in runners:
+            r.start(a.warmup + a.steps)
         times = {r.name: [] for r in runners}
         for i in range(a.warmup + a.steps):
             for r in runners:
@@ -169,7 +194,8 @@ def main(argv=None):
     print()
     hdr = f"{'context':>9} | {'hybrid ms/tok':>13} | {'all-MLA ms/tok':>14} | {'ratio':>6} | " \
           f"{'hybrid cache':>14} | {'all-MLA cache':>14} | fill"
-    print(f"preset {a.preset}, {device.type}, {str(dtype).replace('torch.', '')}, batch 1, "
+    mode = "cuda-graph" if a.cuda_graph else ("static" if a.static else "eager")
+    print(f"preset {a.preset}, {device.type}, {str(dtype).replace('torch.', '')}, batch 1, {mode}, "
           f"median of {a.steps} decode steps")
     print(hdr)
     print("-" * len(hdr))
@@ -185,6 +211,7 @@ def main(argv=None):
         rows.append(dict(context=ctx, hybrid=h, all_mla=m, all_mla_over_hybrid=ratio))
     if a.json:
         info = dict(preset=a.preset, device=str(device), dtype=str(dtype), steps=a.steps, warmup=a.warmup,
+                    mode=mode,
                     prefill_chunk=chunk, real_prefill_max=real_max, torch=torch.__version__,
                     threads=torch.get_num_threads(), platform=platform.platform(),
                     gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -128,8 +128,31 @@ class _StopStrings:
         return min(hits) if hits else -1
 
 
+def _use_static(model, use_cache: bool, static: Optional[bool], cuda_graph: Optional[bool]):
+    """(static, cuda_graph) for this call. Default: the static (CUDA-graph) decode step on CUDA when it passes its
+    self-check for this model (k3.generation.static.self_check, cached per model), the normal forward elsewhere."""
+    if not use_cache:
+        if static or cuda_graph:
+            raise RequestError("static / cuda_graph decoding needs use_cache=True")
+        return False, False
+    on_cuda = model.device.type == "cuda"
+    if cuda_graph and not on_cuda:
+        raise RequestError("cuda_graph=True needs a CUDA model")
+    if static is None:
+        static = bool(cuda_graph) or (on_cuda and cuda_graph is not False)
+        if static and cuda_graph is None:
+            from k3.generation.static import self_check
+            static = self_check(model)
+    if not static:
+        if cuda_graph:
+            raise RequestError("cuda_graph=True needs static=True (or None)")
+        return False, False
+    return True, on_cuda if cuda_graph is None else bool(cuda_graph)
+
+
 def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, stop_ids, stops: _StopStrings,
-            generator, prefill_chunk_size, cancel, state: dict) -> Iterator[GenerationEvent]:
+            generator, prefill_chunk_size, cancel, state: dict, static: bool = False,
+            cuda_graph: bool = False) -> Iterator[GenerationEvent]:
     dev = model.device
     B = len(prompts)
     V = model.config.vocab_size
@@ -145,11 +168,14 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
         for i, p in enumerate(prompts):
             seen[i, torch.tensor(p, device=dev)] = True
     stop_set = set(stop_ids)
-    cache = None
+    cache = dec = None
     with torch.inference_mode():
         if use_cache:
             cache = K3Cache.for_model(model, B, max_length=max(len(p) for p in prompts) + max_new_tokens)
             logits = prefill(model, cache, prompts, prefill_chunk_size, cancel)
+            if static and logits is not None:
+                from k3.generation.static import StaticDecoder
+                dec = StaticDecoder(model, cache, B, cuda_graph=cuda_graph)
         else:
             logits = None if _cancelled(cancel) else _full_logits(model, prompts, list(range(B)))
     for step in range(max_new_tokens):
@@ -183,8 +209,11 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
         with torch.inference_mode():
             if use_cache:
                 feed = torch.tensor([[gen[i][-1]] for i in range(B)], dtype=torch.long, device=dev)
-                logits = model(feed, cache=cache, logits_to_keep=1).logits[:, -1].float()
-                cache.advance(1)
+                if dec is not None:   # static buffer: consumed by select_next before the next step
+                    logits = dec.step(feed)
+                else:
+                    logits = model(feed, cache=cache, logits_to_keep=1).logits[:, -1].float()
+                    cache.advance(1)
             else:
                 active = [i for i in range(B) if reasons[i] is None]
                 sub = _full_logits(model, [prompts[i] + gen[i] for i in active], active)
@@ -233,6 +262,7 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
                     stop_token_ids=None, stop_strings=None, seed: Optional[int] = None,
                     generator: Optional[torch.Generator] = None, lengths=None,
                     prefill_chunk_size: Optional[int] = 2048, cancel: Cancel = None, output: str = "ids",
+                    static: Optional[bool] = None, cuda_graph: Optional[bool] = None,
                     _state: Optional[dict] = None, **sampling_kw):
     """Yield generated tokens as they are produced.
 
@@ -240,14 +270,17 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
     every row (None for rows that already finished). output="text" (needs `tokenizer`, one prompt): yields
     decoded text chunks (held back while a multi-byte character is incomplete; special tokens skipped; a stop
     string and what follows it are not yielded). output="events": GenerationEvent objects.
-    Sampling keywords: do_sample, temperature, top_k, top_p, repetition_penalty (see generate)."""
+    Sampling keywords: do_sample, temperature, top_k, top_p, repetition_penalty (see generate).
+    static / cuda_graph: decode with k3.generation.static.StaticDecoder (fused, shape-static step; captured as a
+    CUDA graph with cuda_graph=True). Default (None): on for CUDA models that pass the static self-check."""
     sampling = _split_kw(dict(sampling_kw))
     prompts, params, stop_ids, stops, gen = _setup(model, input_ids, lengths, tokenizer, stop_token_ids,
                                                    stop_strings, seed, generator, sampling)
     state = _state if _state is not None else {}
     state["prompts"] = prompts
+    static, cuda_graph = _use_static(model, use_cache, static, cuda_graph)
     events = _events(model, prompts, int(max_new_tokens), use_cache, params, stop_ids, stops, gen,
-                     prefill_chunk_size, cancel, state)
+                     prefill_chunk_size, cancel, state, static, cuda_graph)
     if output == "events":
         yield from events
     elif output == "ids":
@@ -314,7 +347,7 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
              stop_token_ids=None, stop_strings=None, seed: Optional[int] = None,
              generator: Optional[torch.Generator] = None, lengths=None, prefill_chunk_size: Optional[int] = 2048,
              cancel: Cancel = None, pad_token_id: Optional[int] = None, return_dict: bool = False,
-             **sampling_kw):
+             static: Optional[bool] = None, cuda_graph: Optional[bool] = None, **sampling_kw):
     """Generate up to `max_new_tokens` tokens per prompt; returns the prompt + new tokens as a LongTensor
     [B, max length] (right-padded with pad_token_id, default config.pad_token_id), or a GenerationOutput with
     return_dict=True.
@@ -325,12 +358,15 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
     stop_token_ids (default: the tokenizer's stop ids, else config.eos_token_id; the stop token is kept) or when
     the decoded text contains one of stop_strings (needs tokenizer). prefill_chunk_size: prompt tokens per
     forward during prefill (None = one shot). cancel: threading.Event or callable checked every step.
-    use_cache=False recomputes the full forward every step (reference path)."""
+    use_cache=False recomputes the full forward every step (reference path). static / cuda_graph: the fused,
+    shape-static decode step (k3.generation.static), CUDA-graph captured with cuda_graph=True; default (None): on
+    for CUDA models that pass its self-check, off on CPU."""
     state: dict = {}
     for _ in stream_generate(model, input_ids, max_new_tokens, use_cache, tokenizer=tokenizer,
                              stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed,
                              generator=generator, lengths=lengths, prefill_chunk_size=prefill_chunk_size,
-                             cancel=cancel, output="events", _state=state, **sampling_kw):
+                             cancel=cancel, output="events", static=static, cuda_graph=cuda_graph, _state=state,
+                             **sampling_kw):
         pass
     prompts, new = state["prompts"], state.get("new_tokens", [[] for _ in state["prompts"]])
     reasons = [r or "cancelled" for r in state.get("finish_reasons", ["cancelled"] * len(prompts))]

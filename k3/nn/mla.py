@@ -26,6 +26,45 @@ from k3.nn.norm import RMSNorm
 from k3.ops.attention import causal_attention
 
 
+_OUT_DTYPE_OK: dict = {}
+
+
+def out_dtype_matmul_ok(device: torch.device, dtype: torch.dtype, acc: torch.dtype = torch.float32) -> bool:
+    """Whether torch.bmm(a, b, out_dtype=acc) works for `dtype` inputs on `device` (CUDA bf16/fp16 -> fp32)."""
+    key = (device.type, dtype, acc)
+    if key not in _OUT_DTYPE_OK:
+        ok = False
+        if dtype != acc and device.type == "cuda":
+            try:
+                a = torch.zeros(1, 2, 8, dtype=dtype, device=device)
+                ok = torch.bmm(a, a.transpose(1, 2), out_dtype=acc).dtype == acc
+            except Exception:  # noqa: BLE001 - any failure: use the upcast fallback
+                ok = False
+        _OUT_DTYPE_OK[key] = ok
+    return _OUT_DTYPE_OK[key]
+
+
+def bmm_acc(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b (batched) with the result in `acc`: b (a cached low-precision tensor) is never upcast as a whole when
+    the device supports `out_dtype` (a is rounded to b's dtype instead); else both are upcast."""
+    if b.dtype == acc:
+        return torch.matmul(a.to(acc), b)
+    if out_dtype_matmul_ok(b.device, b.dtype, acc):
+        return torch.bmm(a.to(b.dtype), b, out_dtype=acc)
+    return torch.matmul(a.to(acc), b.to(acc))
+
+
+
+def _joint_latent(c_BSC, kpe_BSR):
+    """[c || k_pe] as one [B, S, C + R] tensor: a view of the cache buffer when both are its adjacent slices
+    (MLALayerCache.update returns such views), else a concatenation."""
+    C, R = c_BSC.shape[-1], kpe_BSR.shape[-1]
+    if (c_BSC.stride() == kpe_BSR.stride() and c_BSC.stride(-1) == 1
+            and kpe_BSR.data_ptr() == c_BSC.data_ptr() + C * c_BSC.element_size()):
+        return c_BSC.as_strided(c_BSC.shape[:-1] + (C + R,), c_BSC.stride())
+    return torch.cat([c_BSC, kpe_BSR], -1)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, cfg, layer_idx: int = 0):
         super().__init__()
@@ -128,6 +167,16 @@ class MLAAttention(nn.Module):
         W_UK, W_UV = self.absorbed_weights(cd)
         q_nope, q_pe = q_BTHD.to(cd).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_lat = torch.einsum("bthd,hdc->bhtc", q_nope, W_UK)                     # q~ [B,H,T,kv_lora]
+        if c_BSC.dtype != cd:   # low-precision cache: never an upcast copy of it where out_dtype matmuls exist
+            C = self.kv_lora_rank
+            qf = torch.cat([q_lat, q_pe.transpose(1, 2)], -1) if self.qk_rope_head_dim else q_lat
+            lat = c_BSC if not self.qk_rope_head_dim else _joint_latent(c_BSC, kpe_BSR)
+            s = bmm_acc(qf.reshape(B, H * T, -1), lat.transpose(1, 2), cd).view(B, H, T, S)
+            s = s * self.softmax_scale
+            s = s.masked_fill(~self._visible(starts_B, T, S, q_BTHD.device), float("-inf"))
+            p = torch.softmax(s, dim=-1)
+            o_lat = bmm_acc(p.reshape(B, H * T, S), lat[..., :C], cd).view(B, H, T, C).transpose(1, 2)
+            return torch.einsum("bthc,hvc->bthv", o_lat, W_UV)
         c = c_BSC.to(cd)
         s = torch.einsum("bhtc,bsc->bhts", q_lat, c)
         if self.qk_rope_head_dim:
