@@ -4,8 +4,11 @@
     python benchmarks/train_cpu.py --threads 1 2 --seq-lens 256 1024 2048
     python benchmarks/train_cpu.py --device cuda --preset small --tokens 65536 --seq-lens 4096   # H200: bf16 + MFU
 
-Random token ids (no data pipeline in the timing). Each configuration runs `--warmup` steps, then `--steps` timed
-steps. MFU uses a FLOP count of 6 x active non-embedding params per token (forward+backward matmuls, incl. the
+Random token ids (no data pipeline in the timing), packed as the trainer packs them (k3.train.data.PackedLoader):
+each step is one [1, rows*seq] row with `cu_seqlens` marking row starts and random document boundaries (mean
+document ~`--doc-len` tokens); `--no-packed` gives plain [rows, seq] batches instead. Each configuration runs
+`--warmup` steps, then `--steps` timed steps; `cpu s` is the process CPU time of a step (steadier than wall time
+on a shared machine when running 1 thread). MFU uses a FLOP count of 6 x active non-embedding params per token (forward+backward matmuls, incl. the
 lm_head) + attention / KDA terms per token:
     MLA (causal): 6 * 0.5*T * H * (qk_head_dim + v_head_dim)   per layer   (QK^T and PV, fwd+bwd, causal half)
     KDA (chunked, chunk C=64): 6 * H * (C * (2K + V) + 2 K V)    per layer   (intra-chunk attention + state I/O)
@@ -58,8 +61,26 @@ def flops_per_token(cfg: K3Config, seq_len: int) -> float:
     return f
 
 
+def packed_batch(rows: int, seq_len: int, vocab: int, doc_len: int, g: torch.Generator) -> dict:
+    """One trainer-style packed batch: input_ids/labels [1, rows*seq_len] and cu_seqlens (row and document starts)."""
+    import numpy as np
+    from k3.train.data import _finish_batch
+    rng = np.random.default_rng(int(torch.randint(0, 2 ** 31, (1,), generator=g)))
+    ids, starts = [], []
+    for _ in range(rows):
+        st, pos = [], 0
+        while True:
+            pos += int(rng.integers(max(1, doc_len // 4), 2 * doc_len))
+            if pos >= seq_len:
+                break
+            st.append(pos)
+        ids.append(rng.integers(0, vocab, seq_len))
+        starts.append(st)
+    return _finish_batch(ids, starts, seq_len)
+
+
 def bench_one(cfg: K3Config, seq_len: int, tokens: int, steps: int, warmup: int, device: torch.device,
-              balancer: str, ckpt: bool) -> dict:
+              balancer: str, ckpt: bool, packed: bool = True, doc_len: int = 300) -> dict:
     from k3.model import K3ForCausalLM
     from k3.train.optim import build_optimizer, qk_clip
     torch.manual_seed(0)
@@ -83,14 +104,18 @@ def bench_one(cfg: K3Config, seq_len: int, tokens: int, steps: int, warmup: int,
     vocab = min(cfg.vocab_size - 256, cfg.vocab_size)
     g = torch.Generator().manual_seed(0)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    times, fb_times = [], []
+    times, fb_times, cpu_times = [], [], []
     for i in range(warmup + steps):
-        ids = torch.randint(0, vocab, (rows, seq_len), generator=g).to(device)
+        if packed:
+            batch = {k: v.to(device) for k, v in packed_batch(rows, seq_len, vocab, doc_len, g).items()}
+        else:
+            ids = torch.randint(0, vocab, (rows, seq_len), generator=g).to(device)
+            batch = {"input_ids": ids, "labels": ids.roll(-1, 1)}
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with amp:
-            out = model(ids, labels=ids.roll(-1, 1))
+            out = model(**batch)
         out.loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -103,15 +128,16 @@ def bench_one(cfg: K3Config, seq_len: int, tokens: int, steps: int, warmup: int,
             bal.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         if i >= warmup:
             times.append(t2 - t0)
             fb_times.append(t1 - t0)
+            cpu_times.append(c2 - c0)
     step = sorted(times)[len(times) // 2]
     fb = sorted(fb_times)[len(fb_times) // 2]
     ntok = rows * seq_len
     res = {"seq_len": seq_len, "rows": rows, "tokens": ntok, "step_s": step, "fwd_bwd_s": fb, "opt_s": step - fb,
-           "tokens_per_s": ntok / step}
+           "tokens_per_s": ntok / step, "cpu_s": sorted(cpu_times)[len(cpu_times) // 2], "packed": packed}
     if device.type == "cuda":
         res["tflops"] = flops_per_token(cfg, seq_len) * ntok / step / 1e12
         res["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -129,6 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, nargs="+", default=None, help="CPU thread counts to try")
     p.add_argument("--balancer", default="qb")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--packed", action=argparse.BooleanOptionalAction, default=True,
+                   help="trainer-style packed rows with cu_seqlens (default) or plain [rows, seq] batches")
+    p.add_argument("--doc-len", type=int, default=300, help="mean document length of the packed batches")
     p.add_argument("--peak-tflops", type=float, default=685.0)
     p.add_argument("--json", default=None, help="also write the results here")
     a = p.parse_args(argv)
@@ -139,7 +168,7 @@ def main(argv=None) -> int:
           + (" (bf16 autocast)" if device.type == "cuda" else " (fp32)"), flush=True)
     threads = a.threads if (a.threads and device.type == "cpu") else [torch.get_num_threads()]
     rows = []
-    hdr = f"{'threads':>7} {'seq':>6} {'rows':>5} {'step s':>8} {'fwd+bwd s':>9} {'opt s':>7} {'tok/s':>9}"
+    hdr = f"{'threads':>7} {'seq':>6} {'rows':>5} {'step s':>8} {'fwd+bwd s':>9} {'opt s':>7} {'tok/s':>9} {'cpu s':>7}"
     if device.type == "cuda":
         hdr += f" {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7}"
     print(hdr, flush=True)
@@ -147,10 +176,10 @@ def main(argv=None) -> int:
         torch.set_num_threads(nt)
         for T in a.seq_lens:
             r = bench_one(cfg, T, max(a.tokens, T), a.steps, a.warmup, device, a.balancer,
-                          a.activation_checkpointing)
+                          a.activation_checkpointing, a.packed, a.doc_len)
             r["threads"] = nt
             line = (f"{nt:>7} {T:>6} {r['rows']:>5} {r['step_s']:>8.2f} {r['fwd_bwd_s']:>9.2f} {r['opt_s']:>7.2f} "
-                    f"{r['tokens_per_s']:>9.0f}")
+                    f"{r['tokens_per_s']:>9.0f} {r['cpu_s']:>7.2f}")
             if "tflops" in r:
                 r["mfu"] = r["tflops"] / a.peak_tflops
                 line += f" {r['tflops']:>8.1f} {100 * r['mfu']:>5.1f}% {r['peak_mem_gb']:>7.1f}"

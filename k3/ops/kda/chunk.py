@@ -35,9 +35,20 @@ def _exp(x_hp: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     return x_hp.masked_fill(x_hp < _EXP_FLOOR[dt], float("-inf")).to(dt).exp()
 
 
-def tile_size(g: torch.Tensor, C: int, dt: torch.dtype) -> int:
+def _steepness(g: torch.Tensor) -> float:
+    return max(0.0, -float(g.detach().min())) if g.numel() else 0.0
+
+
+def _factored_ok(s: int, steep: float, dt: torch.dtype) -> bool:
+    """Whether intra_chunk may factor the column decays through tile ends: exp(-(s-1)*steep) must stay well
+    above the flush floor (true for the K3 gate, steep < 5: 15*5 = 75 < 80 in fp32)."""
+    return s > 1 and (s - 1) * steep <= -_EXP_FLOOR[dt] - 2.0
+
+
+def tile_size(g: torch.Tensor, C: int, dt: torch.dtype, steep: Optional[float] = None) -> int:
     """Largest row tile whose factored exponents stay within _EXP_LIMIT for the steepest decay in g."""
-    steep = max(0.0, -float(g.detach().min())) if g.numel() else 0.0
+    if steep is None:
+        steep = _steepness(g)
     for s in _TILES:
         m = (s - 1) // 2
         if C % s == 0 and max(m, s - 1 - m) * steep <= _EXP_LIMIT[dt]:
@@ -85,8 +96,13 @@ class _UnitLowerInverse(torch.autograd.Function):
         return -(XT_BCC @ gX_BCC @ XT_BCC).tril(-1)
 
 
-def intra_chunk(q_NbHCK, k_NbHCK, v_NbHCV, g_NbHCK, b_NbHC, s: int):
-    """Per-chunk quantities that do not depend on the incoming state."""
+def intra_chunk(q_NbHCK, k_NbHCK, v_NbHCV, g_NbHCK, b_NbHC, s: int, factored: bool = False):
+    """Per-chunk quantities that do not depend on the incoming state.
+
+    `factored` (see `_factored_ok`): the column decays of each row tile, exp(G_m - G_i) for i up to the tile end,
+    are formed as exp(G_e' - G_i) * exp(G_m - G_e') with e' the last token of column i's own tile: one [C, K]
+    exp plus an [n, n, K] table instead of an [n, C, K] exp (same values up to rounding; both factors <= 1 for
+    earlier tiles, and exp(G_e' - G_i) >= exp(-(s-1)*steep) stays a normal number)."""
     Nb, H, C, K = q_NbHCK.shape
     n, m = C // s, (s - 1) // 2
     dt = q_NbHCK.dtype
@@ -94,15 +110,29 @@ def intra_chunk(q_NbHCK, k_NbHCK, v_NbHCV, g_NbHCK, b_NbHC, s: int):
     # 320 per chunk at the K3 bound) instead of ~eps*|G_t - G_i|. Cast to the compute dtype before exp.
     G_NbHCK = g_NbHCK.to(torch.float64).cumsum(-2)
     Gref_NbHnK = G_NbHCK[:, :, m::s]
-    rowf_NbHnsK = _exp(G_NbHCK.view(Nb, H, n, s, K) - Gref_NbHnK[:, :, :, None], dt)
-    colx_NbHnCK = Gref_NbHnK[:, :, :, None] - G_NbHCK[:, :, None]
+    G_NbHnsK = G_NbHCK.view(Nb, H, n, s, K)
+    rowf_NbHnsK = _exp(G_NbHnsK - Gref_NbHnK[:, :, :, None], dt)
     idx = torch.arange(C, device=q_NbHCK.device)
-    after_tile_nC = idx[None, :] > (idx[::s] + s - 1)[:, None]
-    colx_NbHnCK = colx_NbHnCK.masked_fill(after_tile_nC[:, :, None], float("-inf"))
-    kcol_NbHnCK = k_NbHCK[:, :, None] * _exp(colx_NbHnCK, dt)
+    if factored:
+        Gend_NbHnK = G_NbHnsK[:, :, :, -1]
+        kend_NbHnsK = k_NbHCK.view(Nb, H, n, s, K) * _exp(Gend_NbHnK[:, :, :, None] - G_NbHnsK, dt)
+        jj = torch.arange(n, device=q_NbHCK.device)
+        later_nn = jj[None, :] > jj[:, None]  # column tile after the row tile: never visible
+        D_NbHnnK = (Gref_NbHnK[:, :, :, None] - Gend_NbHnK[:, :, None]).masked_fill(later_nn[:, :, None],
+                                                                                     float("-inf"))
+        kcol_NbHnCK = (kend_NbHnsK[:, :, None] * _exp(D_NbHnnK, dt)[:, :, :, :, None]).view(Nb, H, n, C, K)
+    else:
+        colx_NbHnCK = Gref_NbHnK[:, :, :, None] - G_NbHCK[:, :, None]
+        after_tile_nC = idx[None, :] > (idx[::s] + s - 1)[:, None]
+        colx_NbHnCK = colx_NbHnCK.masked_fill(after_tile_nC[:, :, None], float("-inf"))
+        kcol_NbHnCK = k_NbHCK[:, :, None] * _exp(colx_NbHnCK, dt)
     kcolT_NbHnKC = kcol_NbHnCK.transpose(-1, -2)
-    Aqk_NbHCC = ((q_NbHCK.view(Nb, H, n, s, K) * rowf_NbHnsK) @ kcolT_NbHnKC).reshape(Nb, H, C, C)
-    Akk_NbHCC = ((k_NbHCK.view(Nb, H, n, s, K) * rowf_NbHnsK) @ kcolT_NbHnKC).reshape(Nb, H, C, C)
+    # q and k rows of a tile in one batched matmul
+    rows_NbHn2sK = torch.cat([q_NbHCK.view(Nb, H, n, s, K), k_NbHCK.view(Nb, H, n, s, K)], 3) \
+        * rowf_NbHnsK.repeat(1, 1, 1, 2, 1)
+    A_NbHn2sC = rows_NbHn2sK @ kcolT_NbHnKC
+    Aqk_NbHCC = A_NbHn2sC[:, :, :, :s].reshape(Nb, H, C, C)
+    Akk_NbHCC = A_NbHn2sC[:, :, :, s:].reshape(Nb, H, C, C)
     causal_CC = idx[:, None] >= idx[None, :]
     Aqk_NbHCC = Aqk_NbHCC.masked_fill(~causal_CC, 0.0)
     Akk_NbHCC = (Akk_NbHCC * b_NbHC[..., None]).tril(-1)  # diag(beta) L, strictly lower
@@ -131,10 +161,11 @@ def chunk_kda_torch(q, k, v, g, beta, scale: Optional[float] = None, initial_sta
     if lay.J == 0:
         return v_BTHV.new_zeros(B, T, H, V).to(v.dtype), (S_NHKV if output_final_state else None)
 
-    s = tile_size(g_BTHK, C, dt)
+    steep = _steepness(g_BTHK)
+    s = tile_size(g_BTHK, C, dt, steep)
     blocks = [gather_blocks(x, lay) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
     b_NbHC = gather_blocks(b_BTH[..., None], lay)[..., 0]
-    qg, Aqk, W, U, kdec, dlast = intra_chunk(*blocks, b_NbHC, s)
+    qg, Aqk, W, U, kdec, dlast = intra_chunk(*blocks, b_NbHC, s, factored=_factored_ok(s, steep, dt))
     # unbind (not x[:, j]) so backward stacks once instead of materialising a full-size gradient per step
     qg_NHCK, Aqk_NHCC, W_NHCK, U_NHCV, kdec_NHCK = (to_grid(x, lay).unbind(1) for x in (qg, Aqk, W, U, kdec))
     dlast_NHK = to_grid(dlast, lay, fill=1.0).unbind(1)  # absent chunks keep the state
