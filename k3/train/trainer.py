@@ -55,7 +55,7 @@ __all__ = ["TrainConfig", "Trainer", "TrainingError", "Callback", "parse_stages"
 # ~10 minutes on 2 CPU cores including tokenizer training (see benchmarks/RESULTS.md / the trainer tests).
 # Context stages scaled from K3's 8K -> 64K -> 256K -> 1M: most steps short, a few long ones at the end.
 DEFAULT_STAGES = [(256, 0.6), (1024, 0.3), (2048, 0.1)]
-DEFAULT_STEPS = 72
+DEFAULT_STEPS = 110  # measured: 72 steps took 4:07 on an idle-ish 2-core VM (643 tokens/s); 110 -> ~6.5 min
 DEFAULT_TOKENS_PER_STEP = 2048
 
 CKPT_PREFIX = "step-"
