@@ -47,6 +47,9 @@ import numpy as np
 import torch
 
 from k3.errors import K3ConfigError, TokenizerError
+from k3.tokenizer.base import K3_SPECIAL_OFFSETS, NUM_SPECIAL_SLOTS, UNK, k3_special_tokens
+from k3.tokenizer.bpe import K3_PAT_STR
+from k3.tokenizer.hf import HFTokenizerWrapper
 
 log = logging.getLogger("k3")
 
@@ -57,31 +60,16 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-NUM_SPECIAL = 256
+NUM_SPECIAL = NUM_SPECIAL_SLOTS
 _TOKENIZER_VERSION = "bpe-v1"
 _CORPUS_VERSION = "pydocs-v1"
 _BUILTIN_CORPUS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "pydocs.jsonl.gz")
 
-# K3's named special slots (spec §6), as offsets from V-256.
-SPECIAL_TOKEN_OFFSETS = {
-    0: "[BOS]", 1: "[EOS]", 2: "<|end_of_msg|>", 3: "<|open|>", 4: "<|close|>", 5: "<|sep|>",
-    6: "[start_header_id]", 7: "[end_header_id]", 9: "[EOT]", 18: "<|media_begin|>", 19: "<|media_content|>",
-    20: "<|media_end|>", 21: "<|media_pad|>", 65: "<osagent_mode>", 254: "[UNK]", 255: "[PAD]",
-}
-
-# K3's pre-tokenizer split regex (spec §6), in the Oniguruma syntax `tokenizers` uses.
-K3_SPLIT_REGEX = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+# K3's named special slots (spec §6, offsets from V-256) and pre-tokenizer split regex (spec §6; the same
+# string serves `tokenizers`' Oniguruma engine, tiktoken and the `regex` module): single definitions in
+# k3.tokenizer, re-exported here under their historical names.
+SPECIAL_TOKEN_OFFSETS = K3_SPECIAL_OFFSETS
+K3_SPLIT_REGEX = K3_PAT_STR
 
 
 def cache_dir(override: Optional[str] = None) -> str:
@@ -290,13 +278,8 @@ def special_token_names(vocab_size: int) -> list[str]:
     """The 256 special-token strings of a `vocab_size` vocabulary in slot order (offset 0 = [BOS] ...
     255 = [PAD]); unnamed slots are `<|reserved_token_N|>` with N the absolute id (K2/K3 reference rule,
     shared with `k3.tokenizer.base.k3_special_tokens`)."""
-    base = vocab_size - NUM_SPECIAL
-    try:
-        from k3.tokenizer.base import k3_special_tokens
-        table = k3_special_tokens(base)
-        names = sorted(table, key=table.get)
-    except ImportError:  # pragma: no cover - k3.tokenizer is part of the package
-        names = [SPECIAL_TOKEN_OFFSETS.get(i, f"<|reserved_token_{base + i}|>") for i in range(NUM_SPECIAL)]
+    table = k3_special_tokens(vocab_size - NUM_SPECIAL)
+    names = sorted(table, key=table.get)
     if len(names) != NUM_SPECIAL:
         raise TokenizerError(f"expected {NUM_SPECIAL} special names, got {len(names)}")
     return names
@@ -383,73 +366,38 @@ def _tokenizer_dir(vocab_size: int, docs: Sequence[str], cache: Optional[str]) -
     return os.path.join(cache_dir(cache), f"{_TOKENIZER_VERSION}-{vocab_size}-{key}")
 
 
-class HFTokenizer:
-    """Thin wrapper over a `tokenizers.Tokenizer` with K3's special ids.
+class HFTokenizer(HFTokenizerWrapper):
+    """The training pipeline's view of `k3.tokenizer.HFTokenizerWrapper` (one implementation; this subclass only
+    keeps the training API): built from a `tokenizers.Tokenizer` or a tokenizer.json path (or its directory);
+    `encode`/`encode_batch` recognise special-token strings by default (`allow_special=True`); `decode` takes
+    `skip_special_tokens=`; `[UNK]` is required and `special_base` is the first special id.
 
     `eod_id` = `[EOS]` (document separator used in pre-training data); `eos_id` = `<|end_of_msg|>` (turn end,
     generation stop, config eos); `bos_id` = `[BOS]` (K3 does not prepend it); `pad_id` = `[PAD]`."""
 
     def __init__(self, tokenizer):
-        if isinstance(tokenizer, (str, os.PathLike)):
-            tokenizer = get_tokenizer(path=os.fspath(tokenizer))
-        self.tokenizer = tokenizer
-        self.vocab_size = tokenizer.get_vocab_size()
-        ids = {}
-        for name, attr in (("[BOS]", "bos_id"), ("[EOS]", "eod_id"), ("<|end_of_msg|>", "eos_id"),
-                           ("[PAD]", "pad_id"), ("[UNK]", "unk_id")):
-            i = tokenizer.token_to_id(name)
-            if i is None:
-                raise TokenizerError(f"tokenizer has no {name} token (not a K3-layout tokenizer)")
-            ids[attr] = i
-        self.bos_id, self.eod_id, self.eos_id = ids["bos_id"], ids["eod_id"], ids["eos_id"]
-        self.pad_id, self.unk_id = ids["pad_id"], ids["unk_id"]
-        self.special_base = self.bos_id
-        self._json_hash = None
+        super().__init__(tokenizer)
+        if self.unk_id is None:
+            raise TokenizerError(f"tokenizer has no {UNK} token (not a K3-layout tokenizer)")
 
-    @classmethod
-    def from_pretrained(cls, path: str) -> "HFTokenizer":
-        return cls(get_tokenizer(path=path))
-
-    def token_id(self, token: str) -> int:
-        i = self.tokenizer.token_to_id(token)
-        if i is None:
-            raise TokenizerError(f"unknown token {token!r}")
-        return i
+    @property
+    def special_base(self) -> int:
+        return self.bos_id
 
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         """`allow_special=False` encodes literal special-token strings (e.g. "[EOS]") as ordinary text,
         as K3 does for user and document text."""
-        return self.encode_batch([text], allow_special)[0]
+        return super().encode(text, allow_special=allow_special)
 
     def encode_batch(self, texts: Sequence[str], allow_special: bool = True) -> list[list[int]]:
-        t = self.tokenizer
-        old = t.encode_special_tokens
-        t.encode_special_tokens = not allow_special
-        try:
-            return [e.ids for e in t.encode_batch(list(texts), add_special_tokens=False)]
-        finally:
-            t.encode_special_tokens = old
+        return super().encode_batch(texts, allow_special=allow_special)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """`tokenizers`' own decode: with `skip_special_tokens` the special ids are dropped before the
+        remaining bytes are decoded as one run."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def save(self, directory: str) -> str:
-        """Write `directory/tokenizer.json` (HF tokenizers format); returns its path."""
-        os.makedirs(directory, exist_ok=True)
-        p = os.path.join(directory, "tokenizer.json")
-        self.tokenizer.save(p)
-        return p
-
-    @property
-    def fingerprint(self) -> str:
-        if self._json_hash is None:
-            self._json_hash = _sha(self.tokenizer.to_str())
-        return self._json_hash
-
-    def __len__(self) -> int:
-        return self.vocab_size
 
 
 def tokenize_documents(tokenizer: HFTokenizer, docs: Sequence[str], cache: Optional[str] = None,
