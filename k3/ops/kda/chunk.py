@@ -10,7 +10,8 @@ through one reference token m inside the tile: exp(G_t - G_i) = exp(G_t - G_m) *
 the tile get factors <= 1 (no overflow); inside the tile both exponents are bounded by ~s/2 steps of |g|, i.e.
 <= 40 for the K3 gate (g >= -5), far inside fp32 range. If g is steeper than the dtype allows (unbounded gate),
 the tile shrinks (down to 1 token, which is exact for any g <= 0). The loop runs over chunk positions only,
-batched over all (varlen) sequences; padding tokens have g=0, beta=0, k=0 so they change nothing. The state
+batched over the (varlen) sequences that still have a chunk there (sorted by length, so a prefix slice);
+padding tokens inside a sequence's last chunk have g=0, beta=0, k=0 so they change nothing. The state
 between chunks is fp32 (fp64 for fp64 inputs) whatever the input dtype. Decay exponents are differences of
 fp64 cumsums, so fp32 results stay ~1e-7 from an fp64 reference even for steep gates. Plain autograd.
 """
@@ -20,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .common import gather_blocks, make_layout, prepare_inputs, scatter_tokens, to_grid
+from .common import gather_blocks, make_step_layout, prepare_inputs, scatter_blocks
 
 # Largest exponent magnitude allowed in the factored decays (leaves ~e^28 of headroom for |q|, |k| in fp32).
 _EXP_LIMIT = {torch.float32: 60.0, torch.float64: 600.0}
@@ -131,15 +132,16 @@ def intra_chunk(q_NbHCK, k_NbHCK, v_NbHCV, g_NbHCK, b_NbHC, s: int, factored: bo
     rows_NbHn2sK = torch.cat([q_NbHCK.view(Nb, H, n, s, K), k_NbHCK.view(Nb, H, n, s, K)], 3) \
         * rowf_NbHnsK.repeat(1, 1, 1, 2, 1)
     A_NbHn2sC = rows_NbHn2sK @ kcolT_NbHnKC
-    Aqk_NbHCC = A_NbHn2sC[:, :, :, :s].reshape(Nb, H, C, C)
-    Akk_NbHCC = A_NbHn2sC[:, :, :, s:].reshape(Nb, H, C, C)
+    # split (not two slices): backward is one cat instead of two zero-filled full-size gradients
+    Aqk_NbHnsC, Akk_NbHnsC = A_NbHn2sC.split(s, 3)
+    Aqk_NbHCC, Akk_NbHCC = Aqk_NbHnsC.reshape(Nb, H, C, C), Akk_NbHnsC.reshape(Nb, H, C, C)
     causal_CC = idx[:, None] >= idx[None, :]
     Aqk_NbHCC = Aqk_NbHCC.masked_fill(~causal_CC, 0.0)
     Akk_NbHCC = (Akk_NbHCC * b_NbHC[..., None]).tril(-1)  # diag(beta) L, strictly lower
     gam_NbHCK = _exp(G_NbHCK, dt)
     rhs = torch.cat([k_NbHCK * gam_NbHCK, v_NbHCV], -1) * b_NbHC[..., None]
     WU = _UnitLowerInverse.apply(Akk_NbHCC) @ rhs
-    W_NbHCK, U_NbHCV = WU[..., :K], WU[..., K:]
+    W_NbHCK, U_NbHCV = WU.split([K, WU.shape[-1] - K], -1)
     Glast_NbHK = G_NbHCK[:, :, -1]
     kdec_NbHCK = k_NbHCK * _exp(Glast_NbHK[:, :, None] - G_NbHCK, dt)
     return q_NbHCK * gam_NbHCK, Aqk_NbHCC, W_NbHCK, U_NbHCV, kdec_NbHCK, _exp(Glast_NbHK, dt)
@@ -156,9 +158,9 @@ def chunk_kda_torch(q, k, v, g, beta, scale: Optional[float] = None, initial_sta
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
     C = int(chunk_size)
-    lay = make_layout(B, T, cu_seqlens, C, q.device)
-    S_NHKV = q_BTHK.new_zeros(lay.N, H, K, V) if initial_state is None else initial_state.to(dt)
+    lay = make_step_layout(B, T, cu_seqlens, C, q.device)
     if lay.J == 0:
+        S_NHKV = q_BTHK.new_zeros(lay.N, H, K, V) if initial_state is None else initial_state.to(dt)
         return v_BTHV.new_zeros(B, T, H, V).to(v.dtype), (S_NHKV if output_final_state else None)
 
     steep = _steepness(g_BTHK)
@@ -166,14 +168,36 @@ def chunk_kda_torch(q, k, v, g, beta, scale: Optional[float] = None, initial_sta
     blocks = [gather_blocks(x, lay) for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK)]
     b_NbHC = gather_blocks(b_BTH[..., None], lay)[..., 0]
     qg, Aqk, W, U, kdec, dlast = intra_chunk(*blocks, b_NbHC, s, factored=_factored_ok(s, steep, dt))
-    # unbind (not x[:, j]) so backward stacks once instead of materialising a full-size gradient per step
-    qg_NHCK, Aqk_NHCC, W_NHCK, U_NHCV, kdec_NHCK = (to_grid(x, lay).unbind(1) for x in (qg, Aqk, W, U, kdec))
-    dlast_NHK = to_grid(dlast, lay, fill=1.0).unbind(1)  # absent chunks keep the state
+    # Blocks are step-major over length-sorted sequences: step j is a contiguous slice of the n_J[j] sequences
+    # that still have a j-th chunk (a prefix of the sorted order), so the loop never touches padding.
+    qg_j, Aqk_j, W_j, U_j, kdec_j, dlast_j = (x.split(lay.n_J) for x in (qg, Aqk, W, U, kdec, dlast))
 
+    # state in sorted order; None = zero (no initial state: the first step skips its W S and q S products)
+    S_NHKV = None if initial_state is None else initial_state.to(dt)
+    if S_NHKV is not None and lay.perm_N is not None:
+        S_NHKV = S_NHKV[lay.perm_N]
+    done = []  # final states of sequences that ran out of chunks, in order of leaving (descending sorted rank)
     outs = []
     for j in range(lay.J):
-        u_NHCV = U_NHCV[j] - W_NHCK[j] @ S_NHKV
-        outs.append(qg_NHCK[j] @ S_NHKV + Aqk_NHCC[j] @ u_NHCV)
-        S_NHKV = dlast_NHK[j][..., None] * S_NHKV + kdec_NHCK[j].transpose(-1, -2) @ u_NHCV
-    o_BTHV = scatter_tokens(torch.stack(outs, 1), lay, B, T)
-    return o_BTHV.to(v.dtype), (S_NHKV if output_final_state else None)
+        n = lay.n_J[j]
+        if S_NHKV is None:
+            if output_final_state and n < lay.N:
+                done.append(q_BTHK.new_zeros(lay.N - n, H, K, V))
+            u_NHCV = U_j[j]
+            outs.append(Aqk_j[j] @ u_NHCV)
+            S_NHKV = kdec_j[j].transpose(-1, -2) @ u_NHCV
+            continue
+        if n < S_NHKV.shape[0]:
+            S_NHKV, S_done = S_NHKV.split([n, S_NHKV.shape[0] - n])
+            if output_final_state:
+                done.append(S_done)
+        u_NHCV = U_j[j] - W_j[j] @ S_NHKV
+        outs.append(qg_j[j] @ S_NHKV + Aqk_j[j] @ u_NHCV)
+        S_NHKV = dlast_j[j][..., None] * S_NHKV + kdec_j[j].transpose(-1, -2) @ u_NHCV
+    o_BTHV = scatter_blocks(torch.cat(outs, 0), lay, B, T)
+    if not output_final_state:
+        return o_BTHV.to(v.dtype), None
+    S_NHKV = torch.cat([S_NHKV] + done[::-1], 0) if done else S_NHKV
+    if lay.perm_N is not None:
+        S_NHKV = S_NHKV[torch.argsort(lay.perm_N)]
+    return o_BTHV.to(v.dtype), S_NHKV

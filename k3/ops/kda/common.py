@@ -140,11 +140,63 @@ def make_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, devi
                   block_pos.to(device))
 
 
+@dataclass
+class StepLayout:
+    """Tokens [B*T] <-> per-sequence padded blocks of `C` slots, ordered for a chunk loop over active sequences only.
+
+    Sequences are sorted by block count, descending (stable): sorted rank r is sequence perm_N[r]. Blocks are in
+    step-major order: step j holds the j-th block of sorted ranks 0 .. n_J[j]-1 (a prefix, since counts descend),
+    so x_Nb.split(n_J) gives the per-step tensors as contiguous slices, and no padded [N, J] grid is needed.
+    slot_src_P / token_slot_BT as in `Layout`; perm_N is None when the order is the identity.
+    """
+    N: int
+    J: int
+    Nb: int
+    C: int
+    slot_src_P: torch.Tensor
+    token_slot_BT: torch.Tensor
+    n_J: list
+    perm_N: Optional[torch.Tensor]
+
+
+def make_step_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, device) -> StepLayout:
+    if cu_seqlens is None:
+        starts_N = torch.arange(B, dtype=torch.int64) * T
+        lens_N = torch.full((B,), T, dtype=torch.int64)
+    else:
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
+        starts_N, lens_N = cu[:-1], cu[1:] - cu[:-1]
+    N = lens_N.numel()
+    nblk_N = (lens_N + C - 1) // C
+    perm_N = torch.sort(nblk_N, descending=True, stable=True).indices
+    nblk_sorted = nblk_N[perm_N]
+    J = int(nblk_sorted[0]) if N else 0
+    n_J = (nblk_sorted[None, :] > torch.arange(J)[:, None]).sum(1)
+    Nb = int(n_J.sum())
+    blk_j_Nb = torch.repeat_interleave(torch.arange(J), n_J)
+    blk_seq_Nb = perm_N[torch.arange(Nb) - (torch.cumsum(n_J, 0) - n_J)[blk_j_Nb]]
+    pos_NbC = blk_j_Nb[:, None] * C + torch.arange(C)
+    valid_P = (pos_NbC < lens_N[blk_seq_Nb][:, None]).reshape(-1)
+    src_P = (starts_N[blk_seq_Nb][:, None] + pos_NbC).reshape(-1)
+    slot_src_P = torch.where(valid_P, src_P, torch.full_like(src_P, B * T))
+    token_slot = torch.empty(B * T, dtype=torch.int64)
+    token_slot[src_P[valid_P]] = valid_P.nonzero().squeeze(1)
+    identity = bool((perm_N == torch.arange(N)).all())
+    return StepLayout(N, J, Nb, C, slot_src_P.to(device), token_slot.to(device), n_J.tolist(),
+                      None if identity else perm_N.to(device))
+
+
 def gather_blocks(x_BTHD: torch.Tensor, lay: Layout) -> torch.Tensor:
     """[B, T, H, D] tokens -> [Nb, H, C, D] padded blocks (padding slots are zero)."""
     B, T, H, D = x_BTHD.shape
     x_TtHD = torch.cat([x_BTHD.reshape(B * T, H, D), x_BTHD.new_zeros(1, H, D)], 0)
     return x_TtHD[lay.slot_src_P].view(lay.Nb, lay.C, H, D).transpose(1, 2)
+
+
+def scatter_blocks(o_NbHCV: torch.Tensor, lay, B: int, T: int) -> torch.Tensor:
+    """[Nb, H, C, V] block outputs (in the layout's block order) -> [B, T, H, V] tokens."""
+    Nb, H, C, V = o_NbHCV.shape
+    return o_NbHCV.transpose(1, 2).reshape(Nb * C, H, V)[lay.token_slot_BT].view(B, T, H, V)
 
 
 def to_grid(x_Nb: torch.Tensor, lay: Layout, fill: float = 0.0) -> torch.Tensor:
