@@ -11,7 +11,9 @@ lengths (ragged batches); `lengths` is kept on the host and on the device.
 
 `K3Cache(config, batch_size, dtype, device)` holds one object per layer in `.layers` (what K3Model.forward threads
 to the layers). `cache.rows(i)` (or a slice) gives a view that reads/writes only those batch rows, e.g. to prefill
-each prompt of a ragged batch into its own row. `cache_memory(config, dtype)` reports the bytes per sequence.
+each prompt of a ragged batch into its own row. `cache.packed([r0, r1, ...])` gives a view for ONE packed forward
+(batch 1 + cu_seqlens) whose document n continues cache row r_n: KDA/conv start from and write back each row's own
+state (per-document initial/final states), MLA appends each document's latents to its row and attends only to it. `cache_memory(config, dtype)` reports the bytes per sequence.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["K3Cache", "KDALayerCache", "MLALayerCache", "cache_memory", "state_dtype_for"]
+__all__ = ["K3Cache", "KDALayerCache", "MLALayerCache", "K3PackedView", "cache_memory", "state_dtype_for"]
 
 DEFAULT_BLOCK = 256
 
@@ -286,6 +288,11 @@ class K3Cache:
             lc.reset()
         self._seen = [0] * self.batch_size
 
+    def packed(self, rows) -> "K3PackedView":
+        """A view for one packed forward (input [1, T] + cu_seqlens with len(rows) documents): document n reads
+        and writes cache row rows[n] (distinct rows)."""
+        return K3PackedView(self, rows)
+
     # -------------------------------------------------------------- memory
     def memory(self) -> dict:
         """Actual bytes held: kda_bytes (state + conv), mla_bytes_allocated (latent buffers at capacity),
@@ -314,3 +321,67 @@ class K3CacheView:
             lc.reset()
         for i in range(self.cache.batch_size)[self.rows]:
             self.cache._seen[i] = 0
+
+
+# ---------------------------------------------------------------------------------------------------- packed
+class _KDAPackedView:
+    """KDALayerCache interface for a packed forward: document n <-> row idx[n]. The states are [N, ...] (one per
+    document), what causal_conv1d / chunk_kda take and return with cu_seqlens."""
+
+    def __init__(self, parent: KDALayerCache, idx: torch.Tensor):
+        self.parent, self.idx = parent, idx
+        self.kda_mode = parent.kda_mode
+
+    @property
+    def conv_state(self):
+        c = self.parent.conv.index_select(1, self.idx)                    # [3, N, P, K-1] (a copy)
+        return c[0], c[1], c[2]
+
+    @conv_state.setter
+    def conv_state(self, states) -> None:
+        for j, s in enumerate(states):
+            self.parent.conv[j].index_copy_(0, self.idx, s.detach().to(self.parent.conv.dtype))
+
+    @property
+    def recurrent_state(self) -> torch.Tensor:
+        return self.parent.state.index_select(0, self.idx)
+
+    @recurrent_state.setter
+    def recurrent_state(self, s: torch.Tensor) -> None:
+        self.parent.state.index_copy_(0, self.idx, s.detach().to(self.parent.state.dtype))
+
+
+class _MLAPackedView:
+    """MLALayerCache interface for a packed forward: MLAAttention appends document n's latents to row rows[n]
+    (`update_doc`) and attends over that row only."""
+
+    packed = True
+
+    def __init__(self, parent: MLALayerCache, rows: list):
+        self.parent, self.rows = parent, rows
+        self.mla_mode = parent.mla_mode
+
+    def doc_length(self, n: int) -> int:
+        return self.parent.lengths[self.rows[n]]
+
+    def update_doc(self, n: int, c_1TC: torch.Tensor, kpe_1TR: torch.Tensor):
+        r = self.rows[n]
+        return self.parent.update(c_1TC, kpe_1TR, slice(r, r + 1))
+
+
+class K3PackedView:
+    """K3Cache seen by one packed forward (batch 1, cu_seqlens): document n continues cache row rows[n]."""
+
+    def __init__(self, cache: K3Cache, rows):
+        rows = [int(r) for r in rows]
+        if not rows or len(set(rows)) != len(rows) or not all(0 <= r < cache.batch_size for r in rows):
+            raise ValueError(f"packed cache view: need distinct rows in [0, {cache.batch_size}), got {rows}")
+        self.cache, self.rows = cache, rows
+        idx = torch.tensor(rows, dtype=torch.long, device=cache.device)
+        self.layers = [_KDAPackedView(lc, idx) if isinstance(lc, KDALayerCache) else _MLAPackedView(lc, rows)
+                       for lc in cache.layers]
+
+    def advance(self, ns) -> None:
+        """Count ns[n] more tokens in row rows[n]."""
+        for r, n in zip(self.rows, ns):
+            self.cache._seen[r] += int(n)

@@ -12,6 +12,8 @@ With a cache (k3.generation.cache.MLALayerCache or a row view of it) two paths g
 - expanded (prefill chunks): k_nope, v = kv_b(cached latents) and causal attention with q_offset.
 Rows may hold different lengths (ragged batches): query i of row b sees keys j <= start_b + i.
 `cache.mla_mode` ("auto" | "absorbed" | "expanded") overrides the choice.
+Packed documents (batch 1 + cu_seqlens) with a cache need a packed view (`K3Cache.packed(rows)`): document n's
+latents go to its own row and its queries see only that row, by the path the document alone would take.
 """
 from __future__ import annotations
 
@@ -123,7 +125,10 @@ class MLAAttention(nn.Module):
         c, k_pe = self.project_latent(x_BTd)
         if cache is not None:
             if cu_seqlens is not None:
-                raise ValueError("MLA: cu_seqlens (packed documents) cannot be combined with a cache")
+                if not getattr(cache, "packed", False):
+                    raise ValueError("MLA: cu_seqlens (packed documents) need a packed cache view "
+                                     "(K3Cache.packed(rows)), not a plain cache")
+                return self._forward_packed(q, c, k_pe, x_BTd, cache, cu_seqlens)
             return self._forward_cached(q, c, k_pe, x_BTd, cache)
         k, v = self.expand_kv(c, k_pe)
         o, ml = causal_attention(q, k, v, self.softmax_scale, cu_seqlens=cu_seqlens,
@@ -147,6 +152,28 @@ class MLAAttention(nn.Module):
         else:
             o = self.expanded_attention_masked(q, c_all, kpe_all, starts)
         return self.output(o.to(x_BTd.dtype), x_BTd)
+
+    def _forward_packed(self, q, c, k_pe, x_BTd, cache, cu_seqlens):
+        """Packed documents (batch 1) each continuing its own cache row: document n's latents are appended to its
+        row and its queries attend to that row only, by the same path a forward of that document alone would take
+        (absorbed for <= absorb_max_tokens new tokens, else expanded with q_offset)."""
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        mode = getattr(cache, "mla_mode", "auto")
+        outs = []
+        for n in range(len(cu) - 1):
+            a, b = cu[n], cu[n + 1]
+            if b == a:
+                continue
+            start = cache.doc_length(n)
+            c_all, kpe_all = cache.update_doc(n, c[:, a:b], k_pe[:, a:b])
+            if mode == "absorbed" or (mode == "auto" and b - a <= self.absorb_max_tokens):
+                starts = torch.full((1,), start, dtype=torch.long, device=q.device)
+                o = self.absorbed_attention(q[:, a:b], c_all, kpe_all, starts)
+            else:
+                k, v = self.expand_kv(c_all, kpe_all)
+                o, _ = causal_attention(q[:, a:b], k, v, self.softmax_scale, q_offset=start)
+            outs.append(o.to(x_BTd.dtype))
+        return self.output(torch.cat(outs, 1), x_BTd)
 
     @staticmethod
     def _visible(starts_B, T: int, S: int, device) -> torch.Tensor:

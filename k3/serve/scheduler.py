@@ -5,7 +5,10 @@ Each request gets a cache row (a *slot*). Every scheduler iteration
   2. admits queued requests into free slots (the lowest free row first, which keeps active rows contiguous),
   3. prefills waiting prompts, at most `prefill_chunk` prompt tokens per iteration in total (so a long prompt
      never stalls the running streams for more than one chunk), sampling the first token of a prompt as soon as
-     its prefill completes,
+     its prefill completes; the chunks of several waiting prompts go through ONE packed forward (batch 1 +
+     cu_seqlens over `K3Cache.packed(rows)`): each prompt's KDA state / conv history start from and are written
+     back to its own row (reset at document boundaries, so they never see another prompt or padding) and its
+     MLA queries see only its own row's latents,
   4. decodes one token for every slot that has one pending, all of them in one forward per contiguous run of
      rows (rows still prefilling split a run; free rows inside a run are reset and fed a dummy token).
 Sampling is per request (own SamplingParams, own torch.Generator seeded from the request seed), so a request's
@@ -72,7 +75,7 @@ class GenRequest:
 
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch: int = 8, max_queue: int = 64, max_context: int = 4096,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, pack_prefill: bool = True):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -80,6 +83,7 @@ class Scheduler:
         self.model, self.tok = model, tokenizer
         self.max_batch, self.max_queue, self.max_context = int(max_batch), int(max_queue), int(max_context)
         self.prefill_chunk = max(1, int(prefill_chunk))
+        self.pack_prefill = bool(pack_prefill)   # several waiting prompts' prefill in one packed forward
         self.device = model.device
         self.vocab = model.config.vocab_size
         self.cache = K3Cache.for_model(model, self.max_batch, max_length=self.max_context + 1)
@@ -91,7 +95,8 @@ class Scheduler:
         self._thread: Optional[threading.Thread] = None
         self._order = itertools.count()
         self.stats = dict(requests=0, completed=0, cancelled=0, rejected=0, errors=0, prompt_tokens=0,
-                          generated_tokens=0, decode_steps=0, peak_active=0)
+                          generated_tokens=0, decode_steps=0, peak_active=0,
+                          prefill_forwards=0, packed_prefills=0)
 
     # ------------------------------------------------------------------ public (any thread)
     def start(self) -> None:
@@ -227,22 +232,16 @@ class Scheduler:
         for r in [s for s in self.slots if s is not None]:
             if r.cancel.is_set():
                 self._finish(r, "cancelled")
-        # ---- prefill (bounded work per iteration), oldest admission first
-        budget = self.prefill_chunk
+        # ---- prefill (bounded work per iteration), oldest admission first, all of it in one forward
+        budget, batch = self.prefill_chunk, []
         for r in sorted((s for s in self.slots if s is not None and s.state == "prefill"), key=lambda s: s._order):
             if budget <= 0:
                 break
             n = min(budget, len(r.prompt) - r.pos)
-            view = cache.rows(r.slot)
-            ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
-            logits = model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
-            view.advance(n)
-            r.pos += n
+            batch.append((r, n))
             budget -= n
-            if r.pos == len(r.prompt):
-                r.state = "decode"
-                r.t_first = time.perf_counter()
-                self._accept(r, self._pick(r, logits))
+        if batch:
+            self._prefill(batch)
         # ---- one decode step for every slot with a pending token
         for lo, hi in self._runs():
             rows = self.slots[lo:hi + 1]
@@ -267,6 +266,41 @@ class Scheduler:
                 else:
                     tok = int(greedy[j])
                 self._accept(r, tok)
+
+    def _prefill(self, batch) -> None:
+        """Prefill the next n prompt tokens of each (request, n) in ONE forward: a single prompt as a [1, n] row
+        forward on its cache row; several as one packed [1, sum n] forward with cu_seqlens (cache.packed), where
+        each document starts from / writes back its own row's KDA state and conv history (reset at document
+        boundaries, never seeing another prompt or padding) and attends only to its own row's MLA latents."""
+        model, cache = self.model, self.cache
+        if len(batch) == 1 or not self.pack_prefill:
+            logits = []
+            for r, n in batch:
+                view = cache.rows(r.slot)
+                ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+                logits.append(model(ids, cache=view, logits_to_keep=1).logits[:, -1].float())
+                view.advance(n)
+                self.stats["prefill_forwards"] += 1
+            logits = torch.cat(logits, 0)
+        else:
+            toks, cu = [], [0]
+            for r, n in batch:
+                toks.extend(r.prompt[r.pos:r.pos + n])
+                cu.append(cu[-1] + n)
+            ids = torch.tensor([toks], dtype=torch.long, device=self.device)
+            cu_t = torch.tensor(cu, dtype=torch.long, device=self.device)
+            view = cache.packed([r.slot for r, _ in batch])
+            h = model(ids, cu_seqlens=cu_t, cache=view, return_logits=False).hidden_states      # [1, T, d]
+            logits = model.lm_head(h[0, cu_t[1:] - 1]).float()                                    # [N, V]
+            view.advance([n for _, n in batch])
+            self.stats["prefill_forwards"] += 1
+            self.stats["packed_prefills"] += 1
+        for j, (r, n) in enumerate(batch):
+            r.pos += n
+            if r.pos == len(r.prompt):
+                r.state = "decode"
+                r.t_first = time.perf_counter()
+                self._accept(r, self._pick(r, logits[j:j + 1]))
 
     def _runs(self):
         """Contiguous row ranges to decode together: rows that decode, bridging free rows, split at rows that

@@ -133,3 +133,69 @@ def test_free_row_inside_a_decoding_run(loaded):
         assert 1 in seen_dummy
     finally:
         sched.stop()
+
+
+def _count_forwards(model):
+    calls = []
+    orig = model.forward
+
+    def fwd(*a, **kw):
+        ids = kw.get("input_ids", a[0] if a else None)
+        calls.append((tuple(ids.shape), kw.get("cu_seqlens") is not None))
+        return orig(*a, **kw)
+
+    model.forward = fwd
+    return calls, lambda: model.__dict__.pop("forward", None)
+
+
+def test_ragged_prompts_arriving_together_are_prefilled_in_one_packed_forward(loaded):
+    """Prompts of different lengths (1 .. 37 tokens: both the short-input recurrent/absorbed paths and the chunked
+    ones) queued together: their prefill is ONE packed forward (cu_seqlens over their cache rows), and every
+    output, greedy and seeded, equals k3.generate on that prompt alone."""
+    model, tok = loaded
+    texts = ["Hi", "The quick brown fox jumps over the lazy dog and then some more words follow here",
+             "def encode(text):", "hello world " * 6, "x", "Numbers like 1, 12, 123 and 1234"]
+    prompts = [tok.encode(t) for t in texts]
+    assert len({len(p) for p in prompts}) == len(prompts) and max(len(p) for p in prompts) > 16
+    sched = Scheduler(model, tok, max_batch=8, max_context=256, prefill_chunk=4096)
+    reqs = []
+    for i, p in enumerate(prompts):
+        sampled = i % 3 == 1
+        params = SamplingParams(do_sample=True, temperature=0.9, top_p=0.9) if sampled else SamplingParams()
+        reqs.append(GenRequest(prompt=p, max_tokens=8, sink=None, params=params, seed=7 + i, stop_ids=frozenset()))
+    qs = [_collect(sched, r) for r in reqs]                 # queued before the thread starts: admitted together
+    calls, restore = _count_forwards(model)
+    sched.start()
+    try:
+        for q in qs:
+            _drain(q)
+    finally:
+        sched.stop()
+        restore()
+    prefills = [c for c in calls if c[0][0] == 1 and c[0][1] > 1 or c[1]]
+    assert prefills == [((1, sum(map(len, prompts))), True)], calls[:3]
+    assert sched.stats["prefill_forwards"] == 1 and sched.stats["packed_prefills"] == 1
+    for i, (p, r) in enumerate(zip(prompts, reqs)):
+        kw = dict(do_sample=True, temperature=0.9, top_p=0.9, seed=7 + i) if i % 3 == 1 else {}
+        assert r.generated == generate(model, [p], 8, stop_token_ids=[], **kw)[0, len(p):].tolist(), i
+
+
+def test_packed_prefill_chunks_continue_rows_exactly(loaded):
+    """A small prefill budget: prompts are split into chunks, several in flight at once, each packed forward
+    mixing first chunks with continuations of earlier ones (per-row KDA/conv/MLA state carried across)."""
+    model, tok = loaded
+    rng = random.Random(1)
+    words = "the quick brown fox jumps over lazy dog hello world tokens model".split()
+    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(rng.randint(3, 30)))) for _ in range(6)]
+    sched = Scheduler(model, tok, max_batch=6, max_context=256, prefill_chunk=11)
+    reqs = [GenRequest(prompt=p, max_tokens=5, sink=None, stop_ids=frozenset()) for p in prompts]
+    qs = [_collect(sched, r) for r in reqs]
+    sched.start()
+    try:
+        for q in qs:
+            _drain(q)
+    finally:
+        sched.stop()
+    assert sched.stats["packed_prefills"] >= 2
+    for p, r in zip(prompts, reqs):
+        assert r.generated == generate(model, [p], 5, stop_token_ids=[])[0, len(p):].tolist()
