@@ -115,13 +115,16 @@ class Layout:
     block_pos_Nb: torch.Tensor
 
 
-def make_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, device) -> Layout:
+def _seq_bounds(B: int, T: int, cu_seqlens: Optional[torch.Tensor]):
+    """(start token, length) of every sequence, int64 on the CPU (fixed-length rows, or packed via cu_seqlens)."""
     if cu_seqlens is None:
-        starts_N = torch.arange(B, dtype=torch.int64) * T
-        lens_N = torch.full((B,), T, dtype=torch.int64)
-    else:
-        cu = cu_seqlens.detach().to("cpu", torch.int64)
-        starts_N, lens_N = cu[:-1], cu[1:] - cu[:-1]
+        return torch.arange(B, dtype=torch.int64) * T, torch.full((B,), T, dtype=torch.int64)
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    return cu[:-1], cu[1:] - cu[:-1]
+
+
+def make_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, device) -> Layout:
+    starts_N, lens_N = _seq_bounds(B, T, cu_seqlens)
     N = lens_N.numel()
     nblk_N = (lens_N + C - 1) // C
     Nb = int(nblk_N.sum())
@@ -160,12 +163,7 @@ class StepLayout:
 
 
 def make_step_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, device) -> StepLayout:
-    if cu_seqlens is None:
-        starts_N = torch.arange(B, dtype=torch.int64) * T
-        lens_N = torch.full((B,), T, dtype=torch.int64)
-    else:
-        cu = cu_seqlens.detach().to("cpu", torch.int64)
-        starts_N, lens_N = cu[:-1], cu[1:] - cu[:-1]
+    starts_N, lens_N = _seq_bounds(B, T, cu_seqlens)
     N = lens_N.numel()
     nblk_N = (lens_N + C - 1) // C
     perm_N = torch.sort(nblk_N, descending=True, stable=True).indices
