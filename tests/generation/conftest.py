@@ -31,13 +31,9 @@ def build(cfg, dtype=torch.float64, seed=0):
     return m.eval()
 
 
-@pytest.fixture(scope="package", autouse=True)
-def _one_thread():
-    """These tests run many tiny ops: one intra-op thread is much faster on a shared CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """These tests run many tiny ops: one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")

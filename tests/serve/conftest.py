@@ -68,12 +68,9 @@ class ServerThread:
         self.sock.close()
 
 
-@pytest.fixture(scope="package", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    """These tests run many tiny ops: one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="package")

@@ -15,12 +15,8 @@ from k3.train.schedule import (TINY_STAGES, ContextSchedule, batch_rows, cosine_
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
+def _cache(tmp_path, monkeypatch, one_torch_thread):
     monkeypatch.setenv("K3_CACHE", str(tmp_path / "cache"))
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ----------------------------------------------------------------------------------------------- synthetic

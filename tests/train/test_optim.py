@@ -10,13 +10,7 @@ from k3.train.optim import build_optimizer, classify_parameters, newton_schulz, 
 
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny matrices: intra-op threads only add sync overhead (badly so on a shared, loaded machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: threads only add sync overhead
 
 
 torch.manual_seed(0)

@@ -35,12 +35,7 @@ def corpus(tmp_path_factory):
     return {"data": [str(p)], "cache": str(d / "cache")}
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_cfg(corpus, out, **kw):
