@@ -288,6 +288,8 @@ class K3Config:
             if "." in k:  # linear_attn_config.num_heads=...
                 a, b = k.split(".", 1)
                 d[a][b] = v
+            elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+                d[k] = dataclasses.asdict(v)
             else:
                 d[k] = v
         new = K3Config.from_dict(d)

@@ -1,16 +1,84 @@
 """Activations. SiTU-GLU (spec §2): a = b1*tanh(g/b1)*sigmoid(g), b = b2*tanh(u/b2), out = a*b in fp32, cast back.
-|a| < b1, |b| < b2, so |out| < b1*b2; it reduces to SwiGLU as both betas grow."""
+|a| < b1, |b| < b2, so |out| < b1*b2; it reduces to SwiGLU as both betas grow.
+
+`situ_glu` is one autograd node that saves only its inputs g and u (in their own dtype) and recomputes the fp32
+intermediates in backward: plain autograd over the formula kept six fp32 tensors of the expert width alive per
+call (~96 KB per token per MoE layer at top-8, latent 512), which is what ran `small` out of memory at 32K tokens
+per step on an H200. Derivatives, with tg = tanh(g/b1), s = sigmoid(g), tu = tanh(u/b2):
+  d out/d g = b2*tu * ((1 - tg^2)*s + b1*tg*s*(1 - s)),   d out/d u = b1*tg*s * (1 - tu^2).
+On CUDA the forward and backward are each one Triton kernel (k3/ops/activations_triton.py); elsewhere torch math.
+"""
+import importlib.util
+import os
+
 import torch
+import torch.nn.functional as F
 
 from k3.ops import f32
-import torch.nn.functional as F
+
+
+def _situ_fwd_torch(g, u, b1, b2):
+    g32, u32 = f32(g), f32(u)
+    a = b1 * torch.tanh(g32 / b1) * torch.sigmoid(g32)
+    b = b2 * torch.tanh(u32 / b2)
+    return (a * b).to(g.dtype)
+
+
+def _situ_bwd_torch(g, u, dout, b1, b2):
+    g32, u32, d32 = f32(g), f32(u), f32(dout)
+    tg, s, tu = torch.tanh(g32 / b1), torch.sigmoid(g32), torch.tanh(u32 / b2)
+    da = (1 - tg * tg) * s + b1 * tg * s * (1 - s)
+    dg = d32 * (b2 * tu) * da
+    du = d32 * (b1 * tg * s) * (1 - tu * tu)
+    return dg.to(g.dtype), du.to(u.dtype)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    if not x.is_cuda or os.environ.get("K3_SITU_TRITON", "1") == "0":
+        return False
+    return importlib.util.find_spec("triton") is not None
+
+
+def _fwd(g, u, b1, b2):
+    if _use_triton(g) and g.shape == u.shape:
+        from k3.ops import activations_triton
+        return activations_triton.situ_fwd(g, u, b1, b2)
+    return _situ_fwd_torch(g, u, b1, b2)
+
+
+def _bwd(g, u, dout, b1, b2):
+    if _use_triton(g) and g.shape == u.shape == dout.shape:
+        from k3.ops import activations_triton
+        return activations_triton.situ_bwd(g, u, dout, b1, b2)
+    return _situ_bwd_torch(g, u, dout, b1, b2)
+
+
+class _SiTUGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, g, u, b1, b2):
+        ctx.b = (b1, b2)
+        ctx.save_for_backward(g, u)
+        return _fwd(g, u, b1, b2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        g, u = ctx.saved_tensors
+        dg, du = _bwd(g, u, dout.contiguous() if dout.is_cuda else dout, *ctx.b)
+        return dg, du, None, None
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
-    g32, u32 = f32(g), f32(u)
-    a = beta1 * torch.tanh(g32 / beta1) * torch.sigmoid(g32)
-    b = beta2 * torch.tanh(u32 / beta2)
-    return (a * b).to(g.dtype)
+    if g.shape != u.shape:
+        g, u = torch.broadcast_tensors(g, u)
+    if torch.is_grad_enabled() and (g.requires_grad or u.requires_grad):
+        return _SiTUGLU.apply(g, u, float(beta1), float(beta2))
+    return _fwd(g, u, float(beta1), float(beta2))
+
+
+def situ_glu_reference(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """The formula under plain autograd (tests compare the fused node against it)."""
+    return _situ_fwd_torch(g, u, beta1, beta2)
 
 
 def silu_glu(g: torch.Tensor, u: torch.Tensor, beta1: float = 0.0, beta2: float = 0.0) -> torch.Tensor:
