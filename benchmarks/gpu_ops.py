@@ -139,7 +139,7 @@ def sec_attn(quick):
                     fwd_ratio_vs_anchor=tf / ta_f * (1 if not docs else 4) * flops_anchor / flops_f)
             except Exception as e:
                 add(section="attn", variant=name, T=T, error=repr(e)[:300])
-        attention_cuda.PAD_V, attention_cuda.VARLEN = True, "auto"
+        attention_cuda.PAD_V, attention_cuda.VARLEN = False, "auto"
         del q, k, v, qa, ka, va
         torch.cuda.empty_cache()
 

@@ -8,8 +8,9 @@ Cases:
   causal inside each document) when this torch has it, else flex_attention with a document-causal BlockMask.
 Notable: MLA has a value head dim (v_head_dim) smaller than the query/key head dim (nope + rope). Flash kernels
 want one head dim, so V is zero-padded up to it and the output sliced (`PAD_V`; the padded columns produce
-zeros). Without padding SDPA picks the memory-efficient kernel, which takes a different V dim but is slower on
-H200 (see benchmarks/gpu_ops.py).
+zeros). The dense SDPA paths do not pad by default (`PAD_V = False`): unpadded, SDPA picks the memory-efficient
+kernel, which measured faster on the H200 with torch 2.11 (B4 T8K H96 Dqk192 Dv128 fwd+bwd 63.0 vs 95.8 ms padded
+for flash; benchmarks/RESULTS.md). The varlen kernel always gets the padded V (it needs one head dim).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger("k3")
 
-PAD_V = True          # zero-pad V to the q/k head dim so the flash kernels apply
+PAD_V = False         # dense paths: zero-pad V to the q/k head dim for the flash kernel (slower on H200, torch 2.11)
 VARLEN = "auto"        # "auto" (varlen_attn if present, else flex), "varlen", "flex"
 
 
@@ -46,9 +47,9 @@ def _varlen_fn():
     return None
 
 
-def _pad_v(v: torch.Tensor, D: int) -> torch.Tensor:
+def _pad_v(v: torch.Tensor, D: int, force: bool = False) -> torch.Tensor:
     E = v.shape[-1]
-    return F.pad(v, (0, D - E)) if (PAD_V and E < D) else v
+    return F.pad(v, (0, D - E)) if ((PAD_V or force) and E < D) else v
 
 
 def _dense_causal(q, k, v, scale, q_offset):
@@ -90,7 +91,7 @@ def _varlen(q, k, v, scale, cu_seqlens):
     E = v.shape[-1]
     cu = cu_seqlens.to(q.device, torch.int32)
     m = _max_len(cu_seqlens)
-    o = fn(q[0], k[0], _pad_v(v[0], D).contiguous() if PAD_V else v[0], cu, cu, m, m, scale=scale)
+    o = fn(q[0], k[0], _pad_v(v[0], D, force=True).contiguous(), cu, cu, m, m, scale=scale)
     return o[..., :E].unsqueeze(0)
 
 
