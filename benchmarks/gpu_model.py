@@ -85,31 +85,43 @@ def sec_train(a, cfg):
     log(section="flops_per_token", T=a.seq, **fl)
     results = {}
     for mode in a.compile.split(","):
-        torch._dynamo.reset()
-        model = make_model(cfg, a.bf16_params)
-        model.loss_chunk_size = a.loss_chunk
-        if mode != "none":
-            from k3.compile import compile_model
-            compile_model(model, mode=mode)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        ids, labels = batch(cfg, a.batch, a.seq)
-        t0 = time.time()
-        loss = train_steps(model, opt, ids, labels, a.warmup, a.bf16_params)
-        torch.cuda.synchronize()
-        warm_s = time.time() - t0
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        loss = train_steps(model, opt, ids, labels, a.steps, a.bf16_params)
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / a.steps
-        tok_s = a.batch * a.seq / dt
-        r = dict(section="train", compile=mode, B=a.batch, T=a.seq, bf16_params=a.bf16_params, step_ms=dt * 1e3,
-                 tokens_per_s=tok_s, mfu=fl["total"] * tok_s / PEAK, mfu_6N_only=fl["dense"] * tok_s / PEAK,
-                 peak_mem_GiB=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, loss=loss.item())
-        log(**r)
-        results[mode] = r
-        del model, opt
-        torch.cuda.empty_cache()
+        for B in a.batches:  # largest batch that fits (OOM -> next)
+            torch._dynamo.reset()
+            model = opt = None
+            try:
+                model = make_model(cfg, a.bf16_params)
+                model.loss_chunk_size = a.loss_chunk
+                if mode != "none":
+                    from k3.compile import compile_model
+                    compile_model(model, mode=mode)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+                ids, labels = batch(cfg, B, a.seq)
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.time()
+                loss = train_steps(model, opt, ids, labels, a.warmup, a.bf16_params)
+                torch.cuda.synchronize()
+                warm_s = time.time() - t0
+                torch.cuda.reset_peak_memory_stats()
+                t0 = time.perf_counter()
+                loss = train_steps(model, opt, ids, labels, a.steps, a.bf16_params)
+                torch.cuda.synchronize()
+            except torch.OutOfMemoryError:
+                log(section="train", compile=mode, B=B, T=a.seq, error="OOM",
+                    peak_mem_GiB=torch.cuda.max_memory_allocated() / 2 ** 30)
+                del model, opt
+                torch.cuda.empty_cache()
+                continue
+            dt = (time.perf_counter() - t0) / a.steps
+            tok_s = B * a.seq / dt
+            r = dict(section="train", compile=mode, B=B, T=a.seq, bf16_params=a.bf16_params, step_ms=dt * 1e3,
+                     tokens_per_s=tok_s, mfu=fl["total"] * tok_s / PEAK, mfu_6N_only=fl["dense"] * tok_s / PEAK,
+                     peak_mem_GiB=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, loss=loss.item())
+            log(**r)
+            results[mode] = r
+            a.batch = B
+            del model, opt
+            torch.cuda.empty_cache()
+            break
     return results
 
 
@@ -285,7 +297,7 @@ def sec_longest(a, cfg, train: bool):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", default="8", help="batch size, or a list tried largest first until one fits")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -298,6 +310,8 @@ def main():
     for s in ("train", "breakdown", "explain", "profile", "longest-train", "longest-prefill", "all"):
         ap.add_argument("--" + s, action="store_true")
     a = ap.parse_args()
+    a.batches = [int(x) for x in str(a.batch).split(",")]
+    a.batch = a.batches[-1]
     import triton
     cfg = K3Config.from_preset(a.preset)
     RES["meta"] = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),

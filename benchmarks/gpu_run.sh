@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One H200 session step (device tool). Usage: bash benchmarks/gpu_run.sh STAGE [STAGE...]
+# Needs: fla wheels in .whl (carried), optional .tcache/autotune.tgz (carried) from an earlier warm-up.
+# Every step runs under its own timeout and appends to $OUT/log.txt; results land in $OUT/*.json.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 || echo "wheel install failed"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+mkdir -p $TRITON_CACHE_DIR
+[ -f .tcache/autotune.tgz ] && python3 benchmarks/fla_warmup.py --unpack .tcache/autotune.tgz
+step() {  # step NAME SECONDS CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name ($(date +%T), limit ${t}s): $*" | tee -a "$OUT/log.txt"
+  local s=$(date +%s)
+  timeout -k 5 "$t" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -n 60
+  echo "=== $name rc=${PIPESTATUS[0]} $(( $(date +%s) - s ))s" | tee -a "$OUT/log.txt"
+}
+for stage in "$@"; do case $stage in
+  warm) step warm 330 python3 benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 --pack "$OUT/autotune.tgz" ;;
+  tests) step tests 100 python3 -m pytest -q -s --timeout 60 tests/gpu tests/generation/test_static_decode.py ;;
+  ops) step ops 200 python3 benchmarks/gpu_ops.py --quick --only kda,moe,attnres,attn --json "$OUT/gpu_ops.json" ;;
+  decode) step decode 90 python3 benchmarks/decode.py --device cuda --preset small --min-context 4096 \
+      --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
+      --json "$OUT/decode_h200_graph.json" ;;
+  prefill) step prefill 80 python3 benchmarks/decode.py --device cuda --preset small --models hybrid \
+      --min-context 1048576 --max-context 1048576 --real-prefill-max 1048576 --prefill-chunk 65536 --cuda-graph \
+      --steps 10 --json "$OUT/prefill_1m.json" ;;
+  train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
+      --compile none,modules ;;
+  longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
+  pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;
+  *) echo "unknown stage $stage" ;;
+esac; done
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv | tee -a "$OUT/log.txt"
