@@ -118,6 +118,7 @@ def sec_train(a, cfg):
                      peak_mem_GiB=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, loss=loss.item())
             log(**r)
             results[mode] = r
+            a.fit[mode] = B
             a.batch = B
             del model, opt
             torch.cuda.empty_cache()
@@ -204,7 +205,9 @@ def sec_profile(a, cfg):
     from torch.profiler import ProfilerActivity, profile
     model = make_model(cfg, a.bf16_params)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    ids, labels = batch(cfg, a.batch, a.seq)
+    B = a.fit.get("none", a.batch)  # the profile runs eager: the batch that fitted eager
+    ids, labels = batch(cfg, B, a.seq)
+    log(section="profile", B=B, T=a.seq)
     train_steps(model, opt, ids, labels, 2, a.bf16_params)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -277,8 +280,13 @@ def sec_longest(a, cfg, train: bool):
                 with torch.no_grad(), amp(a.bf16_params):
                     model(ids, logits_to_keep=1)
         ok, dt, mem, err = _try(step)
-        log(section="longest_train" if train else "longest_prefill", T=T, ok=ok, seconds=dt, peak_mem_GiB=mem,
-            tokens_per_s=T / dt if ok and dt else None, error=err)
+        dt_warm = None
+        if ok and time.time() - t_start + 1.5 * dt < a.long_budget:  # a second call: without first-use costs
+            ok2, dt2, mem2, err2 = _try(step)
+            dt_warm, mem = (dt2, max(mem, mem2)) if ok2 else (None, mem)
+        log(section="longest_train" if train else "longest_prefill", T=T, ok=ok, seconds_first=dt,
+            seconds_second=dt_warm, peak_mem_GiB=mem,
+            tokens_per_s=T / (dt_warm or dt) if ok and dt else None, error=err)
         del ids, labels
         if not ok:
             break
@@ -312,6 +320,7 @@ def main():
     a = ap.parse_args()
     a.batches = [int(x) for x in str(a.batch).split(",")]
     a.batch = a.batches[-1]
+    a.fit = {}  # compile mode -> largest batch that trained
     import triton
     cfg = K3Config.from_preset(a.preset)
     RES["meta"] = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
