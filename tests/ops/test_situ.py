@@ -13,6 +13,11 @@ from k3.ops.activations import situ_glu, situ_glu_reference
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.fixture(autouse=True)
+def _force_node(monkeypatch):
+    monkeypatch.setenv("K3_SITU_NODE", "1")  # on CPU the plain formula is the default (faster there)
+
+
 def test_situ_node_matches_autograd_formula_fp64():
     torch.manual_seed(1)
     g = (torch.randn(37, 24, dtype=torch.float64) * 6).requires_grad_()
