@@ -3,6 +3,9 @@
 TRITON_INTERPRET must be set before triton is imported, and pytest imports every test module into one process,
 so the checks run in one subprocess (this file run as a script, with TRITON_INTERPRET=1) that prints a JSON
 table of relative RMSEs; the tests below read that table. Skips cleanly when triton is not installed.
+Every forward variant (k3.ops.kda.triton.ops.FWD_VARIANTS, selected through $K3_KDA_TRITON_FWD as a user would)
+runs the same forward cases. The interpreter computes dots exactly in fp32 (no tf32 rounding), so GPU precision
+is checked by benchmarks/kda_triton.py, not here.
 """
 from __future__ import annotations
 
@@ -17,6 +20,11 @@ import pytest
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOL_OUT, TOL_DQKV, TOL_DGB = 5e-3, 8e-3, 2e-2
+# bf16 inputs vs the fp32 loop on the same (rounded) inputs: o is rounded to bf16 (1.6e-3 alone) and the WY
+# intermediates and the state operand of the dots are bf16, as in fla; ~1e-2 at these small K, V (3.3e-3 at
+# D=128 on the H200).
+TOL_BF16 = 2.5e-2
+VARIANTS = ("c16", "c64", "c64s", "c64f")  # = ops.FWD_VARIANTS (checked in the subprocess)
 
 
 def _rr(a, b) -> float:
@@ -25,16 +33,39 @@ def _rr(a, b) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
+def fix_interpreter_bf16_dot() -> None:
+    """Triton's interpreter (3.9) keeps bf16 tensors as raw uint16 bits and tl.dot multiplies the bits: widen
+    bf16 dot operands to fp32 (exact) first. Test/CPU-only; GPU kernels are unaffected."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as itp
+    orig = itp.InterpreterBuilder.create_dot
+    if getattr(orig, "_k3_bf16_fix", False):
+        return
+
+    def up(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return itp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._k3_bf16_fix = True
+    itp.InterpreterBuilder.create_dot = create_dot
+
+
 def _checks() -> dict:
     import torch
     import torch.nn.functional as F
     from k3.ops.kda import chunk_kda, recurrent_kda
-    from k3.ops.kda.triton import available, fused_recurrent_kda_triton
+    from k3.ops.kda.triton import available, fused_recurrent_kda_triton, ops
 
     assert available(), "triton backend should be available under TRITON_INTERPRET=1"
+    fix_interpreter_bf16_dot()
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)
-    res = {}
+    res = {"variants_match": float(tuple(ops.FWD_VARIANTS) == VARIANTS)}
 
     def inputs(B, T, H, K, V, unit_k=False, gate=True):
         q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
@@ -54,23 +85,65 @@ def _checks() -> dict:
     A_log, dtb = torch.rand(H, generator=gen), r(H * K) * 0.5
     gk = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dtb)
 
-    # 1. fused gate + L2 norm + initial state, T not a multiple of the 16-token chunk
-    q, k, v, f, beta = inputs(2, 37, H, K, V)
-    cmp("gate_l2_h0", (q, k, v, f, beta), dict(initial_state=r(2, H, K, V), **gk))
-    # 2. precomputed log-decay, no L2 norm (unit keys), explicit scale, no initial state, K=V=16
+    # Forward cases: (name, args, kwargs, tolerance). Inputs drawn once; every variant runs all of them.
+    cases = []
+    # fused gate + L2 norm + initial state; T = 100 = 64 + 36 = 6*16 + 4 (partial chunk for both chunk sizes)
+    q, k, v, f, beta = inputs(2, 100, H, K, V)
+    cases.append(("gate_l2_h0", (q, k, v, f, beta), dict(initial_state=r(2, H, K, V), **gk), TOL_OUT))
+    # precomputed log-decay, no L2 norm (unit keys), explicit scale, no initial state, K=V=16
     q, k, v, g, beta = inputs(1, 50, 1, 16, 16, unit_k=True, gate=False)
-    cmp("precomputed_g", (q, k, v, g, beta), dict(scale=0.3))
-    # 3. varlen with an initial state per sequence (lengths 5, 16, 1, 28, 0)
-    cu = torch.tensor([0, 5, 21, 22, 50, 50])
-    q, k, v, f, beta = inputs(1, 50, H, K, V)
-    cmp("varlen", (q, k, v, f, beta), dict(initial_state=r(5, H, K, V), cu_seqlens=cu, **gk))
-    # 4. gates at the bound: raw gate saturated (g = -5 to fp32 precision) and precomputed g == -5
-    q, k, v, f, beta = inputs(1, 40, H, K, V)
-    cmp("gate_at_bound", (q, k, v, torch.full_like(f, 60.0), beta), dict(**gk))
-    q, k, v, g, beta = inputs(1, 40, 1, 32, 32, unit_k=True, gate=False)
-    cmp("g_eq_-5", (q, k, v, torch.full_like(g, -5.0), beta), dict())
-    cmp("g_mixed_0_-5", (q, k, v, torch.where(torch.rand(g.shape, generator=gen) < 0.5, -5.0, 0.0), beta), dict())
-    # 5. decode: one token per sequence through chunk_kda (dispatches to the recurrent kernel), varlen decode,
+    cases.append(("precomputed_g", (q, k, v, g, beta), dict(scale=0.3), TOL_OUT))
+    # varlen with an initial state per sequence: lengths 5, 64 (one full 64-chunk), 1, 0, 280 (5 chunks of 64,
+    # 18 of 16), 17
+    cu = torch.tensor([0, 5, 69, 70, 70, 350, 367])
+    q, k, v, f, beta = inputs(1, 367, H, K, V)
+    cases.append(("varlen", (q, k, v, f, beta), dict(initial_state=r(6, H, K, V), cu_seqlens=cu, **gk), TOL_OUT))
+    # gates at the bound: raw gate saturated (g = lower_bound to fp32 precision) for lower_bound -5 and -10 (the
+    # steepest the kernels accept: in-tile exponents up to 8 * 10 = 80), precomputed g == -5, and precomputed g
+    # switching between 0 and -10 (steepest and flattest in one tile)
+    q, k, v, f, beta = inputs(1, 80, H, K, V)
+    cases.append(("gate_at_bound", (q, k, v, torch.full_like(f, 60.0), beta), dict(**gk), TOL_OUT))
+    cases.append(("gate_at_bound_lb-10", (q, k, v, torch.full_like(f, 60.0), beta),
+                  dict(initial_state=r(1, H, K, V), lower_bound=-10.0, **gk), TOL_OUT))
+    q, k, v, g, beta = inputs(1, 70, 1, 32, 32, unit_k=True, gate=False)
+    cases.append(("g_eq_-5", (q, k, v, torch.full_like(g, -5.0), beta), dict(), TOL_OUT))
+    g_mix = torch.where(torch.rand(g.shape, generator=gen) < 0.5, -10.0, 0.0)
+    cases.append(("g_mixed_0_-10", (q, k, v, g_mix, beta), dict(initial_state=r(1, 1, 32, 32)), TOL_OUT))
+    # bf16 inputs (reference: fp32 loop on the rounded inputs), varlen with a length-1 document, gate + L2 + h0
+    cu_b = torch.tensor([0, 1, 71, 100])
+    xs = [x.bfloat16() for x in inputs(1, 100, H, K, V)]
+    cases.append(("bf16", tuple(xs), dict(initial_state=r(3, H, K, V), cu_seqlens=cu_b, **gk), TOL_BF16))
+    res["tol"] = {name: tol for name, _, _, tol in cases}
+
+    refs = [recurrent_kda(*[x.float() for x in args], output_final_state=True, **kw) for _, args, kw, _ in cases]
+    causal_in = inputs(1, 80, H, K, V)
+    t0 = 20
+    for variant in VARIANTS:
+        os.environ[ops.ENV_FWD] = variant
+        res[variant + ".selected"] = float(ops.fwd_variant() == variant)
+        for (name, args, kw, _), (o1, s1) in zip(cases, refs):
+            o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
+            res[f"{variant}.{name}.o"] = _rr(o2, o1)
+            res[f"{variant}.{name}.S"] = _rr(s2, s1)
+            res[f"{variant}.{name}.dtype_ok"] = float(o2.dtype == args[2].dtype and s2.dtype == torch.float32)
+        # causality: outputs at t <= t0 never depend on gates (or anything else) after t0
+        q, k, v, f, beta = causal_in
+        o_a, _ = chunk_kda(q, k, v, f, beta, backend="triton", **gk)
+        f2 = f.clone()
+        f2[:, t0 + 1:] = r(*f2[:, t0 + 1:].shape) * 10
+        v2 = v.clone()
+        v2[:, t0 + 1:] += 1.0
+        o_b, _ = chunk_kda(q, k, v2, f2, beta, backend="triton", **gk)
+        res[f"{variant}.causal.max_abs_diff_before"] = float(
+            (o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
+        res[f"{variant}.causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
+    del os.environ[ops.ENV_FWD]
+    try:
+        ops.fwd_variant("c32")
+        res["bad_variant_raises"] = 0.0
+    except ValueError:
+        res["bad_variant_raises"] = 1.0
+    # decode: one token per sequence through chunk_kda (dispatches to the recurrent kernel), varlen decode,
     #    and the in-place few-token decode API
     q, k, v, f, beta = inputs(3, 1, H, K, V)
     h0 = r(3, H, K, V)
@@ -83,7 +156,7 @@ def _checks() -> dict:
     o2, s2 = fused_recurrent_kda_triton(q, k, v, f, beta, initial_state=st, inplace=True, **gk)
     res["decode_inplace.o"], res["decode_inplace.S"] = _rr(o2, o1), _rr(st, s1)
     res["decode_inplace.same_tensor"] = float(s2.data_ptr() != st.data_ptr())
-    # 6. gradients (backward recomputes through the torch chunk path) vs the fp64 reference
+    # gradients (default forward variant + the backend's backward) vs the fp64 reference
     q, k, v, f, beta = inputs(1, 35, H, K, V)
     h0 = r(1, H, K, V)
     leaves64 = [x.detach().clone().double().requires_grad_() for x in (q, k, v, f, beta, h0, A_log, dtb)]
@@ -97,17 +170,6 @@ def _checks() -> dict:
         ((o * do.to(o.dtype)).sum() + (S * dS.to(S.dtype)).sum()).backward()
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), leaves32, leaves64):
         res["grad." + name] = _rr(a.grad, b.grad)
-    # 7. causality: outputs at t <= t0 never depend on gates (or anything else) after t0
-    q, k, v, f, beta = inputs(1, 48, H, K, V)
-    t0 = 20
-    o_a, _ = chunk_kda(q, k, v, f, beta, backend="triton", **gk)
-    f2 = f.clone()
-    f2[:, t0 + 1:] = r(*f2[:, t0 + 1:].shape) * 10
-    v2 = v.clone()
-    v2[:, t0 + 1:] += 1.0
-    o_b, _ = chunk_kda(q, k, v2, f2, beta, backend="triton", **gk)
-    res["causal.max_abs_diff_before"] = float((o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
-    res["causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
     return res
 
 
@@ -122,12 +184,35 @@ def results():
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-FWD = ["gate_l2_h0", "precomputed_g", "varlen", "gate_at_bound", "g_eq_-5", "g_mixed_0_-5", "decode_B3",
-       "decode_varlen", "decode_inplace"]
+FWD_CASES = ["gate_l2_h0", "precomputed_g", "varlen", "gate_at_bound", "gate_at_bound_lb-10", "g_eq_-5",
+             "g_mixed_0_-10", "bf16"]
 
 
-@pytest.mark.parametrize("name", FWD)
-def test_forward_and_state(results, name):
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", FWD_CASES)
+def test_forward_variant_and_state(results, variant, name):
+    tol = results["tol"][name]
+    key = f"{variant}.{name}"
+    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    assert results[key + ".dtype_ok"] == 1.0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_selected_by_env_and_causal(results, variant):
+    assert results[variant + ".selected"] == 1.0
+    # rounding only (a tile's reference row may lie after t)
+    assert results[variant + ".causal.max_abs_diff_before"] <= 1e-6
+    assert results[variant + ".causal.changed_after"] > 1e-3
+
+
+def test_variant_names(results):
+    assert results["variants_match"] == 1.0
+    assert results["bad_variant_raises"] == 1.0
+
+
+@pytest.mark.parametrize("name", ["decode_B3", "decode_varlen", "decode_inplace"])
+def test_decode_and_state(results, name):
     assert results[name + ".o"] <= TOL_OUT, results
     assert results[name + ".S"] <= TOL_OUT, results
 
@@ -141,11 +226,6 @@ def test_decode_updates_state_in_place(results):
                                       ("ddt_bias", TOL_DGB)])
 def test_gradients(results, name, tol):
     assert results["grad." + name] <= tol, results
-
-
-def test_causal_in_gates(results):
-    assert results["causal.max_abs_diff_before"] <= 1e-6  # rounding only (the tile reference row may lie after t)
-    assert results["causal.changed_after"] > 1e-3
 
 
 def test_registered_without_importing_triton():

@@ -178,3 +178,334 @@ def kda_recurrent_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, sc
         tl.store(o + (t * H + i_h) * V + o_v, b_o.to(o.dtype.element_ty))
     if STORE_HT:
         tl.store(ht + ps, S)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 64-token chunks (variants "c64", "c64s", "c64f"; see ops.py). A chunk is four 16-row tiles a = 0..3. Inside
+# tile a, c = in-tile inclusive cumsum of g and s_a = its total, so with P_a = s_0 + .. + s_{a-1} the chunk cumsum
+# is G = P_a + c. Every decay e^(G_t - G_i) (i <= t) is formed from factors whose exponents stay bounded for
+# g >= -10 per token:
+#   same tile:    e^(c_t - c_m) * e^(c_m - c_i), m = row MID of the tile: |exponent| <= 8*10 = 80 < 88 (fp32)
+#   tile b < a:   (q_t e^(c_t)) * e^(P_a - P_b - s_b) * (k_i e^(s_b - c_i)): all three factors <= 1.
+# A factor <= 1 that underflows only drops terms that are themselves below e^-87 times the others.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_in(q, k, v, g, beta, tok, m_t, i_h, o_k, o_v, a_log, dtb, scale, lower_bound,
+             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
+    """Rows `tok` of head i_h in fp32: (scale * l2norm(q), l2norm(k), v, log-decay g, beta), zero on masked rows
+    (g = 0 there, so cumsums carry through padding unchanged)."""
+    pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_f = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_g = tl.where(m_t[:, None], _gate(b_f, a_log, dtb, lower_bound, USE_GATE), 0.)
+    if L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
+    return b_q * scale, b_k, b_v, b_g, b_b
+
+
+@triton.jit
+def _inv16(n, INV_PREC: tl.constexpr):
+    """(I + n)^-1 for strictly lower 16x16 n: (I - n)(I + n^2)(I + n^4)(I + n^8), exact since n^16 = 0."""
+    r = tl.arange(0, 16)
+    p = tl.where(r[:, None] == r[None, :], 1., 0.) - n
+    n2 = tl.dot(n, n, input_precision=INV_PREC)
+    p = p + tl.dot(p, n2, input_precision=INV_PREC)
+    n4 = tl.dot(n2, n2, input_precision=INV_PREC)
+    p = p + tl.dot(p, n4, input_precision=INV_PREC)
+    n8 = tl.dot(n4, n4, input_precision=INV_PREC)
+    return p + tl.dot(p, n8, input_precision=INV_PREC)
+
+
+@triton.jit
+def _tile_local(b_q, b_k, b_g, b_b, MID: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr):
+    """Everything of one 16-row tile that needs only the tile itself, with c = in-tile cumsum of g:
+    s = c_15 (tile total); q e^c, k e^c (rows for later-tile blocks, factors <= 1); k e^(s - c) (columns for
+    later row tiles, <= 1); the diagonal blocks Aqk[t,i] = sum_K q_t k_i e^(c_t - c_i) (i <= t) and
+    n = diag(beta) Akk (i < t), via the reference row MID; and x = (I + n)^-1."""
+    r = tl.arange(0, 16)
+    row = r[:, None]
+    col = r[None, :]
+    c = tl.cumsum(b_g, 0)
+    s = tl.sum(b_g, 0)
+    c_mid = tl.sum(tl.where(row == MID, c, 0.), 0)
+    e_up = tl.exp(c - c_mid[None, :])
+    e_dn = tl.exp(c_mid[None, :] - c)
+    k_dn = b_k * e_dn
+    a_qk = tl.dot(b_q * e_up, tl.trans(k_dn), input_precision=PREC)
+    a_kk = tl.dot(b_k * e_up, tl.trans(k_dn), input_precision=PREC)
+    a_qk = tl.where(row >= col, a_qk, 0.)
+    n = tl.where(row > col, a_kk * b_b[:, None], 0.)
+    x = _inv16(n, INV_PREC)
+    e_c = e_up * tl.exp(c_mid)[None, :]        # e^c       = e^(c - c_m) e^(c_m)
+    e_r = e_dn * tl.exp(s - c_mid)[None, :]    # e^(s - c) = e^(c_m - c) e^(s - c_m)
+    return s, b_q * e_c, b_k * e_c, b_k * e_r, a_qk, n, x
+
+
+@triton.jit
+def _off(qs_a, ks_a, col_b, b_a, PREC: tl.constexpr):
+    """Block (a, b < a): Aqk = (q e^c)_a col_b^T and n = diag(beta_a) (k e^c)_a col_b^T, where col_b =
+    (k e^(s - c))_b e^(P_a - P_b - s_b) already carries the decay across the tiles in between."""
+    a_qk = tl.dot(qs_a, tl.trans(col_b), input_precision=PREC)
+    n = tl.dot(ks_a, tl.trans(col_b), input_precision=PREC) * b_a[:, None]
+    return a_qk, n
+
+
+@triton.jit
+def _st_rows(p, rows, m_t, o_d, D: tl.constexpr, val):
+    tl.store(p + rows[:, None] * D + o_d[None, :], val.to(p.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def _st_aqk(p, rows, m_t, b0, b1, b2, b3):
+    """One 16-row block row of the 64x64 Aqk (row stride 64): the four 16x16 blocks b0..b3."""
+    r = tl.arange(0, 16)
+    pa = p + rows[:, None] * 64 + r[None, :]
+    dt = p.dtype.element_ty
+    tl.store(pa, b0.to(dt), mask=m_t[:, None])
+    tl.store(pa + 16, b1.to(dt), mask=m_t[:, None])
+    tl.store(pa + 32, b2.to(dt), mask=m_t[:, None])
+    tl.store(pa + 48, b3.to(dt), mask=m_t[:, None])
+
+
+@triton.jit
+def _prep64(q, k, v, g, beta, a_log, dtb, scale, lower_bound, t0, t1, i_h, qg_p, kd_p, w_p, u_p, a_p, row0,
+            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
+            PREC: tl.constexpr, INV_PREC: tl.constexpr):
+    """One 64-token chunk [t0, min(t0 + 64, t1)) of head i_h. Writes, at rows row0 + (0..63) of the given
+    (already offset) buffers, with G the chunk cumsum of g, T = (I + diag(beta) L)^-1:
+      qg = q e^G;  kd = k e^(G_last - G);  W = T diag(beta) (k e^G);  U = T diag(beta) v;
+      Aqk[t, i] = sum_K q_t k_i e^(G_t - G_i) (i <= t, zero above the diagonal).
+    T is never formed: block forward substitution Y_a = x_a (R_a - sum_{b<a} n_ab Y_b) over the 16-row tiles,
+    x_a = (I + n_aa)^-1. Returns e^(G_last) [K]."""
+    r = tl.arange(0, 16)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    z = tl.zeros([16, 16], dtype=tl.float32)
+    # tile 0 (P_0 = 0)
+    tok = t0 + r
+    m0 = tok < t1
+    rw0 = row0 + r
+    b_q, b_k, b_v, b_g, b_0 = _tile_in(q, k, v, g, beta, tok, m0, i_h, o_k, o_v, a_log, dtb, scale, lower_bound,
+                                       H, K, V, USE_GATE, L2NORM)
+    s0, qs0, ks0, ke0, a00, n00, x0 = _tile_local(b_q, b_k, b_g, b_0, 7, PREC, INV_PREC)
+    _st_aqk(a_p, rw0, m0, a00, z, z, z)
+    _st_rows(qg_p, rw0, m0, o_k, K, qs0)
+    w0 = tl.dot(x0, ks0 * b_0[:, None], input_precision=PREC)
+    u0 = tl.dot(x0, b_v * b_0[:, None], input_precision=PREC)
+    _st_rows(w_p, rw0, m0, o_k, K, w0)
+    _st_rows(u_p, rw0, m0, o_v, V, u0)
+    # tile 1 (P_1 = s0)
+    tok = t0 + 16 + r
+    m1 = tok < t1
+    rw1 = rw0 + 16
+    b_q, b_k, b_v, b_g, b_1 = _tile_in(q, k, v, g, beta, tok, m1, i_h, o_k, o_v, a_log, dtb, scale, lower_bound,
+                                       H, K, V, USE_GATE, L2NORM)
+    s1, qs1, ks1, ke1, a11, n11, x1 = _tile_local(b_q, b_k, b_g, b_1, 7, PREC, INV_PREC)
+    a10, n10 = _off(qs1, ks1, ke0, b_1, PREC)
+    _st_aqk(a_p, rw1, m1, a10, a11, z, z)
+    e_p = tl.exp(s0)[None, :]
+    _st_rows(qg_p, rw1, m1, o_k, K, qs1 * e_p)
+    w1 = tl.dot(x1, ks1 * e_p * b_1[:, None] - tl.dot(n10, w0, input_precision=PREC), input_precision=PREC)
+    u1 = tl.dot(x1, b_v * b_1[:, None] - tl.dot(n10, u0, input_precision=PREC), input_precision=PREC)
+    _st_rows(w_p, rw1, m1, o_k, K, w1)
+    _st_rows(u_p, rw1, m1, o_v, V, u1)
+    # tile 2 (P_2 = s0 + s1)
+    tok = t0 + 32 + r
+    m2 = tok < t1
+    rw2 = rw0 + 32
+    b_q, b_k, b_v, b_g, b_2 = _tile_in(q, k, v, g, beta, tok, m2, i_h, o_k, o_v, a_log, dtb, scale, lower_bound,
+                                       H, K, V, USE_GATE, L2NORM)
+    s2, qs2, ks2, ke2, a22, n22, x2 = _tile_local(b_q, b_k, b_g, b_2, 7, PREC, INV_PREC)
+    a20, n20 = _off(qs2, ks2, ke0 * tl.exp(s1)[None, :], b_2, PREC)
+    a21, n21 = _off(qs2, ks2, ke1, b_2, PREC)
+    _st_aqk(a_p, rw2, m2, a20, a21, a22, z)
+    e_p = tl.exp(s0 + s1)[None, :]
+    _st_rows(qg_p, rw2, m2, o_k, K, qs2 * e_p)
+    w2 = tl.dot(x2, ks2 * e_p * b_2[:, None] - tl.dot(n20, w0, input_precision=PREC)
+                - tl.dot(n21, w1, input_precision=PREC), input_precision=PREC)
+    u2 = tl.dot(x2, b_v * b_2[:, None] - tl.dot(n20, u0, input_precision=PREC)
+                - tl.dot(n21, u1, input_precision=PREC), input_precision=PREC)
+    _st_rows(w_p, rw2, m2, o_k, K, w2)
+    _st_rows(u_p, rw2, m2, o_v, V, u2)
+    # tile 3 (P_3 = s0 + s1 + s2)
+    tok = t0 + 48 + r
+    m3 = tok < t1
+    rw3 = rw0 + 48
+    b_q, b_k, b_v, b_g, b_3 = _tile_in(q, k, v, g, beta, tok, m3, i_h, o_k, o_v, a_log, dtb, scale, lower_bound,
+                                       H, K, V, USE_GATE, L2NORM)
+    s3, qs3, ks3, ke3, a33, n33, x3 = _tile_local(b_q, b_k, b_g, b_3, 7, PREC, INV_PREC)
+    a30, n30 = _off(qs3, ks3, ke0 * tl.exp(s1 + s2)[None, :], b_3, PREC)
+    a31, n31 = _off(qs3, ks3, ke1 * tl.exp(s2)[None, :], b_3, PREC)
+    a32, n32 = _off(qs3, ks3, ke2, b_3, PREC)
+    _st_aqk(a_p, rw3, m3, a30, a31, a32, a33)
+    e_p = tl.exp(s0 + s1 + s2)[None, :]
+    _st_rows(qg_p, rw3, m3, o_k, K, qs3 * e_p)
+    w3 = tl.dot(x3, ks3 * e_p * b_3[:, None] - tl.dot(n30, w0, input_precision=PREC)
+                - tl.dot(n31, w1, input_precision=PREC) - tl.dot(n32, w2, input_precision=PREC),
+                input_precision=PREC)
+    u3 = tl.dot(x3, b_v * b_3[:, None] - tl.dot(n30, u0, input_precision=PREC)
+                - tl.dot(n31, u1, input_precision=PREC) - tl.dot(n32, u2, input_precision=PREC),
+                input_precision=PREC)
+    _st_rows(w_p, rw3, m3, o_k, K, w3)
+    _st_rows(u_p, rw3, m3, o_v, V, u3)
+    # k e^(G_last - G) = (k e^(s_a - c)) e^(s_{a+1} + .. + s_3)
+    _st_rows(kd_p, rw0, m0, o_k, K, ke0 * tl.exp(s1 + s2 + s3)[None, :])
+    _st_rows(kd_p, rw1, m1, o_k, K, ke1 * tl.exp(s2 + s3)[None, :])
+    _st_rows(kd_p, rw2, m2, o_k, K, ke2 * tl.exp(s3)[None, :])
+    _st_rows(kd_p, rw3, m3, o_k, K, ke3)
+    return tl.exp(s0 + s1 + s2 + s3)
+
+
+@triton.jit
+def kda_prep64_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, aqk_out, eg_out,
+                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr,
+                          L2NORM: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr):
+    """One program = one 64-token chunk of one head (see `_prep64`); intermediates head-major [H, Ttot, D],
+    e^(G_last) to eg_out [NC, H, K]."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c).to(tl.int64)
+    t1 = tl.load(chunk_end + i_c).to(tl.int64)
+    o_k = tl.arange(0, K)
+    if USE_GATE:
+        a_log = tl.load(A_log + i_h).to(tl.float32)
+        dtb = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
+    else:
+        a_log = 0.
+        dtb = tl.zeros([K], dtype=tl.float32)
+    hk = i_h.to(tl.int64) * Ttot
+    e_last = _prep64(q, k, v, g, beta, a_log, dtb, scale, lower_bound, t0, t1, i_h,
+                     qg_out + hk * K, kd_out + hk * K, w_out + hk * K, u_out + hk * V, aqk_out + hk * 64, t0,
+                     H, K, V, USE_GATE, L2NORM, PREC, INV_PREC)
+    tl.store(eg_out + (i_c * H + i_h) * K + o_k, e_last)
+
+
+@triton.jit
+def kda_state_h_kernel(kd, w, u, eg, hs, vn, h0, ht, cu, seq_chunk, Ttot,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                       HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    """Lean sequential pass of the 3-phase split ("c64s"): one program = one sequence, head and BV value columns.
+    Per chunk it stores the incoming state S_j (input dtype) to hs [NC, H, K, V] and u' = U - W S_j to vn
+    [H, Ttot, V], then S <- e^(G_last) S + (k e^(G_last - G))^T u'. No output here (see kda_out_kernel)."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
+    nc = (eos - bos + BT - 1) // BT
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    ps = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + ps).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    dt = w.dtype.element_ty
+    for j in range(0, nc):
+        tok = bos + j * BT + o_t
+        m_t = tok < eos
+        ik = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
+        iv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
+        b_w = tl.load(w + ik, mask=m_t[:, None], other=0.)
+        b_kd = tl.load(kd + ik, mask=m_t[:, None], other=0.)
+        b_u = tl.load(u + iv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
+        s_lo = S.to(dt)
+        tl.store(hs + (((c0 + j) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], s_lo)
+        vn_lo = (b_u - tl.dot(b_w, s_lo)).to(dt)
+        tl.store(vn + iv, vn_lo, mask=m_t[:, None])
+        S = S * b_e[:, None] + tl.dot(tl.trans(b_kd), vn_lo)
+    if STORE_HT:
+        tl.store(ht + ps, S)
+
+
+@triton.jit
+def kda_out_kernel(qg, aqk, hs, vn, o, chunk_tok, chunk_end, Ttot,
+                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr):
+    """Output of the 3-phase split, parallel over (chunk, head, value block): o = (q e^G) S_j + Aqk u'."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    t0 = tl.load(chunk_tok + i_c).to(tl.int64)
+    t1 = tl.load(chunk_end + i_c).to(tl.int64)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    tok = t0 + o_t
+    m_t = tok < t1
+    b_qg = tl.load(qg + (i_h * Ttot + tok[:, None]) * K + o_k[None, :], mask=m_t[:, None], other=0.)
+    b_a = tl.load(aqk + (i_h * Ttot + tok[:, None]) * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+    b_vn = tl.load(vn + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
+    b_h = tl.load(hs + ((i_c.to(tl.int64) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :])
+    b_o = tl.dot(b_qg, b_h) + tl.dot(b_a, b_vn)
+    tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def kda_fused64_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, scr, scale, lower_bound,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, USE_GATE: tl.constexpr,
+                           L2NORM: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+                           HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    """Single-kernel forward ("c64f"): one program = one sequence and head (all V columns), walking its 64-token
+    chunks: `_prep64` writes the chunk's qg, kd, W, U, Aqk to this program's private scratch rows (reused every
+    chunk, so they stay in L2 and HBM traffic is about the inputs and o only), a CTA barrier, then the same state
+    step as kda_state_fwd_kernel. Must run with num_stages=1: the scratch loads of chunk j+1 must not be
+    prefetched before chunk j+1 has written them."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    nc = (eos - bos + 63) // 64
+    o_t = tl.arange(0, 64)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    if USE_GATE:
+        a_log = tl.load(A_log + i_h).to(tl.float32)
+        dtb = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
+    else:
+        a_log = 0.
+        dtb = tl.zeros([K], dtype=tl.float32)
+    ps = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + ps).to(tl.float32)
+    else:
+        S = tl.zeros([K, V], dtype=tl.float32)
+    # scratch of this program: qg, kd, w [64, K], u [64, V], aqk [64, 64], contiguous
+    base = scr + (i_n * H + i_h).to(tl.int64) * (64 * (3 * K + V + 64))
+    s_qg = base
+    s_kd = base + 64 * K
+    s_w = base + 128 * K
+    s_u = base + 192 * K
+    s_a = s_u + 64 * V
+    dt = scr.dtype.element_ty
+    for j in range(0, nc):
+        t0 = bos + j * 64
+        b_e = _prep64(q, k, v, g, beta, a_log, dtb, scale, lower_bound, t0, eos, i_h, s_qg, s_kd, s_w, s_u, s_a,
+                      0, H, K, V, USE_GATE, L2NORM, PREC, INV_PREC)
+        tl.debug_barrier()
+        tok = t0 + o_t
+        m_t = tok < eos
+        ik = o_t[:, None] * K + o_k[None, :]
+        b_w = tl.load(s_w + ik, mask=m_t[:, None], other=0., cache_modifier=".cg")
+        b_qg = tl.load(s_qg + ik, mask=m_t[:, None], other=0., cache_modifier=".cg")
+        b_kd = tl.load(s_kd + ik, mask=m_t[:, None], other=0., cache_modifier=".cg")
+        b_u = tl.load(s_u + o_t[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.,
+                      cache_modifier=".cg").to(tl.float32)
+        b_a = tl.load(s_a + o_t[:, None] * 64 + o_t[None, :], mask=m_t[:, None], other=0., cache_modifier=".cg")
+        s_lo = S.to(dt)
+        vn_lo = (b_u - tl.dot(b_w, s_lo)).to(dt)
+        b_o = tl.dot(b_qg, s_lo) + tl.dot(b_a, vn_lo)
+        S = S * b_e[:, None] + tl.dot(tl.trans(b_kd), vn_lo)
+        tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+        tl.debug_barrier()
+    if STORE_HT:
+        tl.store(ht + ps, S)
