@@ -82,9 +82,10 @@ def fill(model, cache: K3Cache, target: int, chunk: int, synthetic: bool, gen: t
 class Runner:
     """One model + its batch-1 cache; `step()` times one greedy decode step."""
 
-    def __init__(self, name, cfg, device, dtype, max_len, static=False, cuda_graph=False):
+    def __init__(self, name, cfg, device, dtype, max_len, static=False, cuda_graph=False, compile_step=False):
         self.name, self.cfg, self.device = name, cfg, device
         self.static, self.cuda_graph, self.dec = static, cuda_graph, None
+        self.compile_step = compile_step
         self.model = build(cfg, device, dtype)
         self.cache = K3Cache.for_model(self.model, 1, max_length=max_len)
         self.gen = torch.Generator(device=device).manual_seed(1)
@@ -94,7 +95,7 @@ class Runner:
         """Before timing a context: a static decoder whose MLA window holds the next n_steps tokens."""
         if self.static:
             self.dec = StaticDecoder(self.model, self.cache, 1, max_length=self.cache.lengths[0] + n_steps + 1,
-                                     cuda_graph=self.cuda_graph)
+                                     cuda_graph=self.cuda_graph, compile=self.compile_step)
 
     @torch.inference_mode()
     def step(self) -> float:
@@ -129,8 +130,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--static", action="store_true", help="decode with the fused StaticDecoder step")
     ap.add_argument("--cuda-graph", action="store_true", help="StaticDecoder captured as a CUDA graph (CUDA)")
+    ap.add_argument("--contexts", default=None, help="explicit comma list of contexts (instead of min..max doubling)")
+    ap.add_argument("--compile-step", action="store_true",
+                    help="torch.compile the StaticDecoder step (implies --static; compiles once per context)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.compile_step:
+        a.static = True
 
     device = torch.device(a.device)
     if a.cuda_graph:
@@ -149,6 +155,8 @@ def main(argv=None):
     while c <= a.max_context:
         contexts.append(c)
         c *= 2
+    if a.contexts:
+        contexts = sorted(int(x) for x in a.contexts.split(","))
 
     base = K3Config.from_preset(a.preset)
     cfgs = {"hybrid": base, "all-mla": all_mla(base)}
@@ -157,7 +165,8 @@ def main(argv=None):
     extra = (a.warmup + a.steps) * len(contexts)
     # Both models stay resident and their decode steps are interleaved, so load drift on a shared machine hits
     # them alike (for the small preset at 1M on one GPU: ~14 GB + ~4 GB of latent cache).
-    runners = [Runner(n, cfgs[n], device, dtype, contexts[-1] + extra + 1, a.static, a.cuda_graph) for n in names]
+    runners = [Runner(n, cfgs[n], device, dtype, contexts[-1] + extra + 1, a.static, a.cuda_graph, a.compile_step)
+               for n in names]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for ctx in contexts:
@@ -195,6 +204,7 @@ def main(argv=None):
     hdr = f"{'context':>9} | {'hybrid ms/tok':>13} | {'all-MLA ms/tok':>14} | {'ratio':>6} | " \
           f"{'hybrid cache':>14} | {'all-MLA cache':>14} | fill"
     mode = "cuda-graph" if a.cuda_graph else ("static" if a.static else "eager")
+    mode += "+compile" if a.compile_step else ""
     print(f"preset {a.preset}, {device.type}, {str(dtype).replace('torch.', '')}, batch 1, {mode}, "
           f"median of {a.steps} decode steps")
     print(hdr)

@@ -27,9 +27,11 @@ for stage in "$@"; do case $stage in
   decode) step decode 90 python3 benchmarks/decode.py --device cuda --preset small --min-context 4096 \
       --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
       --json "$OUT/decode_h200_graph.json" ;;
-  prefill) step prefill 80 python3 benchmarks/decode.py --device cuda --preset small --models hybrid \
-      --min-context 1048576 --max-context 1048576 --real-prefill-max 1048576 --prefill-chunk 65536 --cuda-graph \
-      --steps 10 --json "$OUT/prefill_1m.json" ;;
+  decodec) step decodec 240 python3 benchmarks/decode.py --device cuda --preset small --contexts 4096,1048576 \
+      --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph --compile-step \
+      --json "$OUT/decode_h200_graph_compiled.json" ;;
+  prefill) step prefill 240 python3 benchmarks/prefill.py --tokens 1048576 --chunk 131072 --one-shot 65536,131072 \
+      --json "$OUT/prefill_1m.json" ;;
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
       --compile none,modules ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;

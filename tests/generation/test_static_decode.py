@@ -161,3 +161,20 @@ def test_cuda_graph_capture_matches_cached(dtype):
     b = generate(model, ids, 8, cuda_graph=True, return_dict=True)
     if dtype == torch.float32:
         assert a.new_tokens == b.new_tokens
+
+
+@pytest.mark.slow
+def test_static_compiled_equals_cached(model32):
+    """compile=True (torch.compile of the step) decodes the same tokens with the same logits (fp32 rounding)."""
+    prompts = _prompts(3)
+    ref_c, st_c = _prefilled(model32, prompts), _prefilled(model32, prompts)
+    dec = StaticDecoder(model32, st_c, 3, compile=True)
+    tok = torch.tensor([[5], [6], [7]])
+    for _ in range(6):
+        with torch.inference_mode():
+            ref = model32(tok, cache=ref_c).logits[:, -1]
+        ref_c.advance(1)
+        out = dec.step(tok)
+        assert float((out - ref).abs().max()) <= 1e-4
+        tok = ref.argmax(-1, keepdim=True)
+    assert ref_c.lengths == st_c.lengths
