@@ -1,21 +1,54 @@
 """The "triton" backend of `chunk_kda`: our own Triton kernels for K3's bounded-decay KDA.
 
-Forward (prefill / training) is two kernels over 16-token chunks:
-1. `kda_prep_fwd_kernel`, parallel over (chunk, head): gate activation, chunk-local cumsum, q/k L2 norm, scale,
-   beta, the intra-chunk matrices as dense tl.dot (decays factored through a reference row of the tile: with
-   g >= -5 the factored exponents stay <= 8*5 = 40, far inside fp32 range), the unit-lower inverse by repeated
-   squaring, and the WY vectors W = T (beta k e^G), U = T (beta v).
-2. `kda_state_fwd_kernel`, parallel over (sequence, head, value block), sequential over chunks: carries the
-   fp32 state in registers and writes the output directly (no per-chunk state is materialised).
+Forward (prefill / training): four variants of `ops.kda_chunk_fwd`, picked by its `variant=` argument, else
+$K3_KDA_TRITON_FWD, else `ops.DEFAULT_FWD` (still "c16" until the H200 numbers are in: a one-line switch).
+Per chunk with cumsum G of g, T = (I + diag(beta) L)^-1, L_ti = sum_K k_t k_i e^(G_t - G_i) (i < t):
+W = T diag(beta)(k e^G), U = T diag(beta) v, Aqk_ti = sum_K q_t k_i e^(G_t - G_i) (i <= t); then per chunk
+u' = U - W S, o = (q e^G) S + Aqk u', S <- e^(G_last) S + (k e^(G_last - G))^T u' with the fp32 state S.
+- "c16": two kernels on 16-token chunks.
+  1. `kda_prep_fwd_kernel`, parallel over (chunk, head): gate activation, chunk-local cumsum, q/k L2 norm,
+     scale, beta, the intra-chunk matrices as dense tl.dot (decays factored through reference row 7 of the
+     tile: exponents <= 8*|g| <= 80 for g >= -10), the unit-lower inverse by repeated squaring, W, U, and
+     q e^G, k e^(G_last - G), Aqk, e^(G_last) to memory (input dtype, fp32 for fp32 inputs).
+  2. `kda_state_fwd_kernel`, parallel over (sequence, head, value block), sequential over chunks: carries the
+     fp32 state in registers and writes o directly (no per-chunk state is materialised).
+- "c64": the same two-kernel shape on 64-token chunks, so the sequential pass takes 4x fewer, M=64 steps.
+  `kda_prep64_fwd_kernel` treats a chunk as four 16-row tiles: diagonal blocks through the tile's reference
+  row as in c16; a block (a, b < a) as (q e^c)_a diag(e^(P_a - P_b - s_b)) (k e^(s_b - c))_b^T with c the
+  in-tile cumsum, s the tile total, P the tile's chunk offset (all factors <= 1); T is never formed: block
+  forward substitution Y_a = (I + n_aa)^-1 (R_a - sum_{b<a} n_ab Y_b) for Y = [W | U], R = diag(beta)[k e^G | v],
+  n = diag(beta) L. The sequential pass is `kda_state_fwd_kernel` with BT = 64.
+- "c64s": 3-phase split. Same prep; `kda_state_h_kernel` (sequential, lean: two dots per step) stores each
+  chunk's incoming state (input dtype) and u'; `kda_out_kernel`, parallel over (chunk, head, value block),
+  computes o. More bytes (+1.5 KB per token-head at K = V = 128), shorter sequential steps.
+- "c64f": one kernel per (sequence, head), all value columns: each chunk's prep goes to a private scratch
+  (reused every chunk, L2-resident), then a CTA barrier and the c64 state step; HBM traffic is about the
+  inputs and o only, but the per-chunk work is serial inside N*H programs. Runs with num_stages=1 (the scratch
+  loads must not be prefetched across the barrier).
+The four agree to rounding (c64/c64s/c64f are the same arithmetic); predictions and measurements:
+benchmarks/kda_triton.py and benchmarks/RESULTS.md.
 Decode is `kda_recurrent_fwd_kernel` (one program per sequence/head/value block, state read and written once,
 optionally in place).
-Backward: an autograd.Function whose backward recomputes the forward through the pure-PyTorch chunk path
-(`chunk_kda_torch`) and differentiates that: correct gradients, not fast (no Triton backward yet).
+
+Backward (ops_bwd.kda_chunk_bwd, kernels in kernels_bwd.py) works on 64-token chunks, WY form with a 64x64
+T = (I + diag(beta) L)^-1 (16-row diagonal blocks inverted by repeated squaring, then a block-level Neumann
+product), every pairwise decay e^(G_t - G_i) factored per 16-row tile through that tile's reference row (the
+same overflow bound as the forward, while a 64-token span may decay by e^-320):
+1. `kda_bwd_prep_kernel` (chunk, head): recompute q e^G, k e^(G_l - G), W, U, tril(Aq), e^(G_l).
+2. `kda_bwd_states_kernel` (sequence, head, V block), sequential: the fp32 state at every chunk start.
+3. `kda_bwd_dstates_kernel` (sequence, head, V block), reverse sequential from dht: the fp32 state gradient at
+   every chunk end, du' = Aq^T do + (k e^(G_l - G)) dS, dS <- e^(G_l) dS + (q e^G)^T do - W^T du'; ends with dh0.
+4. `kda_bwd_grad_kernel` (chunk, head): recomputes the chunk in fp32 from the raw inputs and the two stored
+   states and writes dq, dk, dv, dbeta, dg (or df through the gate, with per-chunk partials of dA_log/ddt_bias
+   that torch sums), through the L2 norm and the q scale.
+Memory beyond inputs/grads: two fp32 K x V states per 64 tokens and head (2*K*V*4/64 B per token-head, 2 KiB at
+K = V = 128) plus the operands of steps 1-3 (3K + V + 64 values per token-head in the input dtype, freed before
+step 4). K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
 - Imports without triton or CUDA: triton is imported the first time `available()` says yes.
 - Available where triton imports and CUDA is present (or TRITON_INTERPRET=1, for CPU tests).
-- `chunk_size` is ignored (the kernels use 16-token chunks).
+- `chunk_size` is ignored (the forward variant fixes 16 or 64 tokens; the backward uses 64).
 - What the kernels do not cover falls back to the torch backend, logged once: fp64 inputs, K or V not a power of
   two in [16, 256], an unbounded gate (lower_bound None) or lower_bound < -10, and precomputed g steeper than -10.
 """
@@ -86,8 +119,19 @@ def _fallback(reason, *args, **kw):
     return chunk_kda_torch(*args, **kw)
 
 
+def _bwd_mode() -> str:
+    """"triton" (default) or "torch" (K3_KDA_TRITON_BWD=torch: recompute through the torch path + autograd)."""
+    return "torch" if os.environ.get("K3_KDA_TRITON_BWD", "").strip().lower() == "torch" else "triton"
+
+
+@functools.lru_cache(maxsize=1)
+def _ops_bwd():
+    from . import ops_bwd
+    return ops_bwd
+
+
 class _ChunkKDATriton(torch.autograd.Function):
-    """Forward: Triton kernels. Backward: recompute through the torch chunk path and differentiate it."""
+    """Forward: Triton kernels. Backward: Triton kernels (ops_bwd), or the torch recompute (K3_KDA_TRITON_BWD)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, cfg):
@@ -100,6 +144,25 @@ class _ChunkKDATriton(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
+        if _bwd_mode() == "torch":
+            return _ChunkKDATriton._backward_torch(ctx, do, dht)
+        q, k, v, g, beta, h0, A_log, dt_bias = ctx.saved_tensors
+        cfg = ctx.cfg
+        if do is None:
+            do = torch.zeros(v.shape, device=v.device, dtype=v.dtype)
+        dq, dk, dv, dg, db, dh0, dal, ddt = _ops_bwd().kda_chunk_bwd(
+            q, k, v, g, beta, do, dht, scale=cfg["scale"], initial_state=h0, cu_seqlens=cfg["cu_seqlens"],
+            use_qk_l2norm_in_kernel=cfg["use_qk_l2norm_in_kernel"], use_gate_in_kernel=cfg["use_gate_in_kernel"],
+            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"])
+        res = [dq, dk, dv, dg, db,
+               None if h0 is None else dh0.to(h0.dtype),
+               None if A_log is None else dal.to(A_log.dtype).view_as(A_log),
+               None if dt_bias is None else ddt.to(dt_bias.dtype).view_as(dt_bias)]
+        return (*[r if need else None for r, need in zip(res, ctx.needs_input_grad)], None)
+
+    @staticmethod
+    def _backward_torch(ctx, do, dht):
+        """Fallback: recompute the forward through `chunk_kda_torch` and differentiate it with autograd."""
         from ..chunk import chunk_kda_torch
         saved = ctx.saved_tensors
         cfg = dict(ctx.cfg)
@@ -174,7 +237,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale: Optional[float] = None, 
         lower_bound=lower_bound, inplace=inplace)
 
 
-PRIORITY = 5  # below "fla" (10): fwd 1.14x fla at B8 T8K H96 on the H200, but the backward is a torch recompute
+PRIORITY = 5  # below "fla" (10): fwd 1.14x fla at B8 T8K H96 on the H200; the Triton backward is not yet timed there
 
 
 def register() -> None:

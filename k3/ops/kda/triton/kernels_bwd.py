@@ -1,0 +1,389 @@
+"""Triton kernels of the KDA chunk backward (imported lazily: needs triton). Design: package docstring.
+
+Per head, a chunk of C (= BT = 64) tokens with state S0 [K, V] at its start, log-decay cumsum G (inclusive,
+chunk-local) and G_l = G of the chunk's last row, is (WY/UT form of the delta rule):
+    L_ti  = sum_c k_tc k_ic e^(G_tc - G_ic)   (i < t),      N = diag(beta) L,   T = (I + N)^-1,
+    Aq_ti = sum_c q_tc k_ic e^(G_tc - G_ic)   (i <= t),
+    W = T diag(beta) (k e^G),   U = T diag(beta) v,   u' = U - W S0,
+    o = (q e^G) S0 + Aq u',     S_C = e^(G_l) S0 + (k e^(G_l - G))^T u'.
+With do (grad of o) and dS (grad of S_C), the chunk's gradients are
+    du' = Aq^T do + (k e^(G_l - G)) dS,           dS0 = e^(G_l) dS + (q e^G)^T do - W^T du'   (sequential part)
+    dAq = tril(do u'^T),  d(q e^G) = do S0^T,  d(k e^(G_l-G)) = u' dS^T,  dW = -du' S0^T,  dU = du',
+    dXv = T^T dU, dXk = T^T dW  (X* = the right-hand sides diag(beta)[k e^G | v]),
+    dN = -tril_-1(dXv U^T + dXk W^T),  dL = diag(beta) dN,
+    dbeta_t = sum(dXk k e^G)_t + sum(dXv v)_t + sum_i dN_ti L_ti,
+and each pairwise matrix M_ti = sum_c a_tc b_ic e^(G_tc - G_ic) sends da = (dM (b e^-G)) e^G to its rows,
+db = (dM^T (a e^G)) e^-G to its columns and a da - b db to dG; dg is the suffix sum of dG inside the chunk.
+
+Decays in a 64-token chunk span up to 64*|g| (320 at the K3 bound): every pairwise product is formed per 16-row
+tile r with the tile's reference row m_r = 16r + REF, e^(G_t - G_i) = e^(G_t - G_m) e^(G_m - G_i), columns up to the
+tile end only. Row factors are <= e^(REF |g|), column factors <= 1 before the tile and <= e^((15 - REF) |g|)
+inside it (<= e^40 for g >= -5), so nothing overflows; factors that underflow belong to terms that are < 1e-30.
+
+Layouts: token tensors [Ttot, H, D] (Ttot = B*T, sequences from cu); per-token intermediates of the sequential
+passes head-major [H, Ttot, D]; per-chunk states [NC, H, K, V] fp32.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation; IEEE: exact fp32 products (fp32 inputs), else tensor-core default (tf32/bf16)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Dot of the sequential passes (operands in the intermediate dtype). UPCAST (the Triton CPU interpreter, whose
+    tl.dot multiplies the raw bits of bf16/fp16 tensors) does the same math in fp32: low-precision products are
+    exact in fp32 and tensor cores accumulate in fp32, so only the summation order differs from the GPU."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        # fp32 intermediates: 3-pass tf32 on tensor cores (~fp32 accuracy); "ieee" FMA dots of these [BT, K] x
+        # [K, BV] tiles need up to ~290 KB of shared memory on sm_90 (AOT-compiled), over the 227 KB limit
+        return tl.dot(a, b, input_precision="tf32x3")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _gate_x(g, A_log, dt_bias, pk, m_t, i_h, K: tl.constexpr):
+    """Gate pre-activation x = exp(A_log[h]) (f + dt_bias[h]) of a chunk's rows (zero rows past the end)."""
+    o_k = tl.arange(0, K)
+    b_f = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    dtb = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
+    return tl.exp(tl.load(A_log + i_h).to(tl.float32)) * (b_f + dtb[None, :])
+
+
+@triton.jit
+def _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
+                H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
+    """Load one chunk of one head (rows past the sequence end are zero) and apply the in-kernel preprocessing.
+
+    Returns (qn, kn, rq, rk, gl, b):  qn = q rq, kn = k rk with r = (sum_K x^2 + 1e-6)^-1/2 (r = 1 without L2),
+    gl = lb sigmoid(exp(A_log) (f + dt_bias)) (or the given log-decay; 0 on padding rows), b = beta."""
+    o_k = tl.arange(0, K)
+    pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    if USE_GATE:
+        b_g = lower_bound * tl.sigmoid(_gate_x(g, A_log, dt_bias, pk, m_t, i_h, K))
+    else:
+        b_g = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_g = tl.where(m_t[:, None], b_g, 0.)
+    if L2NORM:
+        rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
+        rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
+    else:
+        rq = b_b * 0. + 1.
+        rk = b_b * 0. + 1.
+    return b_q * rq[:, None], b_k * rk[:, None], rq, rk, b_g, b_b
+
+
+@triton.jit
+def _tile_factors(G, r, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr):
+    """For row tile r: (in_r [BT,1] rows of the tile, upto [BT,1] rows/cols up to the tile end,
+    ef = e^(G - G_m) on the tile's rows (1 elsewhere), cf = e^(G_m - G) up to the tile end (1 elsewhere))."""
+    row = tl.arange(0, BT)[:, None]
+    g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
+    in_r = (row >= r * TS) & (row < r * TS + TS)
+    upto = row < r * TS + TS
+    ef = tl.exp(tl.where(in_r, G - g_ref[None, :], 0.))
+    cf = tl.exp(tl.where(upto, g_ref[None, :] - G, 0.))
+    return in_r, upto, ef, cf
+
+
+@triton.jit
+def _intra_fwd(qs, kn, G, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr, IEEE: tl.constexpr):
+    """(Aq, L) [BT, BT] with Aq_ti = sum_c qs_tc kn_ic e^(G_tc - G_ic), L likewise with kn rows; unmasked
+    (entries i > t inside a tile are junk, possibly inf: callers select with tl.where)."""
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    L = tl.zeros([BT, BT], dtype=tl.float32)
+    for r in tl.static_range(BT // TS):
+        in_r, upto, ef, cf = _tile_factors(G, r, BT, TS, REF)
+        kc = tl.trans(tl.where(upto, kn * cf, 0.))
+        Aq += _dot(tl.where(in_r, qs * ef, 0.), kc, IEEE)
+        L += _dot(tl.where(in_r, kn * ef, 0.), kc, IEEE)
+    return Aq, L
+
+
+@triton.jit
+def _intra_bwd(qs, kn, G, dAq, dL, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr, IEEE: tl.constexpr):
+    """Backward of `_intra_fwd` for masked dAq, dL [BT, BT] (zero where i > t, resp. i >= t).
+
+    Returns (dqs, dk_row, dk_col): dqs_tc = sum_i dAq_ti kn_ic e^(G_tc - G_ic), dk_row likewise from dL (kn as
+    row operand), dk_col_ic = sum_t (dAq_ti qs_tc + dL_ti kn_tc) e^(G_tc - G_ic) (kn as column operand);
+    dG = qs dqs + kn dk_row - kn dk_col."""
+    dqs = tl.zeros(qs.shape, dtype=tl.float32)
+    dkr = tl.zeros(qs.shape, dtype=tl.float32)
+    dkc = tl.zeros(qs.shape, dtype=tl.float32)
+    dAqT = tl.trans(dAq)
+    dLT = tl.trans(dL)
+    for r in tl.static_range(BT // TS):
+        in_r, upto, ef, cf = _tile_factors(G, r, BT, TS, REF)
+        kc = tl.where(upto, kn * cf, 0.)
+        efr = tl.where(in_r, ef, 0.)
+        dqs += efr * _dot(dAq, kc, IEEE)
+        dkr += efr * _dot(dL, kc, IEEE)
+        col = _dot(dAqT, tl.where(in_r, qs * ef, 0.), IEEE) + _dot(dLT, tl.where(in_r, kn * ef, 0.), IEEE)
+        dkc += tl.where(upto, cf, 0.) * col
+    return dqs, dkr, dkc
+
+
+@triton.jit
+def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr):
+    """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32, exact-fp32 products).
+
+    Split Nm = Nd + No into its TS-diagonal blocks and the rest. Xd = (I + Nd)^-1 = prod_j (I + (-Nd)^(2^j)) by
+    repeated squaring (Nd^TS = 0), then with M = Xd No (block-nilpotent, M^(BT/TS) = 0):
+    (I + N)^-1 = (I + M)^-1 Xd = prod_j (I + (-M)^(2^j)) Xd."""
+    o = tl.arange(0, BT)
+    row = o[:, None]
+    col = o[None, :]
+    eye = tl.where(row == col, 1., 0.)
+    nd = tl.where((row // TS) == (col // TS), Nm, 0.)
+    no = Nm - nd
+    pw = -nd
+    p = eye + pw
+    for _ in tl.static_range(LOG2_TS - 1):
+        pw = tl.dot(pw, pw, input_precision="ieee")
+        p = p + tl.dot(p, pw, input_precision="ieee")
+    pw = -tl.dot(p, no, input_precision="ieee")
+    t = eye + pw
+    for _ in tl.static_range(LOG2_NB - 1):
+        pw = tl.dot(pw, pw, input_precision="ieee")
+        t = t + tl.dot(t, pw, input_precision="ieee")
+    return tl.dot(t, p, input_precision="ieee")
+
+
+@triton.jit
+def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
+                        qg_out, kd_out, w_out, u_out, aq_out, eg_out,
+                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+                        REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """One program = one BT-token chunk of one head: recompute the operands of the two sequential passes,
+    q e^G, k e^(G_l - G), W, U, tril(Aq) (head-major, in the intermediate dtype) and e^(G_l) (fp32)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    qn, kn, rq, rk, b_g, b_b = _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
+                                           H, K, USE_GATE, L2NORM)
+    qs = qn * scale
+    G = tl.cumsum(b_g, axis=0)
+    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    Aq, L = _intra_fwd(qs, kn, G, BT, TS, REF, IEEE)
+    Aq = tl.where(row >= col, Aq, 0.)
+    Tm = _unit_lower_inv(tl.where(row > col, b_b[:, None] * L, 0.), BT, TS, LOG2_TS, LOG2_NB)
+    eG = tl.exp(G)
+    b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
+    dt = w_out.dtype.element_ty
+    hk = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
+    tl.store(qg_out + hk, (qs * eG).to(dt), mask=m_t[:, None])
+    tl.store(kd_out + hk, (kn * tl.exp(g_last[None, :] - G)).to(dt), mask=m_t[:, None])
+    tl.store(w_out + hk, b_w.to(dt), mask=m_t[:, None])
+    tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(dt), mask=m_t[:, None])
+    tl.store(eg_out + (i_c * H + i_h) * K + o_k, tl.exp(g_last))
+    for iv in range(0, V // BV):
+        o_v = iv * BV + tl.arange(0, BV)
+        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        b_u = _dot(Tm, b_v * b_b[:, None], IEEE)
+        tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_u.to(dt), mask=m_t[:, None])
+
+
+@triton.jit
+def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
+    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S)."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
+    nc = (eos - bos + BT - 1) // BT
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    kv = o_k[:, None].to(tl.int64) * V + o_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + kv).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    dt = w.dtype.element_ty
+    for j in range(0, nc):
+        tl.store(states + ((c0 + j) * H + i_h) * K * V + kv, S)
+        tok = bos + j * BT + o_t
+        m_t = tok < eos
+        hk = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
+        b_w = tl.load(w + hk, mask=m_t[:, None], other=0.)
+        b_kd = tl.load(kd + hk, mask=m_t[:, None], other=0.)
+        b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
+        b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
+        b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
+        S = S * b_e[:, None] + _dot_lp(tl.trans(b_kd), b_vn.to(dt), IEEE, UPCAST)
+
+
+@triton.jit
+def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chunk, Ttot,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
+    gradient dS (starting from dht): stores dS at each chunk's end, then
+    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
+    nc = (eos - bos + BT - 1) // BT
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    kv = o_k[:, None].to(tl.int64) * V + o_v[None, :]
+    ps = (i_n * H + i_h).to(tl.int64) * K * V + kv
+    if HAS_DHT:
+        dS = tl.load(dht + ps).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+    dt = w.dtype.element_ty
+    for jj in range(0, nc):
+        j = nc - 1 - jj
+        tl.store(dstates + ((c0 + j) * H + i_h) * K * V + kv, dS)
+        tok = bos + j * BT + o_t
+        m_t = tok < eos
+        hk = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
+        b_qg = tl.load(qg + hk, mask=m_t[:, None], other=0.)
+        b_kd = tl.load(kd + hk, mask=m_t[:, None], other=0.)
+        b_w = tl.load(w + hk, mask=m_t[:, None], other=0.)
+        b_a = tl.load(aq + (i_h * Ttot + tok[:, None]) * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
+        b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
+        b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
+        dS = dS * b_e[:, None] + _dot_lp(tl.trans(b_qg), b_do, IEEE, UPCAST) \
+            - _dot_lp(tl.trans(b_w), b_du.to(dt), IEEE, UPCAST)
+    tl.store(dh0 + ps, dS)
+
+
+@triton.jit
+def kda_bwd_grad_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
+                        dq, dk, dv, dg, dbeta, dal_part, ddt_part,
+                        chunk_tok, chunk_end, scale, lower_bound,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+                        REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """One program = one BT-token chunk of one head, given the chunk's start state S0 and end-state gradient dS:
+    recompute (fp32) L, Aq, T, W, U, u', du' and produce dq, dk, dv, dbeta and dg (or the raw-gate df with the
+    chunk's partial sums of dA_log, ddt_bias), through the gate and the L2 norm. Formulas: module docstring."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    qn, kn, rq, rk, b_g, b_b = _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
+                                           H, K, USE_GATE, L2NORM)
+    G = tl.cumsum(b_g, axis=0)
+    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    Aq, L = _intra_fwd(qn * scale, kn, G, BT, TS, REF, IEEE)
+    Aq = tl.where(row >= col, Aq, 0.)
+    L = tl.where(row > col, L, 0.)
+    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    # K-wide tiles live across the value loop: W, kd and the three accumulators (register pressure, not flops,
+    # limits this kernel; everything else is recomputed after the loop)
+    W = _dot(Tm, kn * tl.exp(G) * b_b[:, None], IEEE)
+    kd = kn * tl.exp(g_last[None, :] - G)
+
+    d_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    d_n = tl.zeros([BT, BT], dtype=tl.float32)
+    d_qg = tl.zeros([BT, K], dtype=tl.float32)
+    d_w = tl.zeros([BT, K], dtype=tl.float32)
+    d_kd = tl.zeros([BT, K], dtype=tl.float32)
+    d_gl = tl.zeros([K], dtype=tl.float32)
+    d_b = tl.zeros([BT], dtype=tl.float32)
+    ps = (i_c * H + i_h).to(tl.int64) * K * V
+    for iv in range(0, V // BV):
+        o_v = iv * BV + tl.arange(0, BV)
+        pv = (tok[:, None] * H + i_h) * V + o_v[None, :]
+        kv = ps + o_k[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_do = tl.load(do + pv, mask=m_t[:, None], other=0.).to(tl.float32)
+        S0 = tl.load(states + kv)
+        dS = tl.load(dstates + kv)
+        U = _dot(Tm, b_v * b_b[:, None], IEEE)
+        un = U - _dot(W, S0, IEEE)
+        du = _dot(tl.trans(Aq), b_do, IEEE) + _dot(kd, dS, IEEE)
+        d_aq += _dot(b_do, tl.trans(un), IEEE)
+        S0T = tl.trans(S0)
+        d_qg += _dot(b_do, S0T, IEEE)
+        d_w -= _dot(du, S0T, IEEE)
+        d_kd += _dot(un, tl.trans(dS), IEEE)
+        d_gl += tl.sum(S0 * dS, 1)
+        dxv = _dot(tl.trans(Tm), du, IEEE)
+        tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
+        d_b += tl.sum(dxv * b_v, 1)
+        d_n += _dot(dxv, tl.trans(U), IEEE)
+    dxk = _dot(tl.trans(Tm), d_w, IEEE)
+    d_n += _dot(dxk, tl.trans(W), IEEE)
+    d_n = tl.where(row > col, -d_n, 0.)
+    # Reload the chunk instead of keeping q, k, G live across the value loop. This also keeps the compiler from
+    # merging the tile operands below with those of _intra_fwd above (on sm_90 each is a shared-memory buffer,
+    # and merged ones stay allocated from the first use to the last: ~576 KB at K = 128 instead of < 200 KB).
+    qn, kn, rq, rk, b_g, b_b = _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
+                                           H, K, USE_GATE, L2NORM)
+    G = tl.cumsum(b_g, axis=0)
+    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    eG = tl.exp(G)
+    kgb = kn * eG * b_b[:, None]   # the right-hand side X_k = diag(beta) k e^G
+    d_b += tl.sum(d_n * L, 1) + tl.sum(dxk * kn * eG, 1)
+    d_aq = tl.where(row >= col, d_aq, 0.)
+    dqp, dkr, dkc = _intra_bwd(qn * scale, kn, G, d_aq, d_n * b_b[:, None], BT, TS, REF, IEEE)
+    # q e^G, k e^(G_l - G), X_k and the pairwise matrices -> dG (inclusive cumsum) ...
+    kd = kn * tl.exp(g_last[None, :] - G)
+    dG = (d_qg * eG + dqp) * (qn * scale) + dxk * kgb - d_kd * kd + kn * (dkr - dkc)
+    d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
+    dG += tl.where(row == BT - 1, d_gl[None, :], 0.)
+    dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG  # ... -> dg: g_t enters G_s for all s >= t
+    dkn = dxk * (b_b[:, None] * eG) + d_kd * tl.exp(g_last[None, :] - G) + dkr + dkc
+    dqn = (d_qg * eG + dqp) * scale
+
+    pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    if USE_GATE:
+        x = _gate_x(g, A_log, dt_bias, pk, m_t, i_h, K)
+        s = tl.sigmoid(x)
+        dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
+        df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dal_part + i_c * H + i_h, tl.sum(tl.sum(dx * x, 1), 0))
+        tl.store(ddt_part + (i_c * H + i_h) * K + o_k, tl.sum(df, 0))
+    else:
+        tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
+    if L2NORM:
+        dqn = rq[:, None] * (dqn - qn * tl.sum(qn * dqn, 1)[:, None])
+        dkn = rk[:, None] * (dkn - kn * tl.sum(kn * dkn, 1)[:, None])
+    tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
+    tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)

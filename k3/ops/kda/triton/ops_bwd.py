@@ -1,0 +1,195 @@
+"""Python side of the KDA chunk backward kernels (needs triton; imported lazily by the package __init__).
+
+`kda_chunk_bwd` runs four kernels (see kernels_bwd.py for the math):
+1. kda_bwd_prep_kernel    (chunk, head)              operands of the sequential passes (intermediate dtype)
+2. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32)
+3. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), and dh0
+4. kda_bwd_grad_kernel    (chunk, head)              all token gradients, recomputing the chunk in fp32
+then sums the per-chunk partials of dA_log / ddt_bias in torch. `gpu_selfcheck()` compares against the torch
+path on a CUDA device at K3 head shapes.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from . import kernels_bwd as _k
+
+BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
+BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
+
+
+def chunk_len(K: int) -> int:
+    return BT if K <= 128 else BT_WIDE
+TS = 16   # row tile inside a chunk: decay exponents factored through one reference row per tile
+REF = 7   # reference row inside a tile: factored exponents <= max(REF, TS-1-REF) * |g|_max
+
+
+def _chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, BT: int = BT):
+    """(cu int32 [N+1], chunk_tok / chunk_end int32 [NC], seq_chunk int32 [N+1], N, NC) for BT-token chunks:
+    chunk c covers tokens chunk_tok[c] .. min(chunk_tok[c] + BT, chunk_end[c]) - 1 of one sequence; sequence n owns
+    chunks seq_chunk[n] .. seq_chunk[n+1] - 1."""
+    if cu_seqlens is None:
+        cu_cpu = torch.arange(B + 1, dtype=torch.int64) * T
+    else:
+        cu_cpu = cu_seqlens.detach().to("cpu", torch.int64)
+    lens = cu_cpu[1:] - cu_cpu[:-1]
+    nch = (lens + BT - 1) // BT
+    N = lens.numel()
+    seq_chunk = torch.zeros(N + 1, dtype=torch.int64)
+    seq_chunk[1:] = torch.cumsum(nch, 0)
+    NC = int(seq_chunk[-1])
+    seq_of = torch.repeat_interleave(torch.arange(N), nch)
+    j = torch.arange(NC) - seq_chunk[:-1][seq_of]
+    chunk_tok = cu_cpu[:-1][seq_of] + j * BT
+    chunk_end = cu_cpu[1:][seq_of]
+    to = lambda x: x.to(torch.int32).to(device, non_blocking=True)
+    return to(cu_cpu), to(chunk_tok), to(chunk_end), to(seq_chunk), N, NC
+
+
+def _pick_bv(V: int, nprog: int) -> int:
+    """Value block of the sequential passes: split V while there are too few (sequence, head) programs."""
+    bv = min(V, 64)
+    while bv > 16 and nprog * (V // bv) < 264:
+        bv //= 2
+    return bv
+
+
+def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
+                  use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log=None,
+                  dt_bias=None, lower_bound: Optional[float] = -5.0):
+    """Gradients of chunk_kda's (o, final_state) given do [B,T,H,V] and dht [N,H,K,V] (or None = zero).
+
+    Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): token gradients in their inputs' dtypes, dg w.r.t. g
+    as given (the raw gate input f when use_gate_in_kernel), dh0 [N,H,K,V] fp32, dA_log [H] / ddt_bias [H*K] fp32
+    (None without the gate). Inputs are validated and supported (see the package's `_unsupported`)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    Tt = B * T
+    BT = chunk_len(K)
+    cu, ctok, cend, seq_chunk, N, NC = _chunk_tables(B, T, cu_seqlens, dev, BT)
+    qc, kc, vc, gc, bc, doc = (x.contiguous() for x in (q, k, v, g, beta, do))
+    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    ieee = dt == torch.float32
+    upcast = dt != torch.float32 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    gate = bool(use_gate_in_kernel)
+    if gate:
+        a_log, dtb, lb = A_log.contiguous(), dt_bias.contiguous(), float(lower_bound)
+    else:
+        a_log = dtb = q.new_zeros(1, dtype=torch.float32)
+        lb = 0.0
+    const = dict(H=H, K=K, V=V, BT=BT, TS=TS, REF=REF, LOG2_TS=int(math.log2(TS)), LOG2_NB=int(math.log2(BT // TS)),
+                 USE_GATE=gate, L2NORM=bool(use_qk_l2norm_in_kernel), IEEE=ieee)
+    dq, dk, dg = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(gc)
+    dv, dbeta = torch.empty_like(vc), torch.empty_like(bc)
+    dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
+    dal_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
+    ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    dS0 = dht.float().contiguous() if dht is not None else None
+    if NC == 0:
+        dh0.copy_(dS0 if dS0 is not None else torch.zeros_like(dh0))
+        dq.zero_(), dk.zero_(), dg.zero_(), dv.zero_(), dbeta.zero_()
+    else:
+        qg = torch.empty(H, Tt, K, device=dev, dtype=dt)
+        kd, w = torch.empty_like(qg), torch.empty_like(qg)
+        u = torch.empty(H, Tt, V, device=dev, dtype=dt)
+        aq = torch.empty(H, Tt, BT, device=dev, dtype=dt)
+        eg = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+        _k.kda_bwd_prep_kernel[(NC, H)](
+            qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, ctok, cend, float(scale), lb, Tt,
+            BV=min(V, 64), **const, num_warps=4, num_stages=2)
+        states = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
+        dstates = torch.empty_like(states)
+        BV = _pick_bv(V, N * H)
+        # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
+        # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
+        seq_stages = 1 if dt == torch.float32 else 2
+        _k.kda_bwd_states_kernel[(N, H, V // BV)](
+            kd, w, u, eg, h0 if h0 is not None else eg, states, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, num_warps=4,
+            num_stages=seq_stages)
+        _k.kda_bwd_dstates_kernel[(N, H, V // BV)](
+            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, BV=BV, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, num_warps=4,
+            num_stages=seq_stages)
+        del qg, kd, w, u, aq, eg
+        _k.kda_bwd_grad_kernel[(NC, H)](
+            qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
+            ctok, cend, float(scale), lb, BV=min(V, 32), **const, num_warps=8, num_stages=2)
+    dA_log = ddt_bias = None
+    if gate:
+        dA_log = dal_part.sum(0)
+        ddt_bias = ddt_part.sum(0).reshape(H * K)
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
+
+
+def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda") -> dict:
+    """Triton backward vs autograd through the fp32 torch chunk path at K3 head shapes (raw gate in the kernel,
+    L2 norm, initial state and dht; one plain and one varlen batch). Returns {"<case>.<grad>": relative RMSE},
+    plus "ms.triton_bwd" / "ms.torch_bwd" wall times of one backward. bf16 cases should stay <= ~8e-3 for
+    dq/dk/dv/dh0 and <= ~2e-2 for dg/dbeta/dA_log/ddt_bias; fp32 cases ~1e-5."""
+    import os
+    import time
+    from .. import chunk_kda
+
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dev)
+    names = ("dq", "dk", "dv", "df", "dbeta", "dh0", "dA_log", "ddt_bias")
+    res = {}
+
+    def rr(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+
+    def grads(backend, dtype, leaves, cu, do, dht, env=None):
+        old = os.environ.get("K3_KDA_TRITON_BWD")
+        if env is not None:
+            os.environ["K3_KDA_TRITON_BWD"] = env
+        try:
+            xs = [x.detach().clone().to(dtype if i < 5 else torch.float32).requires_grad_()
+                  for i, x in enumerate(leaves)]
+            q, k, v, f, b, h0, al, db = xs
+            o, S = chunk_kda(q, k, v, f, b, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=al, dt_bias=db,
+                             backend=backend)
+            torch.cuda.synchronize(dev)
+            t = time.perf_counter()
+            ((o.float() * do).sum() + (S * dht).sum()).backward()
+            torch.cuda.synchronize(dev)
+            ms = (time.perf_counter() - t) * 1e3
+        finally:
+            if env is not None:
+                if old is None:
+                    os.environ.pop("K3_KDA_TRITON_BWD", None)
+                else:
+                    os.environ["K3_KDA_TRITON_BWD"] = old
+        return [x.grad for x in xs], ms
+
+    for case, B, cu_list in (("plain", 2, None), ("varlen", 1, [0, 1, 300, 301, 2 * T - 1, 2 * T])):
+        TT = T if cu_list is None else 2 * T
+        N = B if cu_list is None else len(cu_list) - 1
+        cu = None if cu_list is None else torch.tensor(cu_list, device=dev)
+        leaves = [rnd(B, TT, H, D), rnd(B, TT, H, D), rnd(B, TT, H, D), rnd(B, TT, H, D) * 2,
+                  torch.rand(B, TT, H, generator=gen).to(dev), rnd(N, H, D, D) * 0.1,
+                  torch.rand(H, generator=gen).to(dev), rnd(H * D) * 0.5]
+        do, dht = rnd(B, TT, H, D), rnd(N, H, D, D)
+        for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            # the reference sees the same (rounded) inputs, in fp32
+            rounded = [x.to(dtype).float() if i < 5 else x for i, x in enumerate(leaves)]
+            ref, ms_ref = grads("torch", torch.float32, rounded, cu, do, dht)
+            grads("triton", dtype, leaves, cu, do, dht)  # warm-up / compile
+            got, ms = grads("triton", dtype, leaves, cu, do, dht)
+            for n, a, b in zip(names, got, ref):
+                res[f"{case}.{tag}.{n}"] = rr(a, b)
+            res[f"{case}.{tag}.ms.triton_bwd"] = ms
+            res[f"{case}.{tag}.ms.torch_path_bwd"] = ms_ref
+            if tag == "bf16":
+                _, ms_old = grads("triton", dtype, leaves, cu, do, dht, env="torch")
+                res[f"{case}.{tag}.ms.torch_recompute_bwd"] = ms_old
+    return res
