@@ -35,6 +35,9 @@ for stage in "$@"; do case $stage in
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
       --compile none,modules ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
+  kdabwd) step kdabwd 300 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g; print(g())" ;;
+  kdafwd) step kdafwd 330 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 300 ;;
+  kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;
   *) echo "unknown stage $stage" ;;
 esac; done
