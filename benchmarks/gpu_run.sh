@@ -30,6 +30,9 @@ for stage in "$@"; do case $stage in
   decodec) step decodec 240 python3 benchmarks/decode.py --device cuda --preset small --contexts 4096,1048576 \
       --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph --compile-step \
       --json "$OUT/decode_h200_graph_compiled.json" ;;
+  decodetri) step decodetri 120 env K3_MLA_DECODE=triton python3 benchmarks/decode.py --device cuda --preset small \
+      --min-context 4096 --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
+      --json "$OUT/decode_h200_graph_mlatriton.json" ;;
   prefill) step prefill 240 python3 benchmarks/prefill.py --tokens 1048576 --chunk 131072 --one-shot 65536,131072 \
       --json "$OUT/prefill_1m.json" ;;
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
@@ -38,6 +41,7 @@ for stage in "$@"; do case $stage in
   kdabwd) step kdabwd 300 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g; print(g())" ;;
   kdafwd) step kdafwd 330 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 300 ;;
   kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
+  mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;
   *) echo "unknown stage $stage" ;;
 esac; done

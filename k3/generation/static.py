@@ -131,7 +131,16 @@ class _KDA:
 
 
 class _MLA:
-    def __init__(self, attn, lc: MLALayerCache, dtype, window: int, lens: torch.Tensor, rows: torch.Tensor):
+    """Absorbed MLA decode over the fixed window. kernel "torch": scores for the whole window as one batched
+    matmul, length mask, softmax, second matmul. kernel "triton": the split-K flash-decoding kernel of
+    k3.ops.mla_decode_triton (reads only the visible latent rows, once; same math); it falls back to "torch"
+    (logged once per reason) where triton is missing, on CPU without TRITON_INTERPRET=1, or for fp64 models.
+    `self.kernel` is the path actually used."""
+
+    _fallback_logged: set = set()
+
+    def __init__(self, attn, lc: MLALayerCache, dtype, window: int, lens: torch.Tensor, rows: torch.Tensor,
+                 kernel: str = "torch"):
         a = attn
         self.H, self.nope, self.rope = a.num_heads, a.qk_nope_head_dim, a.qk_rope_head_dim
         self.vdim, self.C = a.v_head_dim, a.kv_lora_rank
@@ -154,6 +163,29 @@ class _MLA:
         self.lc, self.window = lc, window
         self.lens, self.rows = lens, rows
         self.pos = torch.arange(window, device=lens.device)
+        self.kernel, self.plan, self._decode = "torch", None, None
+        if kernel == "triton":
+            self._use_triton(lc)
+
+    def _use_triton(self, lc: MLALayerCache) -> None:
+        import logging
+        why, mdt = None, None
+        try:
+            from k3.ops import mla_decode_triton as mdt
+        except Exception as e:  # noqa: BLE001 - no (or a broken) triton: the torch path
+            why = f"triton does not import ({e})"
+        if why is None:
+            why = mdt.unsupported_reason(lc.buf.device, lc.dtype, self.cd)
+        if why is not None:
+            if why not in _MLA._fallback_logged:
+                _MLA._fallback_logged.add(why)
+                logging.getLogger("k3").warning("StaticDecoder: mla_kernel='triton' unavailable (%s); using the "
+                                                "torch path", why)
+            return
+        self.plan = mdt.plan(lc.buf.shape[0], self.H, self.window, self.C, self.rope, lc.dtype, lc.buf.device)
+        # an opaque call under torch.compile (the launch plan is static; the kernels are launched eagerly)
+        self._decode = torch.compiler.disable(mdt.mla_decode)
+        self.kernel = "triton"
 
     def __call__(self, x_Nd):
         N = x_Nd.shape[0]
@@ -169,10 +201,13 @@ class _MLA:
         q_nope, q_pe = q.to(cd).split([self.nope, self.rope], -1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)    # [N, H, C]
         qf = torch.cat([q_lat, q_pe], -1) * self.scale                          # [N, H, C + R]
-        s = bmm_acc(qf, buf.transpose(1, 2), cd)                                # [N, H, W]
-        visible = (self.pos.unsqueeze(0) <= self.lens.unsqueeze(1)).unsqueeze(1)  # [N, 1, W]
-        p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
-        o_lat = bmm_acc(p, buf[..., :C], cd)                                    # [N, H, C]
+        if self._decode is not None:   # split-K Triton kernel: same o_lat, latent rows <= lens read once
+            o_lat = self._decode(qf, buf, self.lens, C, self.plan if self.plan.N == N else None)
+        else:
+            s = bmm_acc(qf, buf.transpose(1, 2), cd)                            # [N, H, W]
+            visible = (self.pos.unsqueeze(0) <= self.lens.unsqueeze(1)).unsqueeze(1)  # [N, 1, W]
+            p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+            o_lat = bmm_acc(p, buf[..., :C], cd)                                # [N, H, C]
         o = torch.bmm(o_lat.transpose(0, 1), self.W_UVt).transpose(0, 1)       # [N, H, v]
         o = o.to(dtype).reshape(N, H * self.vdim)
         if self.gated:
@@ -257,10 +292,14 @@ class StaticDecoder:
     (a static buffer: read or copy it before the next step).
     compile: run the step through torch.compile (Inductor fuses the element-wise work, norms and mixes between the
     GEMMs: fewer kernels in the captured graph, whose ~2,300 launches are the 6 ms fixed cost per token of `small`
-    on an H200). Off by default: the compile costs tens of seconds per decoder and its gain is not measured yet."""
+    on an H200). Off by default: the compile costs tens of seconds per decoder and its gain is not measured yet.
+    mla_kernel: absorbed MLA attention as "torch" (batched matmuls + masked softmax over the whole window) or
+    "triton" (split-K flash-decoding kernel, k3.ops.mla_decode_triton: reads each row's visible latent once;
+    falls back to "torch", with a warning, where it cannot run). Default: $K3_MLA_DECODE, else "torch" (until the
+    kernel is measured on the GPU)."""
 
     def __init__(self, model, cache: K3Cache, batch_size: Optional[int] = None, max_length: Optional[int] = None,
-                 cuda_graph: Optional[bool] = None, compile: bool = False):
+                 cuda_graph: Optional[bool] = None, compile: bool = False, mla_kernel: Optional[str] = None):
         B = cache.batch_size if batch_size is None else int(batch_size)
         if B != cache.batch_size:
             raise ValueError(f"StaticDecoder: batch_size {B} != cache batch size {cache.batch_size}")
@@ -289,6 +328,12 @@ class StaticDecoder:
         self.graph = None
         self._steps = 0
         self.compile = bool(compile)
+        if mla_kernel is None:
+            import os
+            mla_kernel = os.environ.get("K3_MLA_DECODE", "") or "torch"
+        if mla_kernel not in ("torch", "triton"):
+            raise ValueError(f"StaticDecoder: mla_kernel {mla_kernel!r} (expected 'torch' or 'triton')")
+        self.mla_kernel = mla_kernel
         self.refresh_weights()
 
     # -------------------------------------------------------------- weights
@@ -307,7 +352,7 @@ class StaticDecoder:
             if layer.layer_type == "kda":
                 attn = _KDA(layer.self_attn, lc, dtype)
             else:
-                attn = _MLA(layer.self_attn, lc, dtype, self.window, self.lens, self.rows)
+                attn = _MLA(layer.self_attn, lc, dtype, self.window, self.lens, self.rows, self.mla_kernel)
             self.layers.append(dict(
                 attn=attn, ffn=_FFN(layer.ffn, dtype), new_block=layer.layer_idx % layer.block_size == 0,
                 in_norm=_Norm(layer.input_layernorm, dtype), post_norm=_Norm(layer.post_attention_layernorm, dtype),
