@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 from . import kernels_bwd as _k
+from .ops import _seq_tables  # chunk tables shared with the forward
 
 BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
@@ -26,28 +27,6 @@ def chunk_len(K: int) -> int:
     return BT if K <= 128 else BT_WIDE
 TS = 16   # row tile inside a chunk: decay exponents factored through one reference row per tile
 REF = 7   # reference row inside a tile: factored exponents <= max(REF, TS-1-REF) * |g|_max
-
-
-def _chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, BT: int = BT):
-    """(cu int32 [N+1], chunk_tok / chunk_end int32 [NC], seq_chunk int32 [N+1], N, NC) for BT-token chunks:
-    chunk c covers tokens chunk_tok[c] .. min(chunk_tok[c] + BT, chunk_end[c]) - 1 of one sequence; sequence n owns
-    chunks seq_chunk[n] .. seq_chunk[n+1] - 1."""
-    if cu_seqlens is None:
-        cu_cpu = torch.arange(B + 1, dtype=torch.int64) * T
-    else:
-        cu_cpu = cu_seqlens.detach().to("cpu", torch.int64)
-    lens = cu_cpu[1:] - cu_cpu[:-1]
-    nch = (lens + BT - 1) // BT
-    N = lens.numel()
-    seq_chunk = torch.zeros(N + 1, dtype=torch.int64)
-    seq_chunk[1:] = torch.cumsum(nch, 0)
-    NC = int(seq_chunk[-1])
-    seq_of = torch.repeat_interleave(torch.arange(N), nch)
-    j = torch.arange(NC) - seq_chunk[:-1][seq_of]
-    chunk_tok = cu_cpu[:-1][seq_of] + j * BT
-    chunk_end = cu_cpu[1:][seq_of]
-    to = lambda x: x.to(torch.int32).to(device, non_blocking=True)
-    return to(cu_cpu), to(chunk_tok), to(chunk_end), to(seq_chunk), N, NC
 
 
 def _pick_bv(V: int, nprog: int) -> int:
@@ -71,7 +50,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     dev = q.device
     Tt = B * T
     BT = chunk_len(K)
-    cu, ctok, cend, seq_chunk, N, NC = _chunk_tables(B, T, cu_seqlens, dev, BT)
+    cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, dev, BT)
     qc, kc, vc, gc, bc, doc = (x.contiguous() for x in (q, k, v, g, beta, do))
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     ieee = dt == torch.float32
