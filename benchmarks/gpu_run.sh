@@ -27,7 +27,7 @@ for stage in "$@"; do case $stage in
   decode) step decode 90 python3 benchmarks/decode.py --device cuda --preset small --min-context 4096 \
       --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
       --json "$OUT/decode_h200_graph.json" ;;
-  decodec) step decodec 240 python3 benchmarks/decode.py --device cuda --preset small --contexts 4096,1048576 \
+  decodec) step decodec 150 python3 benchmarks/decode.py --device cuda --preset small --contexts 4096,1048576 \
       --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph --compile-step \
       --json "$OUT/decode_h200_graph_compiled.json" ;;
   decodetri) step decodetri 120 env K3_MLA_DECODE=triton python3 benchmarks/decode.py --device cuda --preset small \
@@ -38,8 +38,8 @@ for stage in "$@"; do case $stage in
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
       --compile none,modules ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
-  kdabwd) step kdabwd 300 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g; print(g())" ;;
-  kdafwd) step kdafwd 330 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 300 ;;
+  kdabwd) step kdabwd 180 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g; print(g())" ;;
+  kdafwd) step kdafwd 240 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 210 ;;
   kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
   mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;
