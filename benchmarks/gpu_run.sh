@@ -39,7 +39,7 @@ for stage in "$@"; do case $stage in
       --compile none,modules ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
   kdabwd) step kdabwd 180 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g; print(g())" ;;
-  kdafwd) step kdafwd 240 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 210 ;;
+  kdafwd) step kdafwd 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 500 ;;
   kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
   mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;

@@ -1,43 +1,47 @@
-"""KDA forward on one GPU: every variant of our Triton forward (k3.ops.kda.triton.ops.FWD_VARIANTS) vs fla
-chunk_kda(safe_gate=True, lower_bound=-5, in-kernel gate and q/k L2 norm), plus decode; fwd+bwd behind --bwd.
+"""KDA forward on one GPU: our Triton forward variants (k3.ops.kda.triton.ops.FWD_VARIANTS) vs fla
+chunk_kda(safe_gate=True, lower_bound=-5, in-kernel gate and q/k L2 norm); decode behind --decode, fwd+bwd behind
+--bwd. Default run = the study of the 16-token prep kernel: the old prep (c16) vs each option set of the new one
+(c16p, PREP16P_SWEEP below), each alone (prep_only) and inside the full forward, at B8 T8K and B1 T128K.
 
-One command, about 6 minutes on a fresh H200 including compiles; rows are appended to --json as they are measured
-and --budget-s skips whatever is left. In order:
+One command (about 5-8 minutes on a fresh H200, mostly compiles); rows are appended to --json as they are measured
+and --budget-s skips whatever is left (the sweep is ordered by how much each row is needed). In order:
 0. fla warm-up at a tiny T (its autotune keys do not depend on T); prints how long it took.
-1. Accuracy, B1 T1024 H96 D128 bf16, varlen [1, 299, 724], initial state: each variant (default config) and fla vs
-   the fp32 token loop (relative RMSE of o and of the final state), and each variant's first-call seconds.
-2. Forward at H96 D128 bf16, ~64K tokens per call: B8 T8K, a varlen batch of mixed lengths, B2 T32K, B1 T128K.
-   Per shape: fla; the parallel prep kernel alone (c16, c64*); every variant over a short config list at the
-   first shape, then its best config and its heuristic default at the others; each variant's o vs fla's; and the
-   fraction of the memory floor (q, k, v, g, beta read + o written once, at 4.8 TB/s).
-3. Decode (one token, fp32 state updated in place), B1 and B64: ours vs fla fused_recurrent_kda (run right after
-   the first forward shape, so a budget cut does not drop it).
+1. Accuracy vs the fp32 token loop (relative RMSE of o and of the final state), B2 T2048 H96 D128 bf16 with an
+   initial state, two inputs: "random" (randn q/k/v/gate, as fla's tests) and "hard" (nearly collinear keys, weak
+   decay, beta in [0.5, 1]: |n| ~ 1 in the intra-chunk system, where tf32 repeated squaring fails; the CPU
+   emulation of tensor-core rounding gives o 0.27-0.41 off there, c16 7e-3). Rows: fla, each variant's default,
+   every c16p sweep config; with each one's first-call seconds (compile).
+2. Per shape (--shapes, default B8_T8K,B1_T128K; also varlen, B2_T32K): fla; the c16 prep alone (4 and 2 warps at
+   the first shape); every c16p sweep config's prep alone and full forward at the first shape, the --top best
+   (by prep time) plus the default at the others; registers/spills of each prep kernel; then every variant's full
+   forward (c16: BV configs; c16p: default; c64*: their configs when asked for), o vs fla, floor fraction.
+3. --decode: one token, fp32 state updated in place, B1 and B64, ours vs fla fused_recurrent_kda.
 4. --bwd: fwd+bwd at B1 T8K and varlen (default forward variant + the backend's backward) vs fla.
---smoke: the same plumbing on CPU under TRITON_INTERPRET=1 with tiny shapes: checks that the script runs, not
-speed. fla is skipped (with a warning) wherever it does not import.
+--smoke: the same plumbing on CPU under TRITON_INTERPRET=1 with tiny shapes and GPU-like rounding (checks that the
+script runs, not speed; a 4-config sweep). fla is skipped (with a warning) wherever it does not import.
+--static: no GPU needed: compile the old prep and every sweep config for sm_90 (triton's bundled ptxas) and print
+registers, spills, shared memory, resident programs/warps per SM and SASS counts per chunk.
 
-Variants (design in k3/ops/kda/triton/__init__.py) and predictions for the forward at B8 T8K H96 D128 bf16
-(fla 19.7 ms and c16 17.2 ms were measured on 2026-11-30; memory floor 1.7 ms at 4.8 TB/s):
-- c16 (two kernels, 16-token steps): 17.2 ms (measured). The sequential pass takes 512 dependent steps per
-  sequence, each a chain of small M=16 dots: latency-bound.
-- c64 (prep on 64-token chunks + the same sequential pass on 64-token steps): predict 7.5 ms (6-10), 2.6x fla.
-  Prep reads 1026 B and writes 1152 B per token-head (qg, kd, W, U at 256 B, Aqk at 128 B): 13.7 GB, ~3.5 ms at
-  ~3.9 TB/s, with ~2 ms of exp/FMA/mma work overlapped -> ~4.5 ms. Sequential pass: 4x fewer, M=64 (wgmma)
-  steps; reads ~1.4 KB per token-head (value blocks re-read the K-wide tiles from L2) -> ~2.3 ms, 0.7 TFLOP of
-  dots, ~1.5 us dependent chain per step hidden by 1-3 programs per SM -> ~3 ms.
-- c64s (prep, lean sequential pass storing every 64-token state and u', chunk-parallel output): predict 9.5 ms.
-  Same prep; the split moves +1.5 KB per token-head through HBM (state written and read back at 512 B, u' at
-  256 B each way, ~+2.4 ms) to take two of the four dots off the sequential pass. It wins only where c64's pass
-  is latency-bound with too few programs (B1 T128K: 96 sequence-heads); predicted slower than c64 at B8 T8K.
-- c64f (one kernel per sequence-head: prep into an L2-resident scratch, barrier, state step): predict 9 ms with a
-  wide range (4-15). HBM bytes are the floor (1.3 KB per token-head, 1.7 ms), but the per-chunk prep runs
-  serially inside each of only 768 programs with the full 128x128 fp32 state in registers (1 CTA of 8 warps
-  per SM): latency-bound; much worse at B1 T128K (96 programs < 132 SMs).
-Other shapes (c64): B2 T32K 8.5 ms (value blocks of 32), varlen 8 ms, B1 T128K 9 ms (value blocks of 16:
-768 programs of 2048 steps); c64s within ~1 ms of c64 at B1 T128K.
-Decode is unchanged (one program per sequence/head/value block, state read and written once).
+Measured on 2026-11-30 (H200, triton 3.6, B8 T8K H96 D128 bf16): fla 19.7 ms, c16 17.0 ms of which its prep kernel
+12.4 ms (the sequential pass ~4.6 ms). The prep's own memory floor: it reads q, k, v, g (256 B each) and beta, and
+writes qg, kd, W, U (256 B each), Aqk (32 B) and e^G_last (32 B per token-head): ~2.1 KB per token-head, 13.3 GB at
+B8 T8K -> 2.8 ms at 4.8 TB/s. The old prep runs at ~1/4.4 of that. Diagnosis from `--static` (sm_90 compile on a
+CPU, triton 3.9): 246 registers per thread (its [16, 128] fp32 dot operands sit in every warp, 64 registers each)
+-> 2 programs = 8 warps = 2 chunks resident per SM to hide a chain of loads, 49 barriers and dependent dots; 10,144
+warp-instructions per chunk (all 4 warps redo the 16-row dots), 6.8 MUFU ops per element. At 12.4 ms the SMs issue
+~1.4 instructions per clock of 4: latency-bound at low occupancy, not bandwidth-bound.
 
-Usage: python benchmarks/kda_triton.py [--json PATH] [--budget-s S] [--variants c16,c64,...] [--bwd] [--smoke]
+Predictions, prep alone at B8 T8K (full forward = prep + ~4.6 ms, the sequential pass is unchanged):
+see PREP16P_SWEEP (each entry: what it changes, predicted ms from the static model described there; ranges are
+wide, about +-40%, because the causes were never timed separately). The default c16p prep (one chunk per program
+on 2 warps, registers capped at 128: 8 programs and 16 warps per SM instead of the old 2 and 8; block inverse;
+6,080 instead of 10,144 warp-instructions per chunk) is predicted at 4.9 ms (3.5-7), the c16p forward at 9.5 ms
+(2.1x fla). B1 T128K (twice the tokens; 96 sequence-heads, the sequential pass ~15 ms there): ~25 ms forward
+(1.6x fla's 40.8).
+c64/c64s/c64f (measured 45-70 ms on 2026-11-30) run only when named in --variants.
+
+Usage: python benchmarks/kda_triton.py [--json PATH] [--budget-s S] [--variants c16,c16p,...] [--shapes ...]
+       [--prep-configs JSON] [--top N] [--decode] [--bwd] [--smoke] [--static]
 """
 from __future__ import annotations
 
@@ -50,19 +54,50 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PREDICTED_MS_B8_T8K = {"fla": 19.7, "c16": 17.2, "c64": 7.5, "c64s": 9.5, "c64f": 9.0}
+PREDICTED_MS_B8_T8K = {"fla": 19.7, "c16": 17.0, "c16p": 9.5, "c64": 45.3, "c64s": 46.9, "c64f": 69.6}
+# c16p prep option sets (overrides of ops.PREP16P_DEFAULT = c=1, 2 warps, maxnreg=128, block inverse, tf32 Aqk/Akk,
+# heads-fastest, whole-K tiles), in the order they are timed, with the predicted prep time at B8 T8K (ms) and what
+# the row isolates. Keys: see ops.PREP16P_DEFAULT. The predictions come from `--static` (sm_90 compile with triton
+# 3.9 on a CPU: registers, spills, programs per SM, SASS warp-instructions per chunk I) and one crude model
+# calibrated on the old prep (I = 10,144, 8 warps per SM, 12.4 ms => 1.39 instructions per clock per SM):
+#   t = 2,980 chunks per SM * I / IPC / 1.755 GHz,  IPC = 1.39 * (resident warps per SM / 8) ** 0.6,
+# i.e. the prep is taken to be issue- and latency-bound (not bandwidth-bound: floor ~2.8-3.2 ms) and more resident
+# warps hide more latency. The register counts on the H200 (triton 3.6) are recorded per row as n_regs/n_spills.
+PREP16P_SWEEP = [
+    ("default", {}, 4.9, "c=1 chunk per program on 2 warps, registers capped at 128 (8 programs / 16 warps per SM)"),
+    ("c1_w2", dict(maxnreg=None), 7.1, "default without the register cap (~250 registers: 4 programs per SM)"),
+    ("c1_w2_r168", dict(maxnreg=168), 5.6, "cap 168: 6 programs per SM, fewer spills"),
+    ("kb32_c1_w1_r128", dict(kb=32, num_warps=1), 5.3, "K in blocks of 32, one warp per chunk, cap 128"),
+    ("kb32_c1_w2", dict(kb=32, maxnreg=None), 6.7, "K in blocks of 32 on 2 warps, no cap (~110 registers)"),
+    ("c2_w4_r128", dict(c=2, num_warps=4), 5.9, "2 chunks per program (batched dots) on 4 warps, cap 128"),
+    ("c1_w4_r128", dict(num_warps=4), 7.1, "1 chunk on 4 warps (as the old prep), cap 128"),
+    ("c1_w4_ieee_chunkfast", dict(num_warps=4, maxnreg=None, inv="ieee", head_fast=False), 8.2,
+     "old structure (4 warps, fp32 FMA squaring inverse, chunks-fastest grid, no cap) + two exps instead of four + "
+     "no chunk-table load: the elementwise savings alone"),
+    ("c1_w4_chunkfast", dict(num_warps=4, maxnreg=None, head_fast=False), 8.0, "+ block inverse on tensor cores"),
+    ("c1_w4", dict(num_warps=4, maxnreg=None), 7.9, "+ heads-fastest grid"),
+    ("c2_w4", dict(c=2, num_warps=4, maxnreg=None), 8.2, "2 chunks per program on 4 warps, no cap"),
+    ("kb32_c1_w1", dict(kb=32, num_warps=1, maxnreg=None), 6.2, "K blocks of 32, one warp, no cap"),
+    ("kb64_c1_w2", dict(kb=64), 6.6, "K in blocks of 64 on 2 warps, cap 128"),
+    ("kb32_c2_w4", dict(kb=32, c=2, num_warps=4, maxnreg=None), 7.1, "K blocks of 32, 2 chunks on 4 warps"),
+    ("c1_w4_loop4_prefetch", dict(num_warps=4, maxnreg=None, loop=4, prefetch=True), 8.5,
+     "4 warps, 4 tiles per program with the next tile's loads in flight during compute"),
+    ("c1_w2_r128_loop4", dict(loop=4), 5.6, "default with 4 tiles per program (per-program setup amortised)"),
+    ("c1_w2_r128_blkn", dict(inv="blkn"), 5.1, "default + one Newton step (tf32x3 residual): its cost"),
+    ("c1_w2_r128_qkbf16", dict(qk="bf16"), 4.8, "default with bf16 Aqk/Akk operands (~5e-3 more error)"),
+    ("c4_w4", dict(c=4, num_warps=4, maxnreg=None), 8.0, "one warp per chunk, 4 chunks per program (spills)"),
+]
+SMOKE_SWEEP = ["default", "kb32_c1_w1_r128", "c2_w4", "c1_w4_loop4_prefetch"]
 # Sequential-kernel configs tried at the first shape (first = the heuristic default there). bv: value columns per
 # program; num_warps/num_stages of the sequential kernel (c64f: of the fused kernel, always 1 stage).
 CONFIGS = {
-    "c16": [dict(bv=128)],  # bv=64 18.4 ms, bv=32 21.2 ms on 2026-11-30
-    "c64": [dict(bv=64, num_warps=4, num_stages=2), dict(bv=64, num_warps=4, num_stages=1),
-            dict(bv=128, num_warps=8, num_stages=2), dict(bv=128, num_warps=8, num_stages=1),
-            dict(bv=32, num_warps=4, num_stages=2)],
-    "c64s": [dict(bv=64, num_warps=4, num_stages=2), dict(bv=32, num_warps=4, num_stages=2),
-             dict(bv=128, num_warps=8, num_stages=2)],
-    "c64f": [dict(num_warps=8)],  # 4 warps would hold the 128x128 fp32 state in 128 regs/thread: spills
+    "c16": [dict(bv=128), dict(bv=64)],  # 17.2 / 18.4 ms on 2026-11-30 (bv=32: 21.2 ms)
+    "c16p": [{}],
+    "c64": [dict(bv=64, num_warps=4, num_stages=2), dict(bv=128, num_warps=8, num_stages=2)],
+    "c64s": [dict(bv=64, num_warps=4, num_stages=2)],
+    "c64f": [dict(num_warps=8)],
 }
-PREP_WARPS = {"c16": [4], "c64": [8, 4]}  # prep kernel (shared by c64, c64s; c64f inlines it)
+SHAPES = {"B8_T8K": (8, 8192), "B2_T32K": (2, 32768), "B1_T128K": (1, 131072), "varlen": (1, 65536)}
 HBM_TBPS = 4.8
 
 
@@ -78,14 +113,22 @@ def cfg_name(c):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_triton.json"))
-    ap.add_argument("--budget-s", type=float, default=330.0, help="skip what is left after this many seconds")
-    ap.add_argument("--variants", default="c16,c64,c64s,c64f")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="skip what is left after this many seconds")
+    ap.add_argument("--variants", default="c16,c16p")
+    ap.add_argument("--shapes", default="B8_T8K,B1_T128K", help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--prep-configs", default=None,
+                    help="JSON: list of sweep names and/or {name: overrides} objects (default: all of PREP16P_SWEEP)")
+    ap.add_argument("--top", type=int, default=2, help="best c16p preps (first shape) carried to the other shapes")
+    ap.add_argument("--decode", action="store_true", help="also time decode (one token) vs fla")
     ap.add_argument("--bwd", action="store_true", help="also time fwd+bwd (slow: fla's backward autotune)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--static", action="store_true",
+                    help="no GPU: compile the preps for sm_90 and print registers/spills/occupancy/SASS counts")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
+    import torch.nn.functional as F
     import triton
     from k3.ops.kda import recurrent_kda
     from k3.ops.kda.triton import chunk_kda_triton, ops as ours
@@ -95,6 +138,26 @@ def main():
     variants = [v for v in args.variants.split(",") if v]
     for v in variants:
         ours.fwd_variant(v)  # validates the name
+    shape_names = [s for s in args.shapes.split(",") if s]
+    for s in shape_names:
+        if s not in SHAPES:
+            raise SystemExit(f"--shapes: unknown {s!r} (known: {sorted(SHAPES)})")
+    sweep_all = {name: (ov, pred, why) for name, ov, pred, why in PREP16P_SWEEP}
+    if args.prep_configs:
+        sweep = {}
+        for item in json.loads(args.prep_configs):
+            if isinstance(item, str):
+                sweep[item] = sweep_all[item]
+            else:
+                sweep.update({n: (ov, None, "from --prep-configs") for n, ov in item.items()})
+    else:
+        sweep = {n: sweep_all[n] for n in (SMOKE_SWEEP if args.smoke else sweep_all)}
+    for ov, _, _ in sweep.values():
+        ours.prep16p_config(ov)  # validates
+    do_sweep = "c16p" in variants
+    if args.static:
+        static_report(sweep, args.json if args.json.endswith(".json") and "--json" in sys.argv else None)
+        return
     try:
         from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_rec
         import fla
@@ -105,15 +168,19 @@ def main():
         print(f"WARNING: fla is not importable ({e}); timing our kernels only", flush=True)
     if args.smoke:
         sys.path.insert(0, os.path.join(ROOT, "tests", "ops"))
-        from test_kda_triton import fix_interpreter_bf16_dot
+        from test_kda_triton import emulate_gpu, fix_interpreter_bf16_dot
         fix_interpreter_bf16_dot()
+        emulate_gpu(True)  # GPU-like rounding (tf32 dots, bf16 casts to nearest) for the accuracy rows
         dev, H, D = "cpu", 2, 32
     else:
         dev, H, D = "cuda", 96, 128
     res = {"torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter smoke)",
-           "default_variant": ours.fwd_variant(), "predicted_ms_B8_T8K": PREDICTED_MS_B8_T8K, "rows": []}
-    print({k: v for k, v in res.items() if k != "rows"}, flush=True)
+           "default_variant": ours.fwd_variant(), "prep16p_default": ours.PREP16P_DEFAULT,
+           "predicted_ms_B8_T8K": PREDICTED_MS_B8_T8K,
+           "prep16p_sweep": {n: dict(cfg=ov, predicted_prep_ms=p, why=w) for n, (ov, p, w) in sweep.items()},
+           "rows": []}
+    print({k: v for k, v in res.items() if k not in ("rows", "prep16p_sweep")}, flush=True)
 
     def save():
         tmp = args.json + ".tmp"
@@ -151,13 +218,17 @@ def main():
     scale = D ** -0.5
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def make(B, T, grad=False):
+    def make(B, T, grad=False, hard=False):
         r = lambda *s: torch.randn(*s, device=dev, generator=gen)
-        q, k, v, f = (r(B, T, H, D).bfloat16() for _ in range(4))
-        beta = r(B, T, H).sigmoid().bfloat16()
+        q, k, v, f = (r(B, T, H, D) for _ in range(4))
+        beta = r(B, T, H).sigmoid()
+        if hard:  # nearly collinear keys (per sequence and head), weak decay (g ~ -0.01), large beta
+            k = F.normalize(r(B, 1, H, D) + 0.03 * k, dim=-1)
+            f = -6.0 + 0.1 * f
+            beta = 0.5 + 0.5 * torch.rand(B, T, H, device=dev, generator=gen)
         A_log = torch.log(torch.empty(H, device=dev).uniform_(1, 16, generator=gen))
         dt_bias = r(H * D) * 0.1
-        ts = [q, k, v, f, beta, A_log, dt_bias]
+        ts = [q.bfloat16(), k.bfloat16(), v.bfloat16(), f.bfloat16(), beta.bfloat16(), A_log, dt_bias]
         if grad:
             ts = [t.requires_grad_() for t in ts]
         return ts
@@ -181,39 +252,54 @@ def main():
         add(dict(op="fla_warmup", T=256, first_call_s=secs))
         print(f"fla warm-up (compile + autotune at T=256): {secs:.1f} s", flush=True)
 
-    # 1. accuracy vs the fp32 token loop (and each variant's first call = compile of its default config)
-    T_acc = 1024 if not args.smoke else 100
-    cu_acc = torch.tensor([0, 1, 300, T_acc] if not args.smoke else [0, 1, 37, T_acc], device=dev)
-    ins = make(1, T_acc)
-    h0 = torch.randn(3, H, D, D, device=dev, generator=gen) * 0.1
-    kw_ref = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu_acc, **gk(ins))
-    o_ref, s_ref = recurrent_kda(*(x.float() for x in ins[:5]), **kw_ref)
-    acc = dict(op="accuracy_vs_fp32_loop", T=T_acc, H=H, D=D, lens=cu_acc.diff().tolist())
-    if fla_chunk is not None:
-        try:
-            o2, s2 = fla_fwd(ins, cu=cu_acc, h0=h0, fs=True)
-            acc.update(fla_o=rr(o2, o_ref), fla_S=rr(s2, s_ref))
-        except Exception as e:  # noqa: BLE001
-            acc["fla_error"] = repr(e)[:200]
-    for v in variants:
-        try:
-            (o1, s1), secs = timed_first(lambda: ours_fwd(ins, v, {}, cu=cu_acc, h0=h0, fs=True))
-            acc.update({f"{v}_o": rr(o1, o_ref), f"{v}_S": rr(s1, s_ref), f"{v}_first_call_s": secs})
-        except Exception as e:  # noqa: BLE001
-            acc[f"{v}_error"] = repr(e)[:300]
-    add(acc)
-    del ins, o_ref, s_ref
+    # 1. accuracy vs the fp32 token loop: fla, each variant's default, each c16p sweep config; random and hard inputs
+    B_acc, T_acc = (2, 2048) if not args.smoke else (1, 100)
+    for case in ("random", "hard"):
+        if over():
+            add(dict(op="accuracy_vs_fp32_loop", case=case, error="skipped: time budget"))
+            continue
+        ins = make(B_acc, T_acc, hard=case == "hard")
+        h0 = torch.randn(B_acc, H, D, D, device=dev, generator=gen) * 0.1
+        o_ref, s_ref = recurrent_kda(*(x.float() for x in ins[:5]), initial_state=h0, output_final_state=True,
+                                     **gk(ins))
+        acc = dict(op="accuracy_vs_fp32_loop", case=case, B=B_acc, T=T_acc, H=H, D=D)
+        if fla_chunk is not None:
+            try:
+                o2, s2 = fla_fwd(ins, h0=h0, fs=True)
+                acc.update(fla_o=rr(o2, o_ref), fla_S=rr(s2, s_ref))
+            except Exception as e:  # noqa: BLE001
+                acc["fla_error"] = repr(e)[:200]
+        runs = [(v, v, {}) for v in variants]
+        if do_sweep:
+            runs += [(f"c16p[{n}]", "c16p", dict(prep_cfg=ov)) for n, (ov, _, _) in sweep.items() if n != "default"]
+        for key, v, cfg in runs:
+            if over():
+                acc[f"{key}_skipped"] = "time budget"
+                continue
+            try:
+                (o1, s1), secs = timed_first(lambda: ours_fwd(ins, v, cfg, h0=h0, fs=True))
+                acc.update({f"{key}_o": rr(o1, o_ref), f"{key}_S": rr(s1, s_ref), f"{key}_first_call_s": secs})
+            except Exception as e:  # noqa: BLE001
+                acc[f"{key}_error"] = repr(e)[:300]
+        add(acc)
+        del ins, o_ref, s_ref
 
-    # 2. forward at K3 shapes
+    # 2. per shape: fla, preps alone (old c16 vs the c16p sweep), full forwards
     if args.smoke:
-        shapes = [("B2_T200", 2, 200, None), ("varlen", 1, 300, [0, 1, 64, 65, 300])]
+        shapes = [("B2_T200", 2, 200, None), ("varlen", 1, 300, [0, 1, 64, 65, 300])][:max(1, len(shape_names))]
     else:
-        g2 = torch.Generator().manual_seed(1)
-        lens = torch.randint(256, 12000, (40,), generator=g2)
-        lens = lens[: int((lens.cumsum(0) <= 65536 - 1).sum())]
-        lens = torch.cat([lens, torch.tensor([1, 65536 - 1 - int(lens.sum())])])  # incl. a 1-token document
-        shapes = [("B8_T8K", 8, 8192, None), ("varlen", 1, 65536, [0] + lens.cumsum(0).tolist()),
-                  ("B2_T32K", 2, 32768, None), ("B1_T128K", 1, 131072, None)]
+        shapes = []
+        for s in shape_names:
+            B, T = SHAPES[s]
+            cu_list = None
+            if s == "varlen":
+                g2 = torch.Generator().manual_seed(1)
+                lens = torch.randint(256, 12000, (40,), generator=g2)
+                lens = lens[: int((lens.cumsum(0) <= 65536 - 1).sum())]
+                lens = torch.cat([lens, torch.tensor([1, 65536 - 1 - int(lens.sum())])])  # incl. a 1-token document
+                cu_list = [0] + lens.cumsum(0).tolist()
+            shapes.append((s, B, T, cu_list))
+
     def run_decode():
         """3. decode: one token, fp32 state [B, H, D, D] updated in place (run after the first shape)."""
         for B in [1, 64]:
@@ -242,7 +328,7 @@ def main():
             add(row)
 
     best_cfg = {}
-    prep_warps = {}
+    prep_rank = []  # c16p sweep names by prep time at the first shape
     for si, (name, B, T, cu_list) in enumerate(shapes):
         if over():
             add(dict(op="chunk_fwd", shape=name, error="skipped: time budget"))
@@ -250,8 +336,9 @@ def main():
         cu = None if cu_list is None else torch.tensor(cu_list, device=dev)
         tok_heads = B * T * H
         floor_ms = tok_heads * (4 * D * 2 + 2 + D * 2) / (HBM_TBPS * 1e12) * 1e3
+        prep_floor_ms = tok_heads * (8 * D * 2 + 2 + 16 * 2 + D * 4 / 16) / (HBM_TBPS * 1e12) * 1e3
         row = dict(op="chunk_fwd", shape=name, B=B, T=T, H=H, D=D,
-                   nseq=(len(cu_list) - 1 if cu_list else B), mem_floor_ms=floor_ms)
+                   nseq=(len(cu_list) - 1 if cu_list else B), mem_floor_ms=floor_ms, prep_mem_floor_ms=prep_floor_ms)
         ins = make(B, T)
         o_fla = None
         if fla_chunk is not None:
@@ -260,22 +347,58 @@ def main():
                 row["fla_ms"] = bench(lambda: fla_fwd(ins, cu=cu))
             except Exception as e:  # noqa: BLE001
                 row["fla_error"] = repr(e)[:200]
-        # prep kernel alone (c64, c64s share it); at the first shape pick its num_warps
-        for v, pv in (("c16", "c16"), ("c64", "c64")):
-            if not any(x == v or (pv == "c64" and x == "c64s") for x in variants) or over():
-                continue
-            for pw in (PREP_WARPS[pv] if si == 0 else [prep_warps.get(pv, PREP_WARPS[pv][0])]):
+        # 2a. old prep alone (c16), at 4 warps (and 2 at the first shape)
+        if "c16" in variants or do_sweep:
+            for pw in ([4, 2] if si == 0 else [4]):
+                if over():
+                    break
                 try:
-                    ours_fwd(ins, v, dict(prep_warps=pw), cu=cu, prep_only=True)
-                    row[f"{v}_prep_ms_w{pw}"] = bench(lambda: ours_fwd(ins, v, dict(prep_warps=pw), cu=cu,
+                    ours_fwd(ins, "c16", dict(prep_warps=pw), cu=cu, prep_only=True)
+                    row[f"c16_prep_ms_w{pw}"] = bench(lambda: ours_fwd(ins, "c16", dict(prep_warps=pw), cu=cu,
                                                                        prep_only=True))
+                    row[f"c16_prep_kernel_w{pw}"] = ours.kernel_info("c16")
                 except Exception as e:  # noqa: BLE001
-                    row[f"{v}_prep_w{pw}_error"] = repr(e)[:200]
-            got = {pw: row[f"{v}_prep_ms_w{pw}"] for pw in PREP_WARPS[pv] if f"{v}_prep_ms_w{pw}" in row}
-            if si == 0 and got:
-                prep_warps[pv] = min(got, key=got.get)
+                    row[f"c16_prep_w{pw}_error"] = repr(e)[:200]
+        # 2b. c16p sweep: prep alone and full forward per config
+        if do_sweep:
+            names = list(sweep) if si == 0 else list(dict.fromkeys(["default"] + prep_rank[:args.top]))
+            prep, full = {}, {}
+            for n in names:
+                if over():
+                    row[f"c16p[{n}]_skipped"] = "time budget"
+                    continue
+                cc = dict(prep_cfg=sweep[n][0])
+                try:
+                    _, secs = timed_first(lambda: ours_fwd(ins, "c16p", cc, cu=cu, prep_only=True))
+                    prep[n] = bench(lambda: ours_fwd(ins, "c16p", cc, cu=cu, prep_only=True))
+                    row[f"c16p[{n}]_prep_ms"] = prep[n]
+                    row[f"c16p[{n}]_prep_kernel"] = dict(ours.kernel_info("c16p"), first_call_s=secs)
+                    o_v = ours_fwd(ins, "c16p", cc, cu=cu)[0]
+                    if o_fla is not None:
+                        row[f"c16p[{n}]_vs_fla_rrmse"] = rr(o_v, o_fla)
+                    del o_v
+                    full[n] = bench(lambda: ours_fwd(ins, "c16p", cc, cu=cu))
+                    row[f"c16p[{n}]_ms"] = full[n]
+                    if "fla_ms" in row:
+                        row[f"c16p[{n}]_speedup"] = row["fla_ms"] / full[n]
+                except Exception as e:  # noqa: BLE001
+                    row[f"c16p[{n}]_error"] = repr(e)[:300]
+            if si == 0 and prep:
+                prep_rank = sorted(prep, key=prep.get)
+                row["c16p_prep_rank"] = prep_rank
+            if prep:
+                bn = min(prep, key=prep.get)
+                row["c16p_best_prep"] = bn
+                row["c16p_best_prep_ms"] = prep[bn]
+                row["c16p_best_prep_floor_frac"] = prep_floor_ms / prep[bn]
+                if "c16_prep_ms_w4" in row:
+                    row["c16p_best_prep_speedup_vs_c16_prep"] = row["c16_prep_ms_w4"] / prep[bn]
+            if full:
+                bn = min(full, key=full.get)
+                row["c16p_best_full"] = bn
+                row["c16p_best_full_ms"] = full[bn]
+        # 2c. full forward of every variant (c16p: its default prep; the sweep above has the others)
         for v in variants:
-            pw = {} if v in ("c16", "c64f") or "c64" not in prep_warps else dict(prep_warps=prep_warps["c64"])
             if si == 0:
                 cfgs = CONFIGS[v]
             else:
@@ -286,13 +409,12 @@ def main():
                 if over():
                     row[f"{v}_skipped"] = "time budget"
                     break
-                cc = dict(c, **pw)
                 try:
-                    o_v, secs = timed_first(lambda: ours_fwd(ins, v, cc, cu=cu)[0])
+                    o_v, secs = timed_first(lambda: ours_fwd(ins, v, c, cu=cu)[0])
                     if o_fla is not None and f"{v}_vs_fla_rrmse" not in row:
                         row[f"{v}_vs_fla_rrmse"] = rr(o_v, o_fla)
                     del o_v
-                    times[cfg_name(c)] = bench(lambda: ours_fwd(ins, v, cc, cu=cu))
+                    times[cfg_name(c)] = bench(lambda: ours_fwd(ins, v, c, cu=cu))
                     row[f"{v}_first_call_s[{cfg_name(c)}]"] = secs
                 except Exception as e:  # noqa: BLE001
                     row[f"{v}_error[{cfg_name(c)}]"] = repr(e)[:300]
@@ -310,7 +432,7 @@ def main():
         del ins, o_fla
         if dev == "cuda":
             torch.cuda.empty_cache()
-        if si == 0:
+        if si == 0 and args.decode:
             run_decode()
 
     # 4. fwd+bwd (default forward variant + the backend's backward) vs fla
@@ -341,25 +463,142 @@ def main():
 
     res["total_s"] = round(time.time() - t_start, 1)
     save()
-    nan = float("nan")
-    print(f"\nforward ms (best config), H={H} D={D} bf16; predicted at B8 T8K: {PREDICTED_MS_B8_T8K}")
-    print("| shape | fla | " + " | ".join(variants) + " | best speedup | best floor frac |")
-    print("|---|---|" + "---|" * len(variants) + "---|---|")
-    for r in res["rows"]:
-        if r["op"] == "chunk_fwd" and "error" not in r:
-            ms = {v: r.get(f"{v}_ms", nan) for v in variants}
-            ok = {v: t for v, t in ms.items() if t == t}
-            bv = min(ok, key=ok.get) if ok else None
-            cells = " | ".join(f"{ms[v]:.2f} ({r.get(f'{v}_cfg', '-')})" for v in variants)
-            print(f"| {r['shape']} | {r.get('fla_ms', nan):.2f} | {cells} | "
-                  f"{(r.get(f'{bv}_speedup', nan) if bv else nan):.2f} ({bv}) | "
-                  f"{(r.get(f'{bv}_floor_frac', nan) if bv else nan):.2f} |")
-        elif r["op"] == "decode":
-            print(f"| decode B{r['B']} | {r.get('fla_ms', nan):.4f} | ours {r.get('ours_ms', nan):.4f} ms, "
-                  f"state {r.get('ours_state_TBps', nan):.2f} TB/s {r.get('error', '')} |")
-        else:
-            print("|", r, "|")
+    summary(res, variants, sweep, H, D)
     print(f"total {res['total_s']} s; json: {args.json}")
+
+
+def static_report(sweep, json_path=None, H=96, D=128):
+    """--static (no GPU needed): compile the old prep and every c16p sweep config for sm_90 with triton's bundled
+    ptxas (B8 T8K-like arguments, bf16, fused gate + L2 norm) and print registers, spill stack, shared memory,
+    resident programs / chunks / warps per SM, and SASS counts per 16-token chunk (warp-instructions summed over the
+    program's warps; MUFU, MMA and barriers per program). The K-block loops are unrolled, so counts are per chunk
+    as executed (the LOOP loop's body is counted once)."""
+    import collections
+    import math
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from k3.ops.kda.triton import kernels as kern, ops as ours
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    target = GPUTarget("cuda", 90, 32)
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    sig = dict(q=bf, k=bf, v=bf, g=bf, beta=bf, A_log=f32, dt_bias=f32, qg_out=bf, kd_out=bf, w_out=bf, u_out=bf,
+               aqk_out=bf, eg_out=f32, chunk_tok=i32, chunk_end=i32, NC="i32", NP="i32", Tseq="i32", NCT="i32",
+               scale="fp32", lower_bound="fp32", Ttot="i32")
+
+    def build(fn, consts, launch):
+        full = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
+        return triton.compile(ASTSource(fn, full, consts, attrs), target=target, options=dict(launch))
+
+    def measure(ck, nw, c):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+            fh.write(ck.asm["cubin"])
+            fh.flush()
+            use = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
+                                 text=True).stdout
+            sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name], capture_output=True,
+                                  text=True).stdout
+        ops_ = collections.Counter()
+        for line in sass.splitlines():
+            m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+            if m:
+                ops_[m.group(1)] += 1
+        regs = int(re.search(r"REG:(\d+)", use).group(1))
+        stack = int(re.search(r"STACK:(\d+)", use).group(1))
+        shared = ck.metadata.shared
+        reg_alloc = math.ceil(regs * 32 / 256) * 256  # per warp, allocation unit 256
+        cta = min(65536 // (reg_alloc * nw), 233472 // (shared + 1024), 32, 64 // nw)
+        return dict(regs=regs, spill_stack_B=stack, smem_KB=round(shared / 1024, 1), cta_per_SM=cta,
+                    chunks_per_SM=cta * c, warps_per_SM=cta * nw,
+                    warp_instr_per_chunk=round(sum(ops_.values()) * nw / c),
+                    mufu_per_chunk=round(ops_["MUFU"] * nw / c), mma_per_chunk=round(ops_["HMMA"] * nw / c),
+                    bar_per_program=ops_["BAR"])
+
+    rows = {}
+    base = dict(H=H, K=D, V=D, USE_GATE=True, L2NORM=True)
+    for nw in (4, 2):
+        try:
+            rows[f"c16 (old, {nw} warps)"] = measure(build(kern.kda_prep_fwd_kernel, dict(base, BT=16, REF=7),
+                                                            dict(num_warps=nw, num_stages=1)), nw, 1)
+        except Exception as e:  # noqa: BLE001
+            rows[f"c16 (old, {nw} warps)"] = dict(error=repr(e)[:300])
+    for n, (ov, _, _) in sweep.items():
+        cfg = ours.prep16p_config(ov)
+        consts, launch = ours.prep16p_meta(cfg, H, D, D, varlen=False, USE_GATE=True, L2NORM=True)
+        try:
+            rows[f"c16p[{n}]"] = measure(build(kern.kda_prep16p_fwd_kernel, consts, launch), launch["num_warps"],
+                                         cfg["c"])
+        except Exception as e:  # noqa: BLE001
+            rows[f"c16p[{n}]"] = dict(error=repr(e)[:300])
+    keys = ["regs", "spill_stack_B", "smem_KB", "cta_per_SM", "chunks_per_SM", "warps_per_SM",
+            "warp_instr_per_chunk", "mufu_per_chunk", "mma_per_chunk", "bar_per_program"]
+    print(f"static sm_90 compile (triton {triton.__version__}), H={H} D={D} bf16")
+    print("| prep | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for n, r in rows.items():
+        print(f"| {n} | " + (" | ".join(str(r.get(k, "-")) for k in keys) if "error" not in r else r["error"]) + " |")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(dict(triton=triton.__version__, H=H, D=D, rows=rows), fh, indent=1)
+
+
+def summary(res, variants, sweep, H, D):
+    """Markdown tables: accuracy, the prep sweep (prep alone and full forward per shape), the variants."""
+    nan = float("nan")
+    rows = res["rows"]
+    fwd = [r for r in rows if r["op"] == "chunk_fwd" and "error" not in r]
+    acc = {r["case"]: r for r in rows if r["op"] == "accuracy_vs_fp32_loop" and "error" not in r}
+    print(f"\nH={H} D={D} bf16. Accuracy: rel. RMSE of o / final state vs the fp32 token loop "
+          f"({', '.join(acc)} inputs)")
+    keys = ["fla"] + list(variants) + [f"c16p[{n}]" for n in sweep if n != "default"]
+    print("| run | " + " | ".join(acc) + " |")
+    print("|---|" + "---|" * len(acc))
+    for key in keys:
+        cells = [f"{a.get(key + '_o', nan):.2e} / {a.get(key + '_S', nan):.2e}" for a in acc.values()]
+        print(f"| {key} | " + " | ".join(cells) + " |")
+    if sweep and any("c16p_best_prep" in r for r in fwd):
+        print("\nPrep kernel alone / full forward, ms (c16 = the old prep; regs/spills at the first shape)")
+        print("| prep | predicted prep | " + " | ".join(f"{r['shape']} prep | {r['shape']} fwd" for r in fwd)
+              + " | regs/spills |")
+        print("|---|---|" + "---|---|" * len(fwd) + "---|")
+        first = fwd[0]
+        for pw in (4, 2):
+            if f"c16_prep_ms_w{pw}" in first:
+                cells = " | ".join(f"{r.get(f'c16_prep_ms_w{pw}', nan):.2f} | "
+                                   f"{(r.get('c16_ms', nan) if pw == 4 else nan):.2f}" for r in fwd)
+                ki = first.get(f"c16_prep_kernel_w{pw}", {})
+                print(f"| c16 (old, {pw} warps) | {'12.4 (2026-11-30)' if pw == 4 else '-'} | {cells} | "
+                      f"{ki.get('n_regs', '-')}/{ki.get('n_spills', '-')} |")
+        for n, (_, pred, _) in sweep.items():
+            cells = " | ".join(f"{r.get(f'c16p[{n}]_prep_ms', nan):.2f} | {r.get(f'c16p[{n}]_ms', nan):.2f}"
+                               for r in fwd)
+            ki = first.get(f"c16p[{n}]_prep_kernel", {})
+            print(f"| c16p[{n}] | {pred if pred is not None else '-'} | {cells} | "
+                  f"{ki.get('n_regs', '-')}/{ki.get('n_spills', '-')} |")
+    print("\nFull forward, ms (best config); fla in the same run")
+    print("| shape | fla | " + " | ".join(variants) + " | c16p best prep config | best speedup vs fla |")
+    print("|---|---|" + "---|" * len(variants) + "---|---|")
+    for r in fwd:
+        ms = {v: r.get(f"{v}_ms", nan) for v in variants}
+        if "c16p_best_full_ms" in r:
+            ms["c16p*"] = r["c16p_best_full_ms"]
+        ok = {v: t for v, t in ms.items() if t == t}
+        bv = min(ok, key=ok.get) if ok else None
+        cells = " | ".join(f"{ms[v]:.2f} ({r.get(f'{v}_cfg', '-')})" for v in variants)
+        best = r.get("fla_ms", nan) / ok[bv] if bv else nan
+        print(f"| {r['shape']} | {r.get('fla_ms', nan):.2f} | {cells} | "
+              f"{r.get('c16p_best_full', '-')} {r.get('c16p_best_full_ms', nan):.2f} | {best:.2f} ({bv}) |")
+    for r in rows:
+        if r["op"] == "decode":
+            print(f"decode B{r['B']}: fla {r.get('fla_ms', nan):.4f} ms, ours {r.get('ours_ms', nan):.4f} ms, "
+                  f"state {r.get('ours_state_TBps', nan):.2f} TB/s {r.get('error', '')}")
+        elif r["op"] not in ("chunk_fwd", "accuracy_vs_fp32_loop") or "error" in r:
+            print(r)
 
 
 if __name__ == "__main__":

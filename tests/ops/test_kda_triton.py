@@ -4,8 +4,10 @@ TRITON_INTERPRET must be set before triton is imported, and pytest imports every
 so the checks run in one subprocess (this file run as a script, with TRITON_INTERPRET=1) that prints a JSON
 table of relative RMSEs; the tests below read that table. Skips cleanly when triton is not installed.
 Every forward variant (k3.ops.kda.triton.ops.FWD_VARIANTS, selected through $K3_KDA_TRITON_FWD as a user would)
-runs the same forward cases. The interpreter computes dots exactly in fp32 (no tf32 rounding), so GPU precision
-is checked by benchmarks/kda_triton.py, not here.
+runs the same forward cases; the options of the c16p prep (ops.PREP16P_DEFAULT) run a subset. The interpreter
+computes dots exactly in fp32 and truncates fp32 -> bf16; `emulate_gpu` makes it round like the GPU (tf32 dot
+operands truncated to 10 mantissa bits, tf32x3 as three such products, fp32 -> bf16 to nearest even), used for the
+D=128 accuracy checks of c16 / c16p.
 """
 from __future__ import annotations
 
@@ -24,7 +26,23 @@ TOL_OUT, TOL_DQKV, TOL_DGB = 5e-3, 8e-3, 2e-2
 # intermediates and the state operand of the dots are bf16, as in fla; ~1e-2 at these small K, V (3.3e-3 at
 # D=128 on the H200).
 TOL_BF16 = 2.5e-2
-VARIANTS = ("c16", "c64", "c64s", "c64f")  # = ops.FWD_VARIANTS (checked in the subprocess)
+VARIANTS = ("c16", "c64", "c64s", "c64f", "c16p")  # = ops.FWD_VARIANTS (checked in the subprocess)
+# c16p prep options beyond the default (ops.PREP16P_DEFAULT), run on a subset of the forward cases
+PREP16P_CASES = {
+    "c2_w4_ieee_chunkfast": dict(c=2, num_warps=4, maxnreg=None, inv="ieee", head_fast=False),
+    "c4_loop2_prefetch": dict(c=4, loop=2, prefetch=True),
+    "c2_loop4_blkn_qk3": dict(c=2, loop=4, inv="blkn", qk="tf32x3"),
+    "qk_bf16": dict(qk="bf16"),
+    "kb16": dict(kb=16, num_warps=1),                  # K = 32: two K blocks; V = 16: one value block
+    "kb16_c2_loop2": dict(kb=16, c=2, loop=2, head_fast=False),
+}
+PREP16P_FWD_CASES = ("precomputed_g", "varlen", "gate_at_bound_lb-10", "bf16")
+# D=128 bf16 inputs with GPU rounding emulated: o and state vs the fp32 loop. "hard": nearly collinear keys and weak
+# decay (|n| ~ 1): a tf32 inverse by repeated squaring gives o off by 0.27-0.41 there (tried), the block inverse
+# matches the ieee squaring of c16
+TOL_D128 = {"random": 5e-3, "hard": 1e-2}  # c16 (ieee inverse): 3.1e-3 / 7e-3 to 8e-3 (bf16 W, U and state)
+D128_CASES = ("random", "hard")
+D128_RUNS = {"c16": None, "c16p": {}, "c16p_blkn": dict(inv="blkn"), "c16p_kb32": dict(kb=32, num_warps=1)}
 
 
 def _rr(a, b) -> float:
@@ -33,9 +51,14 @@ def _rr(a, b) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
+_GPU = {"on": False}  # emulate the GPU's rounding in the interpreter (see emulate_gpu)
+
+
 def fix_interpreter_bf16_dot() -> None:
     """Triton's interpreter (3.9) keeps bf16 tensors as raw uint16 bits and tl.dot multiplies the bits: widen
-    bf16 dot operands to fp32 (exact) first. Test/CPU-only; GPU kernels are unaffected."""
+    bf16 dot operands to fp32 (exact) first. With emulate_gpu(True), fp32 dots of input precision tf32 / tf32x3
+    round their operands as tensor cores do, and fp32 -> bf16 casts round to nearest even (the interpreter
+    truncates). Test/CPU-only; GPU kernels are unaffected."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter as itp
@@ -48,11 +71,39 @@ def fix_interpreter_bf16_dot() -> None:
             return itp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
         return h
 
+    def tf32(x):  # keep sign, exponent and the top 10 mantissa bits (truncation: the conservative assumption)
+        return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
+        a, b = up(a), up(b)
+        prec = str(input_precision).split(".")[-1].upper()
+        if _GPU["on"] and a.dtype.scalar == tl.float32 and prec in ("TF32", "TF32X3"):
+            ah, bh = tf32(a.data), tf32(b.data)
+            if prec == "TF32":
+                out = np.matmul(ah, bh)
+            else:
+                out = np.matmul(ah, bh) + np.matmul(ah, tf32(b.data - bh)) + np.matmul(tf32(a.data - ah), bh)
+            return itp.TensorHandle(out.astype(d.data.dtype) + d.data, d.dtype.scalar)
+        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    orig_cast = itp.InterpreterBuilder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if _GPU["on"] and src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            u = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rn = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+            return itp.TensorHandle(np.where(np.isnan(src.data), np.uint16(0x7FC0), rn), tl.bfloat16)
+        return orig_cast(self, src, dst_type)
 
     create_dot._k3_bf16_fix = True
     itp.InterpreterBuilder.create_dot = create_dot
+    itp.InterpreterBuilder.cast_impl = cast_impl
+
+
+def emulate_gpu(on: bool = True) -> None:
+    """GPU-like rounding in the interpreter: tf32 / tf32x3 dots as tensor cores, fp32 -> bf16 to nearest even
+    (needs fix_interpreter_bf16_dot first)."""
+    _GPU["on"] = bool(on)
 
 
 def _checks() -> dict:
@@ -137,6 +188,51 @@ def _checks() -> dict:
         res[f"{variant}.causal.max_abs_diff_before"] = float(
             (o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
         res[f"{variant}.causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
+    # c16p prep options: the public path (chunk_kda, variant c16p) with ops.PREP16P_DEFAULT patched per option set
+    os.environ[ops.ENV_FWD] = "c16p"
+    saved = dict(ops.PREP16P_DEFAULT)
+    for cname, pc in PREP16P_CASES.items():
+        ops.PREP16P_DEFAULT.update(pc)
+        for (name, args, kw, _), (o1, s1) in zip(cases, refs):
+            if name in PREP16P_FWD_CASES:
+                o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
+                res[f"c16p[{cname}].{name}.o"] = _rr(o2, o1)
+                res[f"c16p[{cname}].{name}.S"] = _rr(s2, s1)
+        ops.PREP16P_DEFAULT.clear()
+        ops.PREP16P_DEFAULT.update(saved)
+    res["prep16p_bad_cfg_raises"] = 0.0
+    try:
+        ops.prep16p_config(dict(c=3))
+    except ValueError:
+        res["prep16p_bad_cfg_raises"] = 1.0
+    # D=128, bf16 inputs, tensor-core rounding emulated: c16 and c16p options vs the fp32 loop
+    Hd, Dd = 2, 128
+    cu_d = torch.tensor([0, 37, 100])
+    al_d, dt_d = torch.rand(Hd, generator=gen), r(Hd * Dd) * 0.1
+    gk_d = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=al_d, dt_bias=dt_d)
+    h0_d = r(2, Hd, Dd, Dd) * 0.1
+    d128 = {}
+    q, k, v, f, beta = inputs(1, 100, Hd, Dd, Dd)
+    d128["random"] = (q, k, v, f, beta)
+    k_hard = F.normalize(r(1, 1, Hd, Dd) + 0.03 * r(1, 100, Hd, Dd), dim=-1)  # nearly collinear keys
+    f_hard = -6.0 + 0.1 * r(1, 100, Hd, Dd)                                   # log-decay ~ -0.01 per token
+    d128["hard"] = (q, k_hard, v, f_hard, 0.5 + 0.5 * torch.rand(1, 100, Hd, generator=gen))
+    emulate_gpu(True)
+    for case in D128_CASES:
+        xs = tuple(x.bfloat16() for x in d128[case])
+        kw = dict(initial_state=h0_d, cu_seqlens=cu_d, **gk_d)
+        o1, s1 = recurrent_kda(*[x.float() for x in xs], output_final_state=True, **kw)
+        for run, pc in D128_RUNS.items():
+            variant = run.split("_")[0]
+            os.environ[ops.ENV_FWD] = variant
+            if pc is not None:
+                ops.PREP16P_DEFAULT.update(pc)
+            o2, s2 = chunk_kda(*xs, output_final_state=True, backend="triton", **kw)
+            ops.PREP16P_DEFAULT.clear()
+            ops.PREP16P_DEFAULT.update(saved)
+            res[f"d128.{run}.{case}.o"] = _rr(o2, o1)
+            res[f"d128.{run}.{case}.S"] = _rr(s2, s1)
+    emulate_gpu(False)
     del os.environ[ops.ENV_FWD]
     try:
         ops.fwd_variant("c32")
@@ -196,6 +292,29 @@ def test_forward_variant_and_state(results, variant, name):
     assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
     assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
     assert results[key + ".dtype_ok"] == 1.0
+
+
+@pytest.mark.parametrize("option", list(PREP16P_CASES))
+@pytest.mark.parametrize("name", PREP16P_FWD_CASES)
+def test_prep16p_options(results, option, name):
+    tol = results["tol"][name]
+    key = f"c16p[{option}].{name}"
+    if option == "qk_bf16" and tol < TOL_BF16:  # bf16 Aqk/Akk operands: bf16-level error even for fp32 inputs
+        tol = 2 * TOL_OUT
+    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+
+
+def test_prep16p_config_validated(results):
+    assert results["prep16p_bad_cfg_raises"] == 1.0
+
+
+@pytest.mark.parametrize("run", list(D128_RUNS))
+@pytest.mark.parametrize("case", D128_CASES)
+def test_d128_bf16_gpu_rounding(results, run, case):
+    key = f"d128.{run}.{case}"
+    assert results[key + ".o"] <= TOL_D128[case], (key, results[key + ".o"], results[key + ".S"])
+    assert results[key + ".S"] <= TOL_D128[case], (key, results[key + ".o"], results[key + ".S"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,6 +1,6 @@
 """The "triton" backend of `chunk_kda`: our own Triton kernels for K3's bounded-decay KDA.
 
-Forward (prefill / training): four variants of `ops.kda_chunk_fwd`, picked by its `variant=` argument, else
+Forward (prefill / training): five variants of `ops.kda_chunk_fwd`, picked by its `variant=` argument, else
 $K3_KDA_TRITON_FWD, else `ops.DEFAULT_FWD` (still "c16" until the H200 numbers are in: a one-line switch).
 Per chunk with cumsum G of g, T = (I + diag(beta) L)^-1, L_ti = sum_K k_t k_i e^(G_t - G_i) (i < t):
 W = T diag(beta)(k e^G), U = T diag(beta) v, Aqk_ti = sum_K q_t k_i e^(G_t - G_i) (i <= t); then per chunk
@@ -12,6 +12,11 @@ u' = U - W S, o = (q e^G) S + Aqk u', S <- e^(G_last) S + (k e^(G_last - G))^T u
      q e^G, k e^(G_last - G), Aqk, e^(G_last) to memory (input dtype, fp32 for fp32 inputs).
   2. `kda_state_fwd_kernel`, parallel over (sequence, head, value block), sequential over chunks: carries the
      fp32 state in registers and writes o directly (no per-chunk state is materialised).
+- "c16p": c16's sequential pass after `kda_prep16p_fwd_kernel`, a re-tuned 16-token prep (`ops.PREP16P_DEFAULT`,
+  per-call `prep_cfg`): 2 warps with a 128-register cap (the old prep held 246 registers, 2 programs per SM),
+  two full-tile exponentials instead of four, the unit-lower inverse by recursive 2x2 block inversion on tf32
+  tensor cores (tf32 repeated squaring was unusable on near-collinear keys), heads-fastest grid, optional
+  K-in-blocks / several chunks per program / next-tile prefetch. Same intermediates as c16.
 - "c64": the same two-kernel shape on 64-token chunks, so the sequential pass takes 4x fewer, M=64 steps.
   `kda_prep64_fwd_kernel` treats a chunk as four 16-row tiles: diagonal blocks through the tile's reference
   row as in c16; a block (a, b < a) as (q e^c)_a diag(e^(P_a - P_b - s_b)) (k e^(s_b - c))_b^T with c the

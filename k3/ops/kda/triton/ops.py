@@ -13,7 +13,8 @@ from . import kernels as _k
 #   c64   two kernels on 64-token chunks (prep64, then the same sequential pass with 64-token steps)
 #   c64s  three kernels on 64-token chunks (prep64, lean sequential pass storing states and u', parallel output)
 #   c64f  one kernel per (sequence, head): prep64 into an L2-resident scratch + the 64-token state step
-FWD_VARIANTS = ("c16", "c64", "c64s", "c64f")
+#   c16p  c16 with the faster prep kernel kda_prep16p_fwd_kernel (same intermediates, same sequential pass)
+FWD_VARIANTS = ("c16", "c64", "c64s", "c64f", "c16p")
 DEFAULT_FWD = "c16"  # one-line switch once the H200 numbers are in; K3_KDA_TRITON_FWD overrides per process
 ENV_FWD = "K3_KDA_TRITON_FWD"
 
@@ -21,6 +22,79 @@ BT = 16   # chunk (= tile) length of c16: exp(+-cumsum) inside a tile stays with
 REF = 7   # reference row inside a tile: factored exponents are at most max(REF, BT-1-REF) * |g|_max
 BT64 = 64  # chunk of the c64* variants (four 16-row tiles, same reference row)
 N_SM = 132  # H200; only used to size the value blocks of the sequential passes
+
+# Prep of "c16p" (kda_prep16p_fwd_kernel); kda_chunk_fwd(prep_cfg=...) overrides any of these keys:
+#   c          chunks (of one head) per tile, batched 3-D dots; power of two
+#   loop       tiles per program (a loop inside the program)
+#   prefetch   load the next tile's inputs before computing the current one (only matters with loop > 1)
+#   num_warps, num_stages   launch options of the prep kernel
+#   inv        unit-lower inverse: "blk" (recursive 2x2 blocks, tf32), "blkn" (+ Newton step, tf32x3 residual),
+#              "ieee" (the old repeated squaring with fp32 FMA dots)
+#   qk         precision of the Aqk / Akk dots: "tf32" (as c16), "tf32x3" or "bf16"
+#   head_fast  grid order: heads fastest (programs running together read whole token rows of all heads)
+#   kb         0: whole [16, K] tiles; else K block width (a power of two < K): two passes over K blocks (Aqk/Akk and
+#              norms, then qg, kd, W with gate and cumsum recomputed), U over value blocks of min(kb, V): about a
+#              quarter of the registers at kb = 32, for twice the gate work and q/k/g reloads from L2
+#   maxnreg    None, or a register cap per thread for ptxas (more resident programs, maybe spills)
+# Default = the best of the sweep on static grounds only (sm_90 compile on a CPU: 128 registers with 240 B spilled,
+# 8 programs / 16 warps per SM vs the old prep's 2 / 8, 6,080 vs 10,144 warp-instructions per chunk), before any GPU
+# measurement: predicted 4.9 ms (3.5-7) for the prep at B8 T8K H96 D128 bf16 (c16's prep: 12.4 ms), 9.5 ms for the
+# c16p forward. Per-option predictions: benchmarks/kda_triton.py PREP16P_SWEEP (`--static` prints the counts).
+PREP16P_DEFAULT = dict(c=1, loop=1, prefetch=False, num_warps=2, num_stages=1, inv="blk", qk="tf32",
+                       head_fast=True, kb=0, maxnreg=128)
+PREP16P_INV = ("blk", "blkn", "ieee")
+PREP16P_QK = ("tf32", "tf32x3", "bf16")
+LAST_PREP = {}  # benchmarks: the last launched prep kernel's compiled handle (n_regs, n_spills) by variant name
+
+
+def prep16p_config(prep_cfg: Optional[dict] = None) -> dict:
+    """PREP16P_DEFAULT updated with prep_cfg, validated."""
+    cfg = dict(PREP16P_DEFAULT)
+    bad = set(prep_cfg or {}) - set(cfg)
+    if bad:
+        raise ValueError(f"prep_cfg: unknown keys {sorted(bad)} (known: {sorted(cfg)})")
+    cfg.update(prep_cfg or {})
+    for key in ("c", "loop", "num_warps"):
+        n = cfg[key]
+        if not (isinstance(n, int) and 1 <= n <= 64 and n & (n - 1) == 0):
+            raise ValueError(f"prep_cfg[{key!r}]: expected a power of two in [1, 64], got {n!r}")
+    if cfg["inv"] not in PREP16P_INV:
+        raise ValueError(f"prep_cfg['inv']: expected one of {PREP16P_INV}, got {cfg['inv']!r}")
+    if cfg["qk"] not in PREP16P_QK:
+        raise ValueError(f"prep_cfg['qk']: expected one of {PREP16P_QK}, got {cfg['qk']!r}")
+    kb = cfg["kb"]
+    if not (isinstance(kb, int) and (kb == 0 or (16 <= kb and kb & (kb - 1) == 0))):
+        raise ValueError(f"prep_cfg['kb']: expected 0 or a power of two >= 16, got {kb!r}")
+    if cfg["maxnreg"] is not None and not (isinstance(cfg["maxnreg"], int) and 24 <= cfg["maxnreg"] <= 255):
+        raise ValueError(f"prep_cfg['maxnreg']: expected None or an int in [24, 255], got {cfg['maxnreg']!r}")
+    return cfg
+
+
+def prep16p_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: bool, L2NORM: bool):
+    """(constexpr arguments, launch options) of kda_prep16p_fwd_kernel for a validated config."""
+    kb = K if pcfg["kb"] in (0, None) or pcfg["kb"] >= K else pcfg["kb"]
+    consts = dict(H=H, K=K, V=V, C=pcfg["c"], LOOP=pcfg["loop"], REF=REF, HEAD_FAST=bool(pcfg["head_fast"]),
+                  VARLEN=bool(varlen), USE_GATE=bool(USE_GATE), L2NORM=bool(L2NORM), QK_PREC=pcfg["qk"],
+                  INV=pcfg["inv"], PREFETCH=bool(pcfg["prefetch"]) and pcfg["loop"] > 1, KB=kb, VB=min(kb, V))
+    launch = dict(num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
+    if pcfg["maxnreg"] is not None:
+        launch["maxnreg"] = pcfg["maxnreg"]
+    return consts, launch
+
+
+def kernel_info(variant: str) -> dict:
+    """Registers, spills and shared memory of the last prep kernel launched for `variant` (GPU only; {} else)."""
+    ck = LAST_PREP.get(variant)
+    if ck is None:
+        return {}
+    out = {}
+    for key in ("n_regs", "n_spills"):
+        if getattr(ck, key, None) is not None:
+            out[key] = int(getattr(ck, key))
+    shared = getattr(getattr(ck, "metadata", None), "shared", None)
+    if shared is not None:
+        out["shared"] = int(shared)
+    return out
 
 
 def fwd_variant(variant: Optional[str] = None) -> str:
@@ -88,14 +162,16 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
                   cu_seqlens=None, use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                   A_log=None, dt_bias=None, lower_bound: Optional[float] = -5.0, variant: Optional[str] = None,
                   bv: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
-                  prep_warps: Optional[int] = None, prec: str = "tf32", prep_only: bool = False):
+                  prep_warps: Optional[int] = None, prec: str = "tf32", prep_only: bool = False,
+                  prep_cfg: Optional[dict] = None):
     """Chunked forward: (o [B,T,H,V] v.dtype, final state [N,H,K,V] fp32 or None). Inputs validated/supported.
 
     variant: one of FWD_VARIANTS (default: fwd_variant()). Tuning knobs (None = heuristic): bv, num_warps and
     num_stages of the sequential kernel (c64f: of the fused kernel; bv is ignored there, its num_stages is
     always 1), prep_warps of the parallel prep kernel. prec: tl.dot input precision of the c64* prep products
-    ("tf32", "tf32x3" or "ieee"; the 16x16 diagonal-block inverses are always "ieee"). prep_only (benchmarks): run the
-    parallel prep kernel only and return (None, None)."""
+    ("tf32", "tf32x3" or "ieee"; the 16x16 diagonal-block inverses are always "ieee"). prep_cfg: options of the
+    c16p prep (see PREP16P_DEFAULT; ignored by the other variants). prep_only (benchmarks): run the parallel prep
+    kernel only and return (None, None)."""
     name = fwd_variant(variant)
     if bv is not None and (bv < 16 or bv & (bv - 1)):
         raise ValueError(f"bv: expected a power of two >= 16, got {bv!r}")
@@ -106,7 +182,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     V = v.shape[-1]
     if name == "c64f" and prep_only:
         raise ValueError("prep_only: c64f has no separate prep kernel")
-    bt = BT if name == "c16" else BT64
+    pcfg = prep16p_config(prep_cfg) if name == "c16p" else None
+    bt = BT if name in ("c16", "c16p") else BT64
     cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt)
     ins = tuple(x.contiguous() for x in (q, k, v, g, beta))
     gate = _gate_args(q, use_gate_in_kernel, A_log, dt_bias, lower_bound)
@@ -117,7 +194,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     if name == "c64f":
         _fwd_fused(ins, gate, flags, float(scale), o, h0, ht, cu, N, prec, num_warps)
         return o, ht
-    inter = _prep(name, ins, gate, flags, float(scale), ctok, cend, NC, prec, prep_warps)
+    fixed = None if cu_seqlens is not None else (T, (T + BT - 1) // BT)
+    inter = _prep(name, ins, gate, flags, float(scale), ctok, cend, NC, prec, prep_warps, pcfg, fixed)
     if prep_only:
         return None, None
     if N == 0:
@@ -126,8 +204,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     Tt = B * T
     dummy = eg
     state = dict(HAS_H0=h0 is not None, STORE_HT=ht is not None)
-    if name in ("c16", "c64"):
-        BV = bv or (_pick_bv(V, N * H) if name == "c16" else _pick_bv64(V, N * H))
+    if name in ("c16", "c16p", "c64"):
+        BV = bv or (_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H))
         _k.kda_state_fwd_kernel[(N, H, V // BV)](
             qg, kd, w, u, aqk, eg, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
             seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, **state, num_warps=num_warps or 4,
@@ -147,15 +225,16 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     return o, ht
 
 
-def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps):
-    """Run the chunk-parallel prep kernel; returns the intermediates (qg, kd, w, u, aqk, eg)."""
+def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=None, fixed=None):
+    """Run the chunk-parallel prep kernel; returns the intermediates (qg, kd, w, u, aqk, eg). c16p: pcfg is its
+    validated config; fixed = (T, chunks per sequence) for equal-length sequences (no cu_seqlens), else None."""
     q, k, v, g, beta = ins
     B, T, H, K = q.shape
     V = v.shape[-1]
     Tt = B * T
     dev = q.device
     dt = _interm_dtype(q)
-    bt = BT if name == "c16" else BT64
+    bt = BT if name in ("c16", "c16p") else BT64
     qg = torch.empty(H, Tt, K, device=dev, dtype=dt)
     kd, w = torch.empty_like(qg), torch.empty_like(qg)
     u = torch.empty(H, Tt, V, device=dev, dtype=dt)
@@ -164,13 +243,24 @@ def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps):
     a_log, dtb, lb = gate
     if NC > 0:
         if name == "c16":
-            _k.kda_prep_fwd_kernel[(NC, H)](
+            ck = _k.kda_prep_fwd_kernel[(NC, H)](
                 q, k, v, g, beta, a_log, dtb, qg, kd, w, u, aqk, eg, ctok, cend, scale, lb, Tt,
                 H=H, K=K, V=V, BT=BT, REF=REF, **flags, num_warps=prep_warps or 4)
+        elif name == "c16p":
+            c, loop = pcfg["c"], pcfg["loop"]
+            n_prog = -(-(-(-NC // c)) // loop)  # programs per head: ceil(ceil(NC / c) / loop)
+            t_seq, nct = fixed if fixed is not None else (1, 1)
+            consts, launch = prep16p_meta(pcfg, H, K, V, varlen=fixed is None, **flags)
+            if prep_warps:
+                launch["num_warps"] = prep_warps
+            ck = _k.kda_prep16p_fwd_kernel[(H * n_prog,)](
+                q, k, v, g, beta, a_log, dtb, qg, kd, w, u, aqk, eg, ctok, cend, NC, n_prog, t_seq, nct, scale,
+                lb, Tt, **consts, **launch)
         else:
-            _k.kda_prep64_fwd_kernel[(NC, H)](
+            ck = _k.kda_prep64_fwd_kernel[(NC, H)](
                 q, k, v, g, beta, a_log, dtb, qg, kd, w, u, aqk, eg, ctok, cend, scale, lb, Tt,
                 H=H, K=K, V=V, **flags, PREC=prec, INV_PREC="ieee", num_warps=prep_warps or 8)
+        LAST_PREP[name] = ck
     return qg, kd, w, u, aqk, eg
 
 
