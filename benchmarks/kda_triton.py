@@ -167,8 +167,7 @@ def main():
         fla_version = f"not importable ({type(e).__name__}: {e})"[:200]
         print(f"WARNING: fla is not importable ({e}); timing our kernels only", flush=True)
     if args.smoke:
-        sys.path.insert(0, os.path.join(ROOT, "tests", "ops"))
-        from test_kda_triton import emulate_gpu, fix_interpreter_bf16_dot
+        from k3.ops.triton_interp import emulate_gpu, fix_interpreter_bf16_dot
         fix_interpreter_bf16_dot()
         emulate_gpu(True)  # GPU-like rounding (tf32 dots, bf16 casts to nearest) for the accuracy rows
         dev, H, D = "cpu", 2, 32

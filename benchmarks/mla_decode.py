@@ -75,8 +75,7 @@ def main():
     from k3.ops import mla_decode_triton as mdt
 
     if args.smoke:
-        sys.path.insert(0, os.path.join(ROOT, "tests", "generation"))
-        from test_mla_decode_triton import fix_interpreter_bf16_dot
+        from k3.ops.triton_interp import fix_interpreter_bf16_dot
         fix_interpreter_bf16_dot()
         dev = torch.device("cpu")
         CRS, WS, NS, HS, reps = [(64, 16)], [100, 300], [1, 2], [8, 16], 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -28,27 +27,7 @@ TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 1.5e-2}  # relative RMSE vs
 # the softmax weights enter the second dot rounded to the cache dtype (as in the torch path): bf16 ~4e-3 measured
 
 
-def fix_interpreter_bf16_dot() -> None:
-    """Triton's interpreter (3.9) keeps bf16 tensors as raw uint16 bits and tl.dot multiplies the bits: widen
-    bf16 dot operands to fp32 (exact) first. Test/CPU-only; GPU kernels are unaffected.
-    (Same patch as tests/ops/test_kda_triton.py.)"""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as itp
-    orig = itp.InterpreterBuilder.create_dot
-    if getattr(orig, "_k3_bf16_fix", False):
-        return
-
-    def up(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return itp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return orig(self, up(a), up(b), d, input_precision, max_num_imprecise_acc)
-
-    create_dot._k3_bf16_fix = True
-    itp.InterpreterBuilder.create_dot = create_dot
+from k3.ops.triton_interp import fix_interpreter_bf16_dot, run_interpreted  # noqa: E402
 
 
 def _rr(a, b) -> float:
@@ -157,12 +136,7 @@ def _checks() -> dict:
 def results():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("K3_MLA_DECODE", None)
-    p = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=300, env_pop=("K3_MLA_DECODE",))
 
 
 KERNEL_CASES = ["h8_c256_fp32", "h8_c256_bf16", "h16_c64_fp32", "h16_c64_bf16", "h64_c64_bf16", "h64_c256_fp32",

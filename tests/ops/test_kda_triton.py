@@ -14,8 +14,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -51,59 +49,7 @@ def _rr(a, b) -> float:
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
-_GPU = {"on": False}  # emulate the GPU's rounding in the interpreter (see emulate_gpu)
-
-
-def fix_interpreter_bf16_dot() -> None:
-    """Triton's interpreter (3.9) keeps bf16 tensors as raw uint16 bits and tl.dot multiplies the bits: widen
-    bf16 dot operands to fp32 (exact) first. With emulate_gpu(True), fp32 dots of input precision tf32 / tf32x3
-    round their operands as tensor cores do, and fp32 -> bf16 casts round to nearest even (the interpreter
-    truncates). Test/CPU-only; GPU kernels are unaffected."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as itp
-    orig = itp.InterpreterBuilder.create_dot
-    if getattr(orig, "_k3_bf16_fix", False):
-        return
-
-    def up(h):
-        if h.dtype.scalar == tl.bfloat16:
-            return itp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def tf32(x):  # keep sign, exponent and the top 10 mantissa bits (truncation: the conservative assumption)
-        return (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        a, b = up(a), up(b)
-        prec = str(input_precision).split(".")[-1].upper()
-        if _GPU["on"] and a.dtype.scalar == tl.float32 and prec in ("TF32", "TF32X3"):
-            ah, bh = tf32(a.data), tf32(b.data)
-            if prec == "TF32":
-                out = np.matmul(ah, bh)
-            else:
-                out = np.matmul(ah, bh) + np.matmul(ah, tf32(b.data - bh)) + np.matmul(tf32(a.data - ah), bh)
-            return itp.TensorHandle(out.astype(d.data.dtype) + d.data, d.dtype.scalar)
-        return orig(self, a, b, d, input_precision, max_num_imprecise_acc)
-
-    orig_cast = itp.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if _GPU["on"] and src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            u = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
-            rn = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-            return itp.TensorHandle(np.where(np.isnan(src.data), np.uint16(0x7FC0), rn), tl.bfloat16)
-        return orig_cast(self, src, dst_type)
-
-    create_dot._k3_bf16_fix = True
-    itp.InterpreterBuilder.create_dot = create_dot
-    itp.InterpreterBuilder.cast_impl = cast_impl
-
-
-def emulate_gpu(on: bool = True) -> None:
-    """GPU-like rounding in the interpreter: tf32 / tf32x3 dots as tensor cores, fp32 -> bf16 to nearest even
-    (needs fix_interpreter_bf16_dot first)."""
-    _GPU["on"] = bool(on)
+from k3.ops.triton_interp import emulate_gpu, fix_interpreter_bf16_dot, run_interpreted  # noqa: E402,F401
 
 
 def _checks() -> dict:
@@ -273,11 +219,7 @@ def _checks() -> dict:
 def results():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_interpreted(__file__, timeout=300)
 
 
 FWD_CASES = ["gate_l2_h0", "precomputed_g", "varlen", "gate_at_bound", "gate_at_bound_lb-10", "g_eq_-5",

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -126,12 +124,8 @@ def _checks() -> dict:
 def results():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("K3_KDA_TRITON_BWD", None)
-    p = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, capture_output=True, text=True,
-                       timeout=600, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    from k3.ops.triton_interp import run_interpreted
+    return run_interpreted(__file__, timeout=600, env_pop=("K3_KDA_TRITON_BWD",))
 
 
 FP32 = {"gate_l2_h0_dht": GRADS, "varlen": GRADS, "g_at_bound": ("dq", "dk", "dv", "dg", "dbeta"),
