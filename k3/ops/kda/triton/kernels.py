@@ -94,6 +94,28 @@ def kda_prep_fwd_kernel(q, k, v, g, beta, A_log, dt_bias,
 
 
 @triton.jit
+def _seq_walk_start(cu, seq_chunk, s0, i_n, i_h, i_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+    """Prologue of the sequential (per sequence, head, value block) kernels: the sequence's token range
+    [bos, eos), its first global chunk c0 and chunk count nc, the row/column offsets, kv = the [K, BV] block's
+    offsets inside one K x V matrix, and the carried fp32 matrix S read from s0[n, h] (zeros without HAS_S0)."""
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
+    nc = (eos - bos + BT - 1) // BT
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    kv = o_k[:, None].to(tl.int64) * V + o_v[None, :]
+    ps = (i_n * H + i_h).to(tl.int64) * K * V + kv
+    if HAS_S0:
+        S = tl.load(s0 + ps).to(tl.float32)
+    else:
+        S = tl.zeros([K, BV], dtype=tl.float32)
+    return bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S
+
+
+@triton.jit
 def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                          HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
@@ -102,18 +124,8 @@ def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
-    nc = (eos - bos + BT - 1) // BT
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    ps = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + ps).to(tl.float32)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
+                                                                 HAS_H0)
     dt = w.dtype.element_ty
     for j in range(0, nc):
         tok = bos + j * BT + o_t
@@ -397,18 +409,8 @@ def kda_state_h_kernel(kd, w, u, eg, hs, vn, h0, ht, cu, seq_chunk, Ttot,
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
-    nc = (eos - bos + BT - 1) // BT
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    ps = ((i_n * H + i_h) * K + o_k[:, None]).to(tl.int64) * V + o_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + ps).to(tl.float32)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
+                                                                 HAS_H0)
     dt = w.dtype.element_ty
     for j in range(0, nc):
         tok = bos + j * BT + o_t

@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kernels import _seq_walk_start
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -216,18 +218,8 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
-    nc = (eos - bos + BT - 1) // BT
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    kv = o_k[:, None].to(tl.int64) * V + o_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0 + (i_n * H + i_h).to(tl.int64) * K * V + kv).to(tl.float32)
-    else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+    bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
+                                                                 HAS_H0)
     dt = w.dtype.element_ty
     for j in range(0, nc):
         tl.store(states + ((c0 + j) * H + i_h) * K * V + kv, S)
@@ -252,19 +244,8 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chu
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    c0 = tl.load(seq_chunk + i_n).to(tl.int64)
-    nc = (eos - bos + BT - 1) // BT
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    kv = o_k[:, None].to(tl.int64) * V + o_v[None, :]
-    ps = (i_n * H + i_h).to(tl.int64) * K * V + kv
-    if HAS_DHT:
-        dS = tl.load(dht + ps).to(tl.float32)
-    else:
-        dS = tl.zeros([K, BV], dtype=tl.float32)
+    bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, dS = _seq_walk_start(cu, seq_chunk, dht, i_n, i_h, i_v, H, K, V, BT,
+                                                                  BV, HAS_DHT)
     dt = w.dtype.element_ty
     for jj in range(0, nc):
         j = nc - 1 - jj
