@@ -20,12 +20,16 @@ def _compile(fn, types, consts, num_warps=4, num_stages=2):
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-TYPES = dict(eg="*fp32", h0="*fp32", ht="*fp32", cu="*i32", seq_chunk="*i32", Ttot="i32", states="*fp32",
+TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32", b2="fp32", Q="*fp32",
+             LENS="*i64", ACC="*fp32", MAX="*fp32", SUM="*fp32", O="*fp32", KV="*bf16", H="i32", W="i32",
+             NSPLIT="i32", s_qn="i32", s_qh="i32", s_kn="i32", s_kw="i32", s_on="i32", s_oh="i32",
+             eg="*fp32", h0="*fp32", ht="*fp32", cu="*i32", seq_chunk="*i32", Ttot="i32", states="*fp32",
              dht="*fp32", dstates="*fp32", dh0="*fp32", A_log="*fp32", dt_bias="*fp32", eg_out="*fp32",
              chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16")
 
 
 def _cases():
+    from k3.ops import activations_triton as at, mla_decode_triton as md
     from k3.ops.kda.triton import kernels as kf, kernels_bwd as kb
     c = dict(H=96, K=128, V=128, BT=16, BV=64, HAS_H0=True, STORE_HT=True)
     cb = dict(H=96, K=128, V=128, BT=64, BV=32, IEEE=False, UPCAST=False)
@@ -38,11 +42,17 @@ def _cases():
                                                                 L2NORM=True, HAS_H0=True, STORE_HT=True)),
         "kda_bwd_states": (kb.kda_bwd_states_kernel, dict(cb, HAS_H0=True)),
         "kda_bwd_dstates": (kb.kda_bwd_dstates_kernel, dict(cb, HAS_DHT=True)),
+        "situ_fwd": (at._situ_fwd_kernel, dict(BR=2, BC=512)),
+        "situ_bwd": (at._situ_bwd_kernel, dict(BR=2, BC=512)),
+        "mla_decode_partial C512 R64 H64": (md._partial_kernel, dict(C=512, R=64, BC=512, BR=64, BH=64, BN=32,
+                                                                      NHB=1, PREC="tf32")),
+        "mla_decode_combine": (md._combine_kernel, dict(C=512, BS=16, BCC=64)),
     }
 
 
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
-                                  "kda_bwd_states", "kda_bwd_dstates"])
+                                  "kda_bwd_states", "kda_bwd_dstates", "situ_fwd", "situ_bwd",
+                                  "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):
     fn, consts = _cases()[name]
     ck = _compile(fn, TYPES, consts)
