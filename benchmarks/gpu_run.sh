@@ -22,7 +22,8 @@ step() {  # step NAME SECONDS CMD...
 }
 for stage in "$@"; do case $stage in
   warm) step warm 330 python3 benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 --pack "$OUT/autotune.tgz" ;;
-  tests) step tests 100 python3 -m pytest -q -s --timeout 60 tests/gpu tests/generation/test_static_decode.py ;;
+  tests) step warm-tests 150 python3 benchmarks/fla_warmup.py --shapes 4x128 --attnres "" --T 1024
+         step tests 150 python3 -m pytest -q -s --timeout 90 tests/gpu tests/generation/test_static_decode.py ;;
   ops) step ops 200 python3 benchmarks/gpu_ops.py --quick --only kda,moe,attnres,attn --json "$OUT/gpu_ops.json" ;;
   decode) step decode 90 python3 benchmarks/decode.py --device cuda --preset small --min-context 4096 \
       --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
