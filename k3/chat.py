@@ -23,12 +23,12 @@ recognition disabled, so a user typing ``<|open|>`` gets plain text tokens. No B
 
 Attribute values escape ``&`` -> ``&amp;`` and ``"`` -> ``&quot;`` and are written `` key="value"``.
 
-IMPORTANT (token parity): the bodies of the generated system messages (tool-declare wrapper,
-thinking-effort, tool-choice, response-format) live in the released checkpoint's
-``encoding_k3.py``, which this project does not have. The strings in ``CHAT_BODY_STRINGS`` are
-placeholders chosen to be clear; replace them with the released ones for exact token parity with
-the checkpoint. The position of the tool-choice/response-format messages ("trailing": after the
-conversation, before the generation prompt) is likewise our reading of the spec.
+Token parity: the bodies of the generated system messages (tool-declare, thinking-effort, tool-choice,
+response-format) are those of the released ``encoding_k3.py`` as two independent public re-implementations of it
+reproduce them (a Python and a Rust renderer that agree string for string, read 2026-11-30); the released file
+itself is not available here, so they are unverified against it. The named-function tool_choice body is ours (the
+re-implementations reject a named tool_choice). The tool-choice/response-format messages come after the
+conversation, before the generation prompt, as in those renderers.
 """
 from __future__ import annotations
 
@@ -46,30 +46,32 @@ class ChatFormatError(TokenizerError, RequestError):
 
 
 # ------------------------------------------------------------------------------------------------
-# The one table of generated system-message bodies. PLACEHOLDERS: must be replaced with the
-# strings of the released encoding_k3.py for exact token parity (see module docstring).
+# The one table of generated system-message bodies (see the module docstring for where they come from).
+THINKING_EFFORTS = ("low", "medium", "high", "max")
+_EFFORT_BODY = ("`thinking_effort` guides on how much to think in your thinking channel (not including the "
+                "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+                "Now the system is invoked with `thinking_effort={effort}`.")
+_RAW_JSON = ("Your response must be raw JSON data without markdown code blocks (```json) or any additional "
+             "formatting.")
 CHAT_BODY_STRINGS: Dict[str, Any] = {
-    # str.format fields: {tools_json} = compact (separators=(",", ":")), sort_keys JSON of `tools`
-    "tool_declare": "{tools_json}",
-    "thinking_effort": {
-        "low": "Thinking effort: low. Think briefly before answering.",
-        "medium": "Thinking effort: medium. Think as much as the task needs before answering.",
-        "high": "Thinking effort: high. Think carefully and thoroughly before answering.",
-        "max": "Thinking effort: max. Think as deeply and thoroughly as possible before answering.",
-    },
+    # str.format fields: {tools_json} = compact (separators=(",", ":")), key-sorted JSON of `tools`
+    "tool_declare": "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools_json}\n```",
+    "thinking_effort": {e: _EFFORT_BODY.format(effort=e) for e in THINKING_EFFORTS},
     "tool_choice": {
-        "none": "Do not call any tool in your next response.",
-        "required": "You must call at least one tool in your next response.",
-        "function": "You must call the tool {name} in your next response.",  # {name}: escaped-free raw name
+        "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+        "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+        # ours (no reference body): a named tool
+        "function": "The system is invoked with `tool_choice={name}`.\nYou MUST call the tool `{name}` in the "
+                    "next message.",
     },
     "response_format": {
-        "json_object": "Respond with a single valid JSON object and nothing else.",
-        # {schema_json}: compact, key-sorted JSON of response_format["json_schema"]
-        "json_schema": "Respond with a single JSON object that conforms to this JSON schema: {schema_json}",
+        "json_object": "The system is invoked with `response_format=json_object`.\n" + _RAW_JSON,
+        # {schema_json}: compact, key-sorted JSON of the schema (json_schema["schema"] when present)
+        "json_schema": "The system is invoked with `response_format=json_schema`.\n" + _RAW_JSON
+                       + "\nThe JSON data must match the following schema:\n```json\n{schema_json}\n```",
     },
 }
 
-THINKING_EFFORTS = ("low", "medium", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 STRUCTURAL = (OPEN, CLOSE, SEP, END_OF_MSG)
@@ -272,7 +274,8 @@ def _response_format_body(fmt: Any) -> Optional[str]:
         js = fmt.get("json_schema")
         if not isinstance(js, dict):
             raise ChatFormatError("response_format json_schema needs a 'json_schema' object")
-        return table["json_schema"].format(schema_json=_compact_json(js, sort_keys=True))
+        schema = js.get("schema", js)
+        return table["json_schema"].format(schema_json=_compact_json(schema, sort_keys=True))
     raise ChatFormatError(f"response_format type must be text, json_object or json_schema, got {ftype!r}")
 
 

@@ -92,7 +92,8 @@ def test_exact_text_tools():
     tools_json = json.dumps(TOOLS, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
     assert tools_json.startswith('[{"function":{"description"')  # key-sorted, compact
     expected = (
-        '<|open|>message role="system" type="tool-declare"<|sep|>' + tools_json
+        '<|open|>message role="system" type="tool-declare"<|sep|># Tools\nHere are the available tools, '
+        'described in JSONSchema.\n\n```json\n' + tools_json + '\n```'
         + '<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="user"<|sep|>w?<|close|>message<|sep|><|end_of_msg|>'
         '<|open|>message role="assistant"<|sep|><|open|>response<|sep|><|close|>response<|sep|>'
@@ -231,7 +232,7 @@ def test_trailing_system_messages():
     assert 'type="response-format"' not in render_messages_text(msgs, response_format={"type": "text"})
     s = render_messages_text(msgs, response_format={"type": "json_schema", "json_schema": {"name": "n",
                                                     "schema": {"type": "object"}}})
-    assert '{"name":"n","schema":{"type":"object"}}' in s
+    assert '```json\n{"type":"object"}\n```' in s   # the schema itself, compact and key-sorted
     for effort in ("low", "medium", "high", "max"):
         assert CHAT_BODY_STRINGS["thinking_effort"][effort] in render_messages_text(msgs, thinking_effort=effort)
     assert 'thinking-effort' not in render_messages_text(msgs, thinking=False)
@@ -282,3 +283,21 @@ def test_errors():
     assert issubclass(ChatFormatError, TokenizerError) and issubclass(ChatFormatError, RequestError)
     with pytest.raises(ChatFormatError, match="needs a tokenizer"):
         parse_assistant([1, 2, 3])
+
+
+def test_generated_bodies_follow_the_reference_wording():
+    """Bodies as the public re-implementations of encoding_k3.py reproduce them (see k3.chat's docstring)."""
+    text = render_messages_text([{"role": "user", "content": "x"}], thinking_effort="high")
+    assert ('<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to '
+            'think in your thinking channel (not including the response channel), supported values include '
+            '`low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=high`.'
+            '<|close|>message<|sep|><|end_of_msg|>') in text
+    text = render_messages_text([{"role": "user", "content": "x"}], tools=TOOLS, thinking=False,
+                                tool_choice="required", response_format={
+                                    "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "object"}}})
+    assert ('type="tool-choice"<|sep|>The system is invoked with `tool_choice=required`.\nYou MUST call tools in '
+            'the next message.<|close|>message') in text
+    assert ('type="response-format"<|sep|>The system is invoked with `response_format=json_schema`.\nYour '
+            'response must be raw JSON data without markdown code blocks (```json) or any additional formatting.'
+            '\nThe JSON data must match the following schema:\n```json\n{"type":"object"}\n```'
+            '<|close|>message') in text
