@@ -64,6 +64,7 @@ def fill(model, cache: K3Cache, target: int, chunk: int, synthetic: bool, gen: t
             model(ids, cache=cache, logits_to_keep=1)
             cache.advance(e - s)
         return
+    B = cache.batch_size
     for lc in cache.layers:
         if isinstance(lc, MLALayerCache):
             lc.reserve(target)
@@ -71,8 +72,8 @@ def fill(model, cache: K3Cache, target: int, chunk: int, synthetic: bool, gen: t
             for s in range(0, n, 1 << 16):  # fill in slabs (no [n, 576] fp32 temporary)
                 e = min(n, s + (1 << 16))
                 blk[:, s:e].normal_(generator=gen)
-            lc.lengths[0] = target
-            lc.lengths_t[0] = target
+            lc.lengths = [target] * B
+            lc.lengths_t.fill_(target)
         elif isinstance(lc, KDALayerCache) and cur == 0:
             lc.state.normal_(0, 0.05, generator=gen)
             lc.conv.normal_(0, 1.0, generator=gen)
@@ -82,19 +83,22 @@ def fill(model, cache: K3Cache, target: int, chunk: int, synthetic: bool, gen: t
 class Runner:
     """One model + its batch-1 cache; `step()` times one greedy decode step."""
 
-    def __init__(self, name, cfg, device, dtype, max_len, static=False, cuda_graph=False, compile_step=False):
+    def __init__(self, name, cfg, device, dtype, max_len, static=False, cuda_graph=False, compile_step=False,
+                 batch=1):
         self.name, self.cfg, self.device = name, cfg, device
         self.static, self.cuda_graph, self.dec = static, cuda_graph, None
         self.compile_step = compile_step
         self.model = build(cfg, device, dtype)
-        self.cache = K3Cache.for_model(self.model, 1, max_length=max_len)
+        self.batch = batch
+        self.cache = K3Cache.for_model(self.model, batch, max_length=max_len)
         self.gen = torch.Generator(device=device).manual_seed(1)
-        self.tok = torch.randint(0, cfg.vocab_size, (1, 1), device=device, generator=self.gen)
+        self.tok = torch.randint(0, cfg.vocab_size, (batch, 1), device=device, generator=self.gen)
 
     def start(self, n_steps: int) -> None:
         """Before timing a context: a static decoder whose MLA window holds the next n_steps tokens."""
         if self.static:
-            self.dec = StaticDecoder(self.model, self.cache, 1, max_length=self.cache.lengths[0] + n_steps + 1,
+            self.dec = StaticDecoder(self.model, self.cache, self.batch,
+                                     max_length=self.cache.lengths[0] + n_steps + 1,
                                      cuda_graph=self.cuda_graph, compile=self.compile_step)
 
     @torch.inference_mode()
@@ -130,6 +134,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--static", action="store_true", help="decode with the fused StaticDecoder step")
     ap.add_argument("--cuda-graph", action="store_true", help="StaticDecoder captured as a CUDA graph (CUDA)")
+    ap.add_argument("--batch", type=int, default=1,
+                    help="sequences decoded together (each at the full context; > 1 fills the cache synthetically). "
+                         "ms_per_token is per step; per_output_token_ms = step / batch")
     ap.add_argument("--contexts", default=None, help="explicit comma list of contexts (instead of min..max doubling)")
     ap.add_argument("--compile-step", action="store_true",
                     help="torch.compile the StaticDecoder step (implies --static; compiles once per context)")
@@ -165,8 +172,10 @@ def main(argv=None):
     extra = (a.warmup + a.steps) * len(contexts)
     # Both models stay resident and their decode steps are interleaved, so load drift on a shared machine hits
     # them alike (for the small preset at 1M on one GPU: ~14 GB + ~4 GB of latent cache).
-    runners = [Runner(n, cfgs[n], device, dtype, contexts[-1] + extra + 1, a.static, a.cuda_graph, a.compile_step)
-               for n in names]
+    if a.batch > 1:
+        real_max = 0  # the real prefill path fills one row; batched runs use synthetic cache state
+    runners = [Runner(n, cfgs[n], device, dtype, contexts[-1] + extra + 1, a.static, a.cuda_graph, a.compile_step,
+                      a.batch) for n in names]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for ctx in contexts:
@@ -190,9 +199,11 @@ def main(argv=None):
             kind, fill_s, L = fills[r.name]
             ms = statistics.median(times[r.name]) * 1e3
             mem = cache_memory(r.cfg, dtype, context=L)
-            row = dict(context=L, ms_per_token=ms, fill=kind, fill_s=fill_s,
+            mem = {k: v * a.batch if k in ("total_bytes", "kda_bytes") else v for k, v in mem.items()}
+            row = dict(context=L, ms_per_token=ms, batch=a.batch, per_output_token_ms=ms / a.batch, fill=kind,
+                       fill_s=fill_s,
                        cache_bytes=mem["total_bytes"], kda_bytes=mem["kda_bytes"],
-                       mla_bytes=L * mem["mla_bytes_per_token"],
+                       mla_bytes=L * mem["mla_bytes_per_token"] * a.batch,
                        cache_bytes_allocated=r.cache.memory()["total_bytes"])
             if device.type == "cuda":
                 row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
@@ -205,7 +216,7 @@ def main(argv=None):
           f"{'hybrid cache':>14} | {'all-MLA cache':>14} | fill"
     mode = "cuda-graph" if a.cuda_graph else ("static" if a.static else "eager")
     mode += "+compile" if a.compile_step else ""
-    print(f"preset {a.preset}, {device.type}, {str(dtype).replace('torch.', '')}, batch 1, {mode}, "
+    print(f"preset {a.preset}, {device.type}, {str(dtype).replace('torch.', '')}, batch {a.batch} (ms per step; per output token = step / batch), {mode}, "
           f"median of {a.steps} decode steps")
     print(hdr)
     print("-" * len(hdr))
