@@ -32,7 +32,7 @@ for stage in "$@"; do case $stage in
       --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph --compile-step \
       --json "$OUT/decode_h200_graph_compiled.json" ;;
   decodeb) step decodeb 150 python3 benchmarks/decode.py --device cuda --preset small --contexts 131072,1048576 \
-      --batch 8 --steps 10 --cuda-graph --json "$OUT/decode_h200_graph_b8.json" ;;
+      --batch 4 --steps 10 --cuda-graph --json "$OUT/decode_h200_graph_b4.json" ;;
   decodetri) step decodetri 120 env K3_MLA_DECODE=triton python3 benchmarks/decode.py --device cuda --preset small \
       --min-context 4096 --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
       --json "$OUT/decode_h200_graph_mlatriton.json" ;;
