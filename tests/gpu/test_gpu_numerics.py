@@ -274,7 +274,7 @@ def test_mla_decode_triton_vs_fp64_reference(H, C, R):
 
 def test_kda_triton_backward_selfcheck():
     from k3.ops.kda.triton.ops_bwd import gpu_selfcheck
-    res = gpu_selfcheck(T=1000, H=8, D=128)
+    res = gpu_selfcheck(T=1000, H=8, D=128, dtypes=("bf16",))  # fp32: minutes of first compile
     errs = {k: v for k, v in res.items() if ".ms." not in k}
     report("kda triton bwd", **errs)
     for k, v in errs.items():

@@ -107,11 +107,13 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
-def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda") -> dict:
+def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda",
+                  dtypes: tuple = ("bf16", "fp32")) -> dict:
     """Triton backward vs autograd through the fp32 torch chunk path at K3 head shapes (raw gate in the kernel,
     L2 norm, initial state and dht; one plain and one varlen batch). Returns {"<case>.<grad>": relative RMSE},
     plus "ms.triton_bwd" / "ms.torch_bwd" wall times of one backward. bf16 cases should stay <= ~8e-3 for
-    dq/dk/dv/dh0 and <= ~2e-2 for dg/dbeta/dA_log/ddt_bias; fp32 cases ~1e-5."""
+    dq/dk/dv/dh0 and <= ~2e-2 for dg/dbeta/dA_log/ddt_bias; fp32 cases ~1e-5. dtypes: which input dtypes to run
+    (the fp32 kernels' first compile is slow: minutes of ptxas)."""
     import os
     import time
     from .. import chunk_kda
@@ -159,6 +161,8 @@ def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device
                   torch.rand(H, generator=gen).to(dev), rnd(H * D) * 0.5]
         do, dht = rnd(B, TT, H, D), rnd(N, H, D, D)
         for dtype, tag in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            if tag not in dtypes:
+                continue
             # the reference sees the same (rounded) inputs, in fp32
             rounded = [x.to(dtype).float() if i < 5 else x for i, x in enumerate(leaves)]
             ref, ms_ref = grads("torch", torch.float32, rounded, cu, do, dht)
