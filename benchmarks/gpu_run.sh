@@ -41,7 +41,8 @@ for stage in "$@"; do case $stage in
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
       --compile none,modules ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
-  kdabwd) step kdabwd 180 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g; print(g())" ;;
+  kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g
+print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   kdafwd) step kdafwd 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 500 ;;
   kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
   mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
