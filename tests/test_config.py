@@ -71,3 +71,12 @@ def test_unknown_preset_and_bad_file(tmp_path):
     p.write_text("{not json")
     with pytest.raises(K3ConfigError, match="not valid JSON"):
         K3Config.from_json(str(p))
+
+
+def test_replace_accepts_a_linear_attn_config_object():
+    import dataclasses
+    base = K3Config.from_preset("small")
+    la = dataclasses.replace(base.linear_attn_config, full_attn_layers=[4], kda_layers=[1, 2, 3, 5])
+    cfg = base.replace(num_hidden_layers=5, linear_attn_config=la)
+    assert cfg.layer_types == ["kda", "kda", "kda", "mla", "kda"]
+    assert cfg.linear_attn_config.head_dim == base.linear_attn_config.head_dim
