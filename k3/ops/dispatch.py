@@ -11,6 +11,8 @@ import logging
 import os
 from typing import Callable, Optional
 
+import torch
+
 log = logging.getLogger("k3")
 _REGISTRY: dict[str, dict[str, tuple[Callable[[], bool], int]]] = {}
 _LOGGED: set = set()
@@ -42,8 +44,10 @@ def _env_choice(op: str) -> Optional[str]:
     return glob
 
 
+@torch.compiler.assume_constant_result
 def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") -> str:
-    """The backend to use for `op` on `device_type`."""
+    """The backend to use for `op` on `device_type`. Under torch.compile the call is evaluated once while tracing and
+    its result is a constant of the graph (no graph break from the availability checks or the log line)."""
     table = _REGISTRY.get(op, {})
     choice = backend or _env_choice(op)
     if choice and choice != "auto":

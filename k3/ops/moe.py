@@ -39,6 +39,16 @@ def _aligned(*dims_dtype) -> bool:
     return all((d * el) % 16 == 0 for d in dims)
 
 
+def _grouped_ok(x: torch.Tensor, l: int, M2: int) -> bool:
+    """torch._grouped_mm covers this call: 16-byte aligned widths, and bf16 on CUDA or under torch.compile (its CUDA
+    kernel and its fake-tensor rule take bf16 only; the CPU kernel also runs fp32 eagerly, not fp64)."""
+    if x.dtype == torch.float64 or not _aligned(l, M2, M2 // 2, x.dtype):
+        return False
+    if x.dtype != torch.bfloat16 and (x.is_cuda or torch.compiler.is_compiling()):
+        return False
+    return True
+
+
 def _gmm(x_AI, w_EIO, offs_E, counts_E, backend: str):
     if backend == "grouped_mm":
         return torch._grouped_mm(x_AI, w_EIO, offs=offs_E)
@@ -63,16 +73,16 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     name = dispatch.resolve("moe", backend, x_Nl.device.type)
     if name == "loop":
         return experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_EMl, glu)
-    if name == "grouped_mm" and (x_Nl.dtype == torch.float64 or not _aligned(l, M2, M2 // 2, x_Nl.dtype)):
+    if name == "grouped_mm" and not _grouped_ok(x_Nl, l, M2):
         name = "padded_bmm"
     flat_e = topk_idx_Nk.reshape(-1)
     order = torch.argsort(flat_e, stable=True)
     tok_of_a = order // k
     # counts by scatter_add: bincount's output size depends on the data (a host sync on CUDA, a graph break)
-    if flat_e.is_cuda:
+    if flat_e.is_cuda or torch.compiler.is_compiling():
         counts_E = torch.zeros(E, dtype=torch.int64, device=flat_e.device).scatter_add_(
             0, flat_e, torch.ones_like(flat_e))
-    else:  # CPU: bincount is much faster than scatter_add_ here, and there is no device sync to avoid
+    else:  # CPU eager: bincount is much faster than scatter_add_ here, and there is no device sync to avoid
         counts_E = torch.bincount(flat_e, minlength=E)
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
     x_Al = x_Nl.index_select(0, tok_of_a)
