@@ -21,6 +21,12 @@ and --budget-s skips whatever is left (the sweep is ordered by how much each row
 script runs, not speed; a 4-config sweep). fla is skipped (with a warning) wherever it does not import.
 --static: no GPU needed: compile the old prep and every sweep config for sm_90 (triton's bundled ptxas) and print
 registers, spills, shared memory, resident programs/warps per SM and SASS counts per chunk.
+--static-what prep,state (default both): "state" also compiles the sequential pass (kda_state_fwd_kernel on the grid
+BV 32/64/128 x 4/8 warps x 1/2/3 stages, and every STATE_SWEEP option set of ops.STATE_CFG_DEFAULT) and prints
+registers, spills, programs per SM, SASS of the loop body per 16-token step, a one-warp in-order issue simulation of
+that body (cycles per step) and a calibrated model of the sequential ms at B8 T8K.
+2d. (GPU, first shape) every STATE_SWEEP option set (--state-configs to pick, 'none' to skip): the full forward with
+the c16p prep (c16 when c16p is not in --variants); sequential ms = forward - prep alone.
 
 Measured on 2026-11-30 (H200, triton 3.6, B8 T8K H96 D128 bf16): fla 19.7 ms, c16 17.0 ms of which its prep kernel
 12.4 ms (the sequential pass ~4.6 ms). The prep's own memory floor: it reads q, k, v, g (256 B each) and beta, and
@@ -124,6 +130,11 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--static", action="store_true",
                     help="no GPU: compile the preps for sm_90 and print registers/spills/occupancy/SASS counts")
+    ap.add_argument("--static-what", default="prep,state",
+                    help="--static: 'prep' (prep kernels), 'state' (sequential pass: BV x warps x stages grid + "
+                         "STATE_SWEEP), 'state-sweep' (STATE_SWEEP only)")
+    ap.add_argument("--state-configs", default=None,
+                    help="comma list of STATE_SWEEP names timed at the first shape (default: all; 'none': skip)")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -155,8 +166,23 @@ def main():
     for ov, _, _ in sweep.values():
         ours.prep16p_config(ov)  # validates
     do_sweep = "c16p" in variants
+    state_all = {n: (ov, pred, why) for n, ov, pred, why in STATE_SWEEP}
+    if args.state_configs == "none":
+        state_sweep = {}
+    elif args.state_configs:
+        state_sweep = {n: state_all[n] for n in args.state_configs.split(",") if n}
+    else:
+        order = STATE_ORDER + [n for n in state_all if n not in STATE_ORDER]
+        state_sweep = {n: state_all[n] for n in (SMOKE_STATE if args.smoke else order)}
+    for ov, _, _ in state_sweep.values():
+        ours.state_config(ov)  # validates
     if args.static:
-        static_report(sweep, args.json if args.json.endswith(".json") and "--json" in sys.argv else None)
+        jp = args.json if args.json.endswith(".json") and "--json" in sys.argv else None
+        what = args.static_what.split(",")
+        if "prep" in what:
+            static_report(sweep, jp)
+        if "state" in what or "state-sweep" in what:
+            state_static_report(state_sweep, jp and jp[:-5] + "_state.json", grid="state" in what)
         return
     try:
         from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_rec
@@ -427,6 +453,38 @@ def main():
                     row[f"{v}_speedup"] = row["fla_ms"] / times[bname]
                 if si == 0:
                     best_cfg[v] = next(c for c in cfgs if cfg_name(c) == bname)
+        # 2d. sequential-pass option sets (STATE_SWEEP) at the first shape, after the prep of c16p (else c16)
+        if si == 0 and state_sweep and any(v in variants for v in ("c16", "c16p")):
+            sv = "c16p" if "c16p" in variants else "c16"
+            try:
+                ours_fwd(ins, sv, {}, cu=cu, prep_only=True)
+                prep_ms = bench(lambda: ours_fwd(ins, sv, {}, cu=cu, prep_only=True))
+                row[f"state[{sv}]_prep_ms"] = prep_ms
+            except Exception as e:  # noqa: BLE001
+                prep_ms = None
+                row["state_prep_error"] = repr(e)[:200]
+            st = {}
+            for n, (ov, pred, _) in state_sweep.items():
+                if over():
+                    row[f"state[{n}]_skipped"] = "time budget"
+                    continue
+                cc = dict(state_cfg=ov)
+                try:
+                    o_v, secs = timed_first(lambda: ours_fwd(ins, sv, cc, cu=cu)[0])
+                    if o_fla is not None:
+                        row[f"state[{n}]_vs_fla_rrmse"] = rr(o_v, o_fla)
+                    del o_v
+                    st[n] = bench(lambda: ours_fwd(ins, sv, cc, cu=cu))
+                    row[f"state[{n}]_fwd_ms"] = st[n]
+                    if prep_ms is not None:
+                        row[f"state[{n}]_seq_ms"] = st[n] - prep_ms
+                    row[f"state[{n}]_predicted_seq_ms"] = pred
+                    row[f"state[{n}]_kernel"] = dict(ours.kernel_info(sv, "state"), first_call_s=secs)
+                except Exception as e:  # noqa: BLE001
+                    row[f"state[{n}]_error"] = repr(e)[:300]
+            if st:
+                bn = min(st, key=st.get)
+                row["state_best"], row["state_best_fwd_ms"] = bn, st[bn]
         add(row)
         del ins, o_fla
         if dev == "cuda":
@@ -546,6 +604,253 @@ def static_report(sweep, json_path=None, H=96, D=128):
             json.dump(dict(triton=triton.__version__, H=H, D=D, rows=rows), fh, indent=1)
 
 
+# Sequential-pass option sets (ops.STATE_CFG_DEFAULT keys), timed after the variant rows at the first shape (c16's prep,
+# then this sequential pass; the sequential time is the full forward minus the c16 prep alone in the same run).
+# Predicted sequential ms at B8 T8K H96 D128 bf16 (c16 measured 17.0 ms = 12.4 prep + ~4.6 sequential); the basis is
+# `--static` (triton 3.9 sm_90 compile on a CPU): registers/spills, programs per SM and a one-warp in-order issue
+# simulation of the loop body's SASS (fixed latencies, STATE_LAT) -> cycles per 16-token step, then
+#   t = waves * 512 steps * max(sim cycles, resident programs * issue cycles of one program) / 1.755 GHz * CAL
+# with CAL fitted so that the measured "base" row (BV 128, 4 warps, 2 stages) gives 4.6 ms. Ranges about +-40%.
+STATE_SWEEP = [
+    ("base", {}, 4.6, "kda_state_fwd_kernel, BV 128, 4 warps, 2 stages (measured ~4.6 ms, 2026-11-30)"),
+    ("base_w8", dict(num_warps=8), 8.2, "BV 128 on 8 warps: the [128, 128] fp32 state is 64 registers a thread, "
+     "no spill (4 warps: 255 registers + 184 B spill stack)"),
+    ("base_w8_s3", dict(num_warps=8, num_stages=3), 5.9, "+ a 3-stage cp.async pipeline (loads 2 steps ahead)"),
+    ("base_bv64_w4", dict(bv=64, num_warps=4), 6.4, "BV 64 on 4 warps (1,536 programs; K-wide tiles read twice)"),
+    ("v2_w8", dict(kernel="v2", num_warps=8), 8.2, "new kernel, no option: should equal base_w8 (control)"),
+    ("v2_w8_late", dict(kernel="v2", num_warps=8, out_late=True), 8.2,
+     "output dots issued after the state update"),
+    ("v2_w8_fold_late", dict(kernel="v2", num_warps=8, out_late=True, fold=True), 9.5,
+     "o = (qg - Aqk W) S + Aqk U: output needs only the old state"),
+    ("v2_w8_pf", dict(kernel="v2", num_warps=8, prefetch=True), 4.8,
+     "next chunk's tiles loaded to registers before the dots (1 stage)"),
+    ("v2_w8_pf_late", dict(kernel="v2", num_warps=8, prefetch=True, out_late=True), 5.2, "prefetch + out_late"),
+    ("v2_w8_ch2_late", dict(kernel="v2", num_warps=8, ch=2, out_late=True), 6.2,
+     "2 chunks per iteration (both loaded up front), out_late"),
+    ("v2_w8_ch2_pf_late", dict(kernel="v2", num_warps=8, ch=2, prefetch=True, out_late=True), 5.2,
+     "2 chunks per iteration, next pair prefetched, out_late"),
+    ("v2_w4_bv64_pf_late", dict(kernel="v2", bv=64, num_warps=4, prefetch=True, out_late=True), 5.7,
+     "BV 64 on 4 warps with prefetch + out_late"),
+]
+STATE_SWEEP += [
+    ("base_s3", dict(num_stages=3), 3.3, "base with a 3-stage cp.async pipeline (loads two steps ahead): best of the "
+     "static grid"),
+    ("v2_w4_late_s3", dict(kernel="v2", out_late=True, num_stages=3), 4.2, "4 warps, out_late, 3 stages"),
+    ("base_w8_r128", dict(num_warps=8, maxnreg=128), 5.4, "8 warps capped at 128 registers: 2 programs per SM"),
+    ("v2_w8_r128_pf_late", dict(kernel="v2", num_warps=8, maxnreg=128, prefetch=True, out_late=True), 4.3,
+     "8 warps, cap 128, prefetch + out_late"),
+    ("v2_w8_r128_late_s3", dict(kernel="v2", num_warps=8, maxnreg=128, out_late=True, num_stages=3), 4.0,
+     "8 warps, cap 128, out_late, 3-stage cp.async pipeline"),
+    ("v2_w4_bv64_r128_pf_late", dict(kernel="v2", bv=64, num_warps=4, maxnreg=128, prefetch=True, out_late=True),
+     5.7, "BV 64 on 4 warps, cap 128 (4 programs per SM), prefetch + out_late"),
+]
+STATE_ORDER = ["base", "base_s3", "v2_w4_late_s3", "v2_w8_r128_late_s3", "v2_w8_r128_pf_late", "v2_w8_pf", "base_w8_r128", "v2_w8_ch2_pf_late",
+               "v2_w8_pf_late", "base_w8_s3", "v2_w4_bv64_pf_late", "v2_w4_bv64_r128_pf_late", "v2_w8_ch2_late",
+               "base_bv64_w4", "v2_w8", "base_w8", "v2_w8_late", "v2_w8_fold_late"]
+SMOKE_STATE = ["base", "v2_w8_pf_late", "v2_w8_ch2_late"]
+# fixed latencies (cycles) of the one-warp SASS simulation in --static (assumed, not measured)
+STATE_LAT = dict(global_=600, shared=30, local=30, hmma=32, hmma_interval=8, hgmma_per_n=1, mufu=20, alu=6, bar=20)
+
+
+def _sass_body(sass):
+    """Instructions [(addr, opcode, operands)] of the longest loop (backward branch) of the first kernel in SASS."""
+    import re
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)((?:\.[A-Za-z0-9_]+)*)\s*([^;]*);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(3), m.group(4), m.group(5).strip()))
+    best = None
+    for a, op, mods, opd in ins:
+        if op == "BRA":
+            t = re.match(r"(?:`\()?(?:\.L_x_\d+\)?)?\s*0x([0-9a-f]+)", opd)
+            if t and int(t.group(1), 16) < a and (best is None or a - int(t.group(1), 16) > best[1] - best[0]):
+                best = (int(t.group(1), 16), a)
+    if best is None:
+        return ins, []
+    return ins, [x for x in ins if best[0] <= x[0] <= best[1]]
+
+
+def _regs(tok, width):
+    import re
+    m = re.match(r"-?\|?(U?R)(\d+)", tok)
+    if not m or tok.startswith("RZ") or tok.startswith("URZ"):
+        return []
+    return [f"{m.group(1)}{int(m.group(2)) + i}" for i in range(width)]
+
+
+def _sim_body(body, nw, reps=4):
+    """One warp's in-order issue through `reps` copies of the loop body with register scoreboarding and fixed
+    latencies (STATE_LAT): cp.async groups (LDGSTS/LDGDEPBAR/DEPBAR), HMMA pipe interval (x warps per scheduler),
+    HGMMA serialised on the tensor pipe until WARPGROUP.DEPBAR, BAR.SYNC after the warp's shared stores. Returns
+    cycles per loop iteration (steady state: iterations 3-4)."""
+    import re
+    L = STATE_LAT
+    ready, t, hmma_free, pipe_free = {}, 0, 0, 0
+    groups, pend_async, gmma_done, smem_done = [], 0, 0, 0
+    ends = []
+    share = max(1, nw // 4)
+    for _ in range(reps):
+        for _a, op, mods, opd in body:
+            ops_ = [x.strip() for x in opd.split(",")] if opd else []
+            w = 4 if ".128" in mods else 2 if ".64" in mods else 1
+            store = op.startswith("ST") or op in ("RED", "LDGSTS", "BAR", "BRA", "WARPGROUP", "DEPBAR", "LDGDEPBAR",
+                                                   "MEMBAR", "FENCE", "NOP", "EXIT", "UTMALDG", "SYNCS")
+            dst = [] if store or not ops_ else ops_[0]
+            srcs = ops_ if store else ops_[1:]
+            if op == "HMMA":
+                dw, sw = 4, [4, 2, 4]
+            elif op == "LDSM":
+                dw, sw = (4 if mods.endswith(".4") else 2 if mods.endswith(".2") else 1), []
+            elif op == "HGMMA":
+                n = int(re.search(r"64x(\d+)x", mods).group(1))
+                dw, sw = n // 2, [n // 2] * 3
+            else:
+                dw, sw = w, [w] * len(srcs)
+            dregs = _regs(dst, dw) if dst else []
+            sregs = [r for tok, ww in zip(srcs, sw + [1] * len(srcs)) for r in _regs(tok, ww)]
+            if store:
+                sregs = [r for tok in srcs for r in _regs(tok, w)]
+            issue = max([t + 1] + [ready.get(r, 0) for r in sregs])
+            lat = L["alu"]
+            if op == "DEPBAR":
+                m = re.search(r"0x([0-9a-f]+)", opd)
+                keep = int(m.group(1), 16) if m else 0
+                waitfor = groups[:len(groups) - keep] if keep else groups
+                issue = max([issue] + waitfor)
+                groups = groups[len(groups) - keep:] if keep else []
+            elif op == "LDGSTS":
+                pend_async = max(pend_async, issue + L["global_"])
+            elif op == "LDGDEPBAR":
+                groups.append(pend_async)
+                pend_async = 0
+            elif op == "BAR":
+                issue = max(issue, smem_done) + L["bar"]
+            elif op == "WARPGROUP" and "DEPBAR" in mods:
+                issue = max(issue, gmma_done)
+            elif op == "HGMMA":
+                start = max(issue, pipe_free)
+                pipe_free = start + n * L["hgmma_per_n"]
+                gmma_done = pipe_free
+                for r in dregs:
+                    ready[r] = 1 << 40  # until the WARPGROUP.DEPBAR
+            elif op == "HMMA":
+                start = max(issue, hmma_free)
+                hmma_free = start + L["hmma_interval"] * share
+                lat = start - issue + L["hmma"]
+            elif op in ("LDG", "LDC") or op.startswith("LDG"):
+                lat = L["global_"] if op == "LDG" else L["shared"]
+            elif op in ("LDS", "LDSM", "SHFL", "S2R"):
+                lat = L["shared"]
+            elif op in ("LDL", "STL"):
+                lat = L["local"]
+            elif op == "MUFU":
+                lat = L["mufu"]
+            if op in ("STS", "STSM", "STL"):
+                smem_done = max(smem_done, issue + L["shared"])
+            t = issue
+            if op == "WARPGROUP" and "DEPBAR" in mods:
+                for r, v in list(ready.items()):
+                    if v == 1 << 40:
+                        ready[r] = issue
+            elif op != "HGMMA":
+                for r in dregs:
+                    ready[r] = issue + lat
+        ends.append(t)
+    return (ends[-1] - ends[-3]) / 2 if len(ends) >= 3 else float("nan")
+
+
+def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
+    """--static, sequential pass: compile kda_state_fwd_kernel for every BV in (32, 64, 128) x num_warps (4, 8) x
+    num_stages (1, 2, 3) (grid=True) and every STATE_SWEEP option set for sm_90, and print registers, spill stack,
+    shared memory, programs per SM, SASS of the loop body per 16-token step (warp-instructions of one program, HMMA
+    (mma.sync) and HGMMA (wgmma) per warp, MUFU, BAR, local spill loads/stores), the one-warp simulated cycles per
+    step (see _sim_body) and the modelled sequential ms at B8 T8K (see STATE_SWEEP)."""
+    import collections
+    import math
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from k3.ops.kda.triton import ops as ours
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    target = GPUTarget("cuda", 90, 32)
+    bf, f32, i32 = "*bf16", "*fp32", "*i32"
+    sig = dict(qg=bf, kd=bf, w=bf, u=bf, aqk=bf, eg=f32, o=bf, h0=f32, ht=f32, cu=i32, seq_chunk=i32, Ttot="i32")
+    N, nc, ghz, n_sm = 8, 512, 1.755, 132
+
+    def one(scfg):
+        bv = scfg["bv"] or 128
+        fn, consts, launch = ours.state_meta(scfg)
+        nw, ch = launch["num_warps"], consts.get("CH", 1)
+        consts = dict(consts, H=H, K=D, V=D, BT=16, BV=bv, HAS_H0=True, STORE_HT=True)
+        full = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
+        ck = triton.compile(ASTSource(fn, full, consts, attrs), target=target, options=dict(launch))
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+            fh.write(ck.asm["cubin"])
+            fh.flush()
+            use = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
+                                 text=True).stdout
+            sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name], capture_output=True,
+                                  text=True).stdout
+        _, body = _sass_body(sass)
+        cnt = collections.Counter(op for _, op, _, _ in body)
+        regs = int(re.search(r"REG:(\d+)", use).group(1))
+        stack = int(re.search(r"STACK:(\d+)", use).group(1))
+        shared = ck.metadata.shared
+        reg_alloc = math.ceil(regs * 32 / 256) * 256
+        cta = min(65536 // (reg_alloc * nw), 233472 // (shared + 1024), 32, 64 // nw)
+        sim = _sim_body(body, nw) / ch
+        issue = len(body) * nw / 4 / ch  # cycles of the 4 schedulers one program's step takes
+        progs = N * H * (D // bv)
+        waves = math.ceil(progs / (n_sm * cta))
+        per_sm = min(cta, math.ceil(progs / n_sm))
+        model = waves * nc * max(sim, per_sm * issue) / ghz / 1e6
+        return dict(bv=bv, warps=nw, stages=launch["num_stages"], regs=regs, spill_stack_B=stack,
+                    smem_KB=round(shared / 1024, 1), cta_per_SM=cta, programs=progs, waves=waves,
+                    warp_instr_per_step=round(len(body) * nw / ch), hmma_per_warp_step=round(cnt["HMMA"] / ch, 1),
+                    hgmma_per_step=round(cnt["HGMMA"] / ch, 1), mufu_per_warp_step=round(cnt["MUFU"] / ch, 1),
+                    bar_per_step=round(cnt["BAR"] / ch, 1), ldl_stl_per_warp_step=round((cnt["LDL"] + cnt["STL"]) / ch, 1),
+                    ldgsts_ldg_per_warp_step=round((cnt["LDGSTS"] + cnt["LDG"]) / ch, 1),
+                    sim_cycles_per_step=round(sim), issue_cycles_per_step=round(issue), model_ms_raw=model)
+
+    rows = {}
+    cfgs = []
+    if grid:
+        cfgs += [(f"grid bv{bv} w{nw} s{ns}", dict(bv=bv, num_warps=nw, num_stages=ns))
+                 for bv in (128, 64, 32) for nw in (4, 8) for ns in (1, 2, 3)]
+    cfgs += [(f"sweep {n}", ov) for n, (ov, _, _) in state_sweep.items()]
+    for name, ov in cfgs:
+        try:
+            rows[name] = one(ours.state_config(ov))
+        except Exception as e:  # noqa: BLE001
+            rows[name] = dict(error=repr(e)[:300])
+        print(name, rows[name], flush=True)
+    ref = rows.get("sweep base") or one(ours.state_config({}))
+    cal = 4.6 / ref["model_ms_raw"] if ref.get("model_ms_raw") else float("nan")
+    for r in rows.values():
+        if "model_ms_raw" in r:
+            r["model_ms"] = round(r["model_ms_raw"] * cal, 2)
+    keys = ["bv", "warps", "stages", "regs", "spill_stack_B", "smem_KB", "cta_per_SM", "waves", "warp_instr_per_step",
+            "hmma_per_warp_step", "hgmma_per_step", "mufu_per_warp_step", "bar_per_step", "ldl_stl_per_warp_step",
+            "ldgsts_ldg_per_warp_step", "sim_cycles_per_step", "issue_cycles_per_step", "model_ms"]
+    print(f"\nstatic sm_90 compile of the sequential pass (triton {triton.__version__}), H={H} D={D} bf16, "
+          f"B8 T8K model (calibration x{cal:.2f} so that 'base' = 4.6 ms)")
+    print("| config | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for n, r in rows.items():
+        print(f"| {n} | " + (" | ".join(str(r.get(k, "-")) for k in keys) if "error" not in r else r["error"]) + " |")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(dict(triton=triton.__version__, H=H, D=D, calibration=cal, lat=STATE_LAT, rows=rows), fh,
+                      indent=1)
+    return rows
+
+
 def summary(res, variants, sweep, H, D):
     """Markdown tables: accuracy, the prep sweep (prep alone and full forward per shape), the variants."""
     nan = float("nan")
@@ -592,6 +897,18 @@ def summary(res, variants, sweep, H, D):
         best = r.get("fla_ms", nan) / ok[bv] if bv else nan
         print(f"| {r['shape']} | {r.get('fla_ms', nan):.2f} | {cells} | "
               f"{r.get('c16p_best_full', '-')} {r.get('c16p_best_full_ms', nan):.2f} | {best:.2f} ({bv}) |")
+    if fwd and any(k.startswith("state[") and k.endswith("_fwd_ms") for k in fwd[0]):
+        r = fwd[0]
+        print(f"\nSequential pass options ({r['shape']}): full forward, sequential = forward - prep alone "
+              f"({r.get('state[c16p]_prep_ms', r.get('state[c16]_prep_ms', nan)):.2f} ms), predicted sequential")
+        print("| state_cfg | fwd ms | seq ms | predicted seq ms | regs/spills | vs fla |")
+        print("|---|---|---|---|---|---|")
+        for k in [k for k in r if k.startswith("state[") and k.endswith("_fwd_ms")]:
+            n = k[6:-8]
+            ki = r.get(f"state[{n}]_kernel", {})
+            print(f"| {n} | {r[k]:.2f} | {r.get(f'state[{n}]_seq_ms', nan):.2f} | "
+                  f"{r.get(f'state[{n}]_predicted_seq_ms', '-')} | {ki.get('n_regs', '-')}/{ki.get('n_spills', '-')} | "
+                  f"{r.get(f'state[{n}]_vs_fla_rrmse', nan):.1e} |")
     for r in rows:
         if r["op"] == "decode":
             print(f"decode B{r['B']}: fla {r.get('fla_ms', nan):.4f} ms, ours {r.get('ours_ms', nan):.4f} ms, "

@@ -35,6 +35,16 @@ PREP16P_CASES = {
     "kb16_c2_loop2": dict(kb=16, c=2, loop=2, head_fast=False),
 }
 PREP16P_FWD_CASES = ("precomputed_g", "varlen", "gate_at_bound_lb-10", "bf16")
+# sequential-pass options (ops.STATE_CFG_DEFAULT, kda_chunk_fwd(state_cfg=...)), on c16 (and c16p for one set), on a
+# subset: T = 100 not a multiple of 16 with an initial state, varlen (lengths 0, 1, 5, 17, ...) with initial states,
+# bf16 varlen, K = V = 16 without an initial state
+STATE_CASES = {
+    "c16:v2_ch2_pf_late_fold": dict(kernel="v2", ch=2, prefetch=True, out_late=True, fold=True),
+    "c16:v2_ch1_pf_bv16": dict(kernel="v2", prefetch=True, bv=16),
+    "c16:v2_ch2_late_s3": dict(kernel="v2", ch=2, out_late=True, num_stages=3),
+    "c16p:v2_pf_late_w8": dict(kernel="v2", prefetch=True, out_late=True, num_warps=8),
+}
+STATE_FWD_CASES = ("gate_l2_h0", "precomputed_g", "varlen", "bf16")
 # D=128 bf16 inputs with GPU rounding emulated: o and state vs the fp32 loop. "hard": nearly collinear keys and weak
 # decay (|n| ~ 1): a tf32 inverse by repeated squaring gives o off by 0.27-0.41 there (tried), the block inverse
 # matches the ieee squaring of c16
@@ -146,6 +156,24 @@ def _checks() -> dict:
                 res[f"c16p[{cname}].{name}.S"] = _rr(s2, s1)
         ops.PREP16P_DEFAULT.clear()
         ops.PREP16P_DEFAULT.update(saved)
+    # sequential-pass options: ops.STATE_CFG_DEFAULT patched per option set (chunk_kda takes no state_cfg)
+    saved_st = dict(ops.STATE_CFG_DEFAULT)
+    for sname, sc in STATE_CASES.items():
+        os.environ[ops.ENV_FWD] = sname.split(":")[0]
+        ops.STATE_CFG_DEFAULT.update(sc)
+        for (name, args, kw, _), (o1, s1) in zip(cases, refs):
+            if name in STATE_FWD_CASES:
+                o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
+                res[f"state[{sname}].{name}.o"] = _rr(o2, o1)
+                res[f"state[{sname}].{name}.S"] = _rr(s2, s1)
+        ops.STATE_CFG_DEFAULT.clear()
+        ops.STATE_CFG_DEFAULT.update(saved_st)
+    res["state_bad_cfg_raises"] = 0.0
+    for bad in (dict(ch=3), dict(prefetch=True), dict(kernel="v3"), dict(bv=24), dict(foo=1)):
+        try:
+            ops.state_config(bad)
+        except ValueError:
+            res["state_bad_cfg_raises"] += 1.0
     res["prep16p_bad_cfg_raises"] = 0.0
     try:
         ops.prep16p_config(dict(c=3))
@@ -245,6 +273,19 @@ def test_prep16p_options(results, option, name):
         tol = 2 * TOL_OUT
     assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
     assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+
+
+@pytest.mark.parametrize("option", list(STATE_CASES))
+@pytest.mark.parametrize("name", STATE_FWD_CASES)
+def test_state_options(results, option, name):
+    tol = results["tol"][name]
+    key = f"state[{option}].{name}"
+    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+
+
+def test_state_config_validated(results):
+    assert results["state_bad_cfg_raises"] == 5.0
 
 
 def test_prep16p_config_validated(results):

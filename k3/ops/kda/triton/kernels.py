@@ -148,6 +148,104 @@ def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
 
 
 @triton.jit
+def _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, j, i_h, o_t, o_k, o_v, Ttot, H: tl.constexpr, K: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr):
+    """Tiles of chunk j of the sequence (all rows masked off, e^G_last = 1, when j >= nc: a no-op step)."""
+    tok = bos + j * BT + o_t
+    m_t = tok < eos
+    ik = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
+    b_w = tl.load(w + ik, mask=m_t[:, None], other=0.)
+    b_qg = tl.load(qg + ik, mask=m_t[:, None], other=0.)
+    b_kd = tl.load(kd + ik, mask=m_t[:, None], other=0.)
+    b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
+    b_a = tl.load(aqk + (i_h * Ttot + tok[:, None]) * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+    b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k, mask=(j + 0 * o_k) < nc, other=1.)
+    return b_w, b_qg, b_kd, b_u, b_a, b_e
+
+
+@triton.jit
+def _st16_step(S, b_w, b_qg, b_kd, b_u, b_a, b_e, OUT_LATE: tl.constexpr, FOLD: tl.constexpr):
+    """One chunk of the sequential pass: (new fp32 state, fp32 output tile). The chain that feeds the next chunk is
+    S -> bf16 -> W S -> u' = U - W S -> bf16 -> Kd^T u' -> S e + Kd^T u'. OUT_LATE: the output dots are issued after
+    the state update (they do not feed it). FOLD: o = (qg - Aqk W) S + Aqk U, so the output needs only the old state
+    and the tiles (Aqk W and Aqk U are off the chain); else o = qg S + Aqk u'."""
+    dt = b_w.dtype
+    s_lo = S.to(dt)
+    b_vn = b_u.to(tl.float32) - tl.dot(b_w, s_lo)
+    vn_lo = b_vn.to(dt)
+    if not OUT_LATE:
+        if FOLD:
+            b_q2 = (b_qg.to(tl.float32) - tl.dot(b_a, b_w)).to(dt)
+            b_o = tl.dot(b_q2, s_lo) + tl.dot(b_a, b_u)
+        else:
+            b_o = tl.dot(b_qg, s_lo) + tl.dot(b_a, vn_lo)
+    S = S * b_e[:, None] + tl.dot(tl.trans(b_kd), vn_lo)
+    if OUT_LATE:
+        if FOLD:
+            b_q2 = (b_qg.to(tl.float32) - tl.dot(b_a, b_w)).to(dt)
+            b_o = tl.dot(b_q2, s_lo) + tl.dot(b_a, b_u)
+        else:
+            b_o = tl.dot(b_qg, s_lo) + tl.dot(b_a, vn_lo)
+    return S, b_o
+
+
+@triton.jit
+def _st16_store(o, b_o, bos, eos, j, i_h, o_t, o_v, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr):
+    tok = bos + j * BT + o_t
+    tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=(tok < eos)[:, None])
+
+
+@triton.jit
+def kda_state16_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                           HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CH: tl.constexpr, PREFETCH: tl.constexpr,
+                           OUT_LATE: tl.constexpr, FOLD: tl.constexpr):
+    """kda_state_fwd_kernel with latency options (ops.STATE_CFG_DEFAULT / kda_chunk_fwd(state_cfg=...)), same
+    arithmetic. CH (1 or 2): chunks per loop iteration (the second one of a pair past the sequence end is a masked
+    no-op). PREFETCH: the next iteration's tiles are loaded into registers before this iteration's dots (a hand
+    pipeline, launched with num_stages=1); else the loads are at the top of the iteration (triton's own pipeliner
+    may stage them with num_stages > 1). OUT_LATE, FOLD: see _st16_step."""
+    i_n = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_v = tl.program_id(2)
+    bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
+                                                                 HAS_H0)
+    if PREFETCH:
+        w0, q0, k0, u0, a0, e0 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, 0, i_h, o_t, o_k, o_v, Ttot,
+                                            H, K, V, BT)
+        if CH == 2:
+            w1, q1, k1, u1, a1, e1 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, 1, i_h, o_t, o_k, o_v,
+                                                Ttot, H, K, V, BT)
+        for j in range(0, nc, CH):
+            cw0, cq0, ck0, cu0, ca0, ce0 = w0, q0, k0, u0, a0, e0
+            w0, q0, k0, u0, a0, e0 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, j + CH, i_h, o_t, o_k,
+                                                o_v, Ttot, H, K, V, BT)
+            if CH == 2:
+                cw1, cq1, ck1, cu1, ca1, ce1 = w1, q1, k1, u1, a1, e1
+                w1, q1, k1, u1, a1, e1 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, j + 3, i_h, o_t, o_k,
+                                                    o_v, Ttot, H, K, V, BT)
+            S, b_o = _st16_step(S, cw0, cq0, ck0, cu0, ca0, ce0, OUT_LATE, FOLD)
+            _st16_store(o, b_o, bos, eos, j, i_h, o_t, o_v, H, V, BT)
+            if CH == 2:
+                S, b_o = _st16_step(S, cw1, cq1, ck1, cu1, ca1, ce1, OUT_LATE, FOLD)
+                _st16_store(o, b_o, bos, eos, j + 1, i_h, o_t, o_v, H, V, BT)
+    else:
+        for j in range(0, nc, CH):
+            cw0, cq0, ck0, cu0, ca0, ce0 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, j, i_h, o_t, o_k, o_v,
+                                                      Ttot, H, K, V, BT)
+            if CH == 2:
+                cw1, cq1, ck1, cu1, ca1, ce1 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, j + 1, i_h, o_t,
+                                                          o_k, o_v, Ttot, H, K, V, BT)
+            S, b_o = _st16_step(S, cw0, cq0, ck0, cu0, ca0, ce0, OUT_LATE, FOLD)
+            _st16_store(o, b_o, bos, eos, j, i_h, o_t, o_v, H, V, BT)
+            if CH == 2:
+                S, b_o = _st16_step(S, cw1, cq1, ck1, cu1, ca1, ce1, OUT_LATE, FOLD)
+                _st16_store(o, b_o, bos, eos, j + 1, i_h, o_t, o_v, H, V, BT)
+    if STORE_HT:
+        tl.store(ht + ps, S)
+
+
+@triton.jit
 def kda_recurrent_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu, scale, lower_bound,
                              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                              USE_GATE: tl.constexpr, L2NORM: tl.constexpr, HAS_H0: tl.constexpr,

@@ -44,6 +44,20 @@ PREP16P_DEFAULT = dict(c=1, loop=1, prefetch=False, num_warps=2, num_stages=1, i
                        head_fast=True, kb=0, maxnreg=128)
 PREP16P_INV = ("blk", "blkn", "ieee")
 PREP16P_QK = ("tf32", "tf32x3", "bf16")
+# Sequential pass of c16 / c16p / c64 (kda_chunk_fwd(state_cfg=...) overrides any of these keys; None = heuristic):
+#   kernel     "base": kda_state_fwd_kernel (the measured one); "v2": kda_state16_fwd_kernel with the options below
+#   bv         value columns per program (power of two >= 16); None: _pick_bv / _pick_bv64
+#   num_warps, num_stages   launch options (None: 4 and 2; "v2" with prefetch: num_stages 1)
+#   ch         "v2": chunks per loop iteration (1 or 2)
+#   prefetch   "v2": load the next iteration's tiles into registers before this iteration's dots
+#   out_late   "v2": issue the output dots after the state update (they are not on the state chain)
+#   fold       "v2": o = (qg - Aqk W) S + Aqk U (output off the u' chain; one more 16x16xK dot per chunk)
+#   maxnreg    None, or a register cap per thread for ptxas (8 warps at BV 128 take 234 registers: 1 program per SM)
+# The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
+# Predictions per option set: benchmarks/kda_triton.py STATE_SWEEP (`--static --state` prints the counts).
+STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
+                         out_late=False, fold=False, maxnreg=None)
+LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled handle by variant name
 LAST_PREP = {}  # benchmarks: the last launched prep kernel's compiled handle (n_regs, n_spills) by variant name
 
 
@@ -82,9 +96,49 @@ def prep16p_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: boo
     return consts, launch
 
 
-def kernel_info(variant: str) -> dict:
-    """Registers, spills and shared memory of the last prep kernel launched for `variant` (GPU only; {} else)."""
-    ck = LAST_PREP.get(variant)
+def state_config(state_cfg: Optional[dict] = None) -> dict:
+    """STATE_CFG_DEFAULT updated with state_cfg, validated."""
+    cfg = dict(STATE_CFG_DEFAULT)
+    bad = set(state_cfg or {}) - set(cfg)
+    if bad:
+        raise ValueError(f"state_cfg: unknown keys {sorted(bad)} (known: {sorted(cfg)})")
+    cfg.update(state_cfg or {})
+    if cfg["kernel"] not in ("base", "v2"):
+        raise ValueError(f"state_cfg['kernel']: expected 'base' or 'v2', got {cfg['kernel']!r}")
+    if cfg["ch"] not in (1, 2):
+        raise ValueError(f"state_cfg['ch']: expected 1 or 2, got {cfg['ch']!r}")
+    bv = cfg["bv"]
+    if bv is not None and not (isinstance(bv, int) and bv >= 16 and bv & (bv - 1) == 0):
+        raise ValueError(f"state_cfg['bv']: expected None or a power of two >= 16, got {bv!r}")
+    nw = cfg["num_warps"]
+    if nw is not None and nw not in (1, 2, 4, 8, 16):
+        raise ValueError(f"state_cfg['num_warps']: expected None or 1, 2, 4, 8, 16, got {nw!r}")
+    ns = cfg["num_stages"]
+    if ns is not None and not (isinstance(ns, int) and 1 <= ns <= 6):
+        raise ValueError(f"state_cfg['num_stages']: expected None or an int in [1, 6], got {ns!r}")
+    if cfg["maxnreg"] is not None and not (isinstance(cfg["maxnreg"], int) and 24 <= cfg["maxnreg"] <= 255):
+        raise ValueError(f"state_cfg['maxnreg']: expected None or an int in [24, 255], got {cfg['maxnreg']!r}")
+    if cfg["kernel"] == "base" and (cfg["ch"] != 1 or cfg["prefetch"] or cfg["out_late"] or cfg["fold"]):
+        raise ValueError("state_cfg: ch / prefetch / out_late / fold need kernel='v2'")
+    return cfg
+
+
+def state_meta(scfg: dict):
+    """(kernel, extra constexpr arguments, launch options) of the sequential pass for a validated config."""
+    nw = scfg["num_warps"] or 4
+    launch = {} if scfg["maxnreg"] is None else dict(maxnreg=scfg["maxnreg"])
+    if scfg["kernel"] == "base":
+        return _k.kda_state_fwd_kernel, {}, dict(launch, num_warps=nw, num_stages=scfg["num_stages"] or 2)
+    ns = scfg["num_stages"] or (1 if scfg["prefetch"] else 2)
+    consts = dict(CH=scfg["ch"], PREFETCH=bool(scfg["prefetch"]), OUT_LATE=bool(scfg["out_late"]),
+                  FOLD=bool(scfg["fold"]))
+    return _k.kda_state16_fwd_kernel, consts, dict(launch, num_warps=nw, num_stages=ns)
+
+
+def kernel_info(variant: str, which: str = "prep") -> dict:
+    """Registers, spills and shared memory of the last prep ("prep") or sequential ("state") kernel launched for
+    `variant` (GPU only; {} else)."""
+    ck = (LAST_PREP if which == "prep" else LAST_STATE).get(variant)
     if ck is None:
         return {}
     out = {}
@@ -163,16 +217,21 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
                   A_log=None, dt_bias=None, lower_bound: Optional[float] = -5.0, variant: Optional[str] = None,
                   bv: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                   prep_warps: Optional[int] = None, prec: str = "tf32", prep_only: bool = False,
-                  prep_cfg: Optional[dict] = None):
+                  prep_cfg: Optional[dict] = None, state_cfg: Optional[dict] = None):
     """Chunked forward: (o [B,T,H,V] v.dtype, final state [N,H,K,V] fp32 or None). Inputs validated/supported.
 
     variant: one of FWD_VARIANTS (default: fwd_variant()). Tuning knobs (None = heuristic): bv, num_warps and
     num_stages of the sequential kernel (c64f: of the fused kernel; bv is ignored there, its num_stages is
     always 1), prep_warps of the parallel prep kernel. prec: tl.dot input precision of the c64* prep products
     ("tf32", "tf32x3" or "ieee"; the 16x16 diagonal-block inverses are always "ieee"). prep_cfg: options of the
-    c16p prep (see PREP16P_DEFAULT; ignored by the other variants). prep_only (benchmarks): run the parallel prep
-    kernel only and return (None, None)."""
+    c16p prep (see PREP16P_DEFAULT; ignored by the other variants). state_cfg: options of the sequential pass of
+    c16 / c16p / c64 (see STATE_CFG_DEFAULT; its bv / num_warps / num_stages win over the plain kwargs; ignored by
+    c64s / c64f). prep_only (benchmarks): run the parallel prep kernel only and return (None, None)."""
     name = fwd_variant(variant)
+    scfg = state_config(state_cfg)
+    bv = scfg["bv"] if scfg["bv"] is not None else bv
+    num_warps = scfg["num_warps"] or num_warps
+    num_stages = scfg["num_stages"] or num_stages
     if bv is not None and (bv < 16 or bv & (bv - 1)):
         raise ValueError(f"bv: expected a power of two >= 16, got {bv!r}")
     bv = None if bv is None else min(bv, v.shape[-1])
@@ -206,10 +265,10 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     state = dict(HAS_H0=h0 is not None, STORE_HT=ht is not None)
     if name in ("c16", "c16p", "c64"):
         BV = bv or (_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H))
-        _k.kda_state_fwd_kernel[(N, H, V // BV)](
+        kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
+        LAST_STATE[name] = kern[(N, H, V // BV)](
             qg, kd, w, u, aqk, eg, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
-            seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, **state, num_warps=num_warps or 4,
-            num_stages=num_stages or 2)
+            seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, **state, **consts, **launch)
         return o, ht
     # c64s: lean sequential pass (states + u'), then the chunk-parallel output
     BV = bv or _pick_bv64(V, N * H)
