@@ -44,6 +44,8 @@ for stage in "$@"; do case $stage in
   kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g
 print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   kdafwd) step kdafwd 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 500 ;;
+  kdastate) step kdastate 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton_state.json" --budget-s 500 \
+      --shapes B8_T8K --prep-configs '["default"]' --state-configs base,base_s3,v2_w4_late_s3,v2_w8_r128_late_s3,v2_w8_r128_pf_late,v2_w8_pf,base_w8_r128,v2_w8_ch2_pf_late ;;
   kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
   mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;
