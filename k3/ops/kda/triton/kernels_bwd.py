@@ -142,7 +142,9 @@ def _intra_bwd(qs, kn, G, dAq, dL, BT: tl.constexpr, TS: tl.constexpr, REF: tl.c
 
 @triton.jit
 def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr):
-    """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32, exact-fp32 products).
+    """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32; 3-pass tf32 tensor-core products, ~fp32 accurate: the
+    former exact-fp32 FMA dots held whole 64-wide operand rows in registers, 255 registers and kilobytes of spills
+    per thread in the kernels calling this at K = 128, benchmarks/kda_bwd_static.py).
 
     Split Nm = Nd + No into its TS-diagonal blocks and the rest. Xd = (I + Nd)^-1 = prod_j (I + (-Nd)^(2^j)) by
     repeated squaring (Nd^TS = 0), then with M = Xd No (block-nilpotent, M^(BT/TS) = 0):
@@ -156,14 +158,14 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
     pw = -nd
     p = eye + pw
     for _ in tl.static_range(LOG2_TS - 1):
-        pw = tl.dot(pw, pw, input_precision="ieee")
-        p = p + tl.dot(p, pw, input_precision="ieee")
-    pw = -tl.dot(p, no, input_precision="ieee")
+        pw = tl.dot(pw, pw, input_precision="tf32x3")
+        p = p + tl.dot(p, pw, input_precision="tf32x3")
+    pw = -tl.dot(p, no, input_precision="tf32x3")
     t = eye + pw
     for _ in tl.static_range(LOG2_NB - 1):
-        pw = tl.dot(pw, pw, input_precision="ieee")
-        t = t + tl.dot(t, pw, input_precision="ieee")
-    return tl.dot(t, p, input_precision="ieee")
+        pw = tl.dot(pw, pw, input_precision="tf32x3")
+        t = t + tl.dot(t, pw, input_precision="tf32x3")
+    return tl.dot(t, p, input_precision="tf32x3")
 
 
 @triton.jit

@@ -37,6 +37,30 @@ def _pick_bv(V: int, nprog: int) -> int:
     return bv
 
 
+def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
+    """Per-kernel launch parameters {kernel name: dict(BV=, num_warps=, num_stages=)} at head dims K, V with
+    nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py."""
+    lowp = dtype in (torch.bfloat16, torch.float16)
+    BV = _pick_bv(V, nprog)
+    # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
+    # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
+    seq_stages = 2 if lowp else 1
+    return dict(
+        # 8 warps: the prep's [BT, K] fp32 tiles at K = 128 spill less spread over 256 threads (sm_90 AOT)
+        prep=dict(BV=min(V, 64), num_warps=8, num_stages=2),
+        states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
+        dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
+        grad=dict(BV=min(V, 32), num_warps=8, num_stages=2),
+    )
+
+
+def kernel_table(kb=_k):
+    """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head,
+    the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
+    return [("prep", kb.kda_bwd_prep_kernel, "chunk"), ("states", kb.kda_bwd_states_kernel, "states"),
+            ("dstates", kb.kda_bwd_dstates_kernel, "dstates"), ("grad", kb.kda_bwd_grad_kernel, "chunk")]
+
+
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
                   use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log=None,
                   dt_bias=None, lower_bound: Optional[float] = -5.0):
@@ -79,27 +103,23 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         u = torch.empty(H, Tt, V, device=dev, dtype=dt)
         aq = torch.empty(H, Tt, BT, device=dev, dtype=dt)
         eg = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+        lc = launch_config(K, V, N * H, dt)
         _k.kda_bwd_prep_kernel[(NC, H)](
             qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, ctok, cend, float(scale), lb, Tt,
-            BV=min(V, 64), **const, num_warps=4, num_stages=2)
+            **lc["prep"], **const)
         states = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
         dstates = torch.empty_like(states)
-        BV = _pick_bv(V, N * H)
-        # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
-        # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
-        seq_stages = 1 if dt == torch.float32 else 2
+        BV = lc["states"]["BV"]
         _k.kda_bwd_states_kernel[(N, H, V // BV)](
             kd, w, u, eg, h0 if h0 is not None else eg, states, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, BV=BV, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, num_warps=4,
-            num_stages=seq_stages)
+            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, **lc["states"])
         _k.kda_bwd_dstates_kernel[(N, H, V // BV)](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, BV=BV, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, num_warps=4,
-            num_stages=seq_stages)
+            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
         del qg, kd, w, u, aq, eg
         _k.kda_bwd_grad_kernel[(NC, H)](
             qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
-            ctok, cend, float(scale), lb, BV=min(V, 32), **const, num_warps=8, num_stages=2)
+            ctok, cend, float(scale), lb, **lc["grad"], **const)
     dA_log = ddt_bias = None
     if gate:
         dA_log = dal_part.sum(0)
