@@ -1,0 +1,168 @@
+"""Static (no GPU) sm_90 report of the KDA Triton backward kernels (k3/ops/kda/triton/kernels_bwd.py).
+
+Compiles every backward kernel ahead of time for sm_90 with triton's bundled ptxas, at the launch parameters
+`ops_bwd.launch_config` gives the real launches (BV, num_warps, num_stages; 64-token chunks at K <= 128), bf16
+token tensors, fused gate + L2 norm, initial state and dht, and prints registers/thread, spill stack (bytes per
+thread, cuobjdump STACK), shared memory, resident programs per SM, and SASS instruction counts of the kernel
+body (total, HMMA, MUFU; loop bodies are counted once, not per iteration).
+
+    python benchmarks/kda_bwd_static.py [--H 96 8] [--N 8] [--K 128] [--V 128] [--json out.json]
+
+N is the number of sequences: with H it sets N*H, which picks the value block of the sequential passes.
+
+Numbers (triton 3.9.0, sm_90, bf16, K = V = 128, N = 8; ~70 s for all kernels on 2 cores). H = 96 and H = 8 give
+the same prep/grad numbers (H only enters strides); the sequential passes differ through BV (64 at H = 96,
+16 at H = 8). stack = spill bytes per thread; stl/ldl = local store/load instructions in the SASS.
+
+| kernel (H = 96)       | warps | regs | stack B | smem KB | SASS  | MMA  | MUFU | stl/ldl   |
+|-----------------------|-------|------|---------|---------|-------|------|------|-----------|
+| prep   before         | 4     | 255  | 4888    | 64      | 41072 | (a)  | 505  | 3221/5341 |
+| prep   after          | 8     | 255  | 1224    | 68      | 14952 | 736  | 257  | 404/496   |
+| states (unchanged)    | 4     | 166  | 0       | 88      | 1120  | 16   | 0    | 0/0       |
+| dstates (unchanged)   | 4     | 227  | 0       | 144     | 1448  | 28   | 0    | 0/0       |
+| grad   before         | 8     | 255  | 5760    | 168     | 39008 | (a)  | 570  | 3015/4148 |
+| grad   after          | 8     | 255  | 4856    | 152     | 33784 | 1092 | 570  | 2253/3185 |
+(a) the first version of this script counted HMMA only (0: sm_90 tensor-core dots are HGMMA); MMA = both.
+
+What changed: `_unit_lower_inv` (the 64x64 inverse of both kernels, ten chained 64x64x64 products) ran exact-fp32
+FMA dots, which hold whole 64-wide operand rows in registers; it now uses 3-pass tf32 tensor-core dots (~fp32
+accuracy; the interpreter tests pass at unchanged tolerances). The prep runs 8 warps instead of 4 (4 warps
+after the change: 1832 B of spills; 16 warps: 128 registers, 3000 B). Tried without gain and dropped: 16 warps
+for grad (6832 B), num_stages=1 (same spills), d(q e^G) in a second value loop (5016 B), scaling the intra-chunk
+row operands once per chunk instead of per tile (prep 1408 B at 8 warps).
+
+Prediction (not measured): the prep was bound by its spill traffic and ~27k FMA-dot instructions; 2.7x fewer
+instructions and 4x less spill should make it ~2-3x faster. The grad kernel keeps ~4.9 KB of spills per thread
+(1.2 MB per 256-thread program, beyond L1): ~10-15% faster at most; it stays the slowest backward kernel. The
+remaining pressure is its K-wide fp32 tiles (W, k e^(G_l - G), three [BT, K] accumulators across the value
+loop, then ~8 [BT, K] tiles in the dq/dk/dg epilogue); cutting it needs the accumulators and the epilogue in K
+blocks (two passes over K, u'/du' kept in an fp32 per-chunk scratch), not done yet.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part"}
+I32_PTRS = {"chunk_tok", "chunk_end", "cu", "seq_chunk"}
+SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
+
+
+def _signature(fn, consts, dtype="bf16"):
+    sig = {}
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in SCALARS:
+            sig[n] = SCALARS[n]
+        elif n in I32_PTRS:
+            sig[n] = "*i32"
+        elif n in F32_PTRS:
+            sig[n] = "*fp32"
+        else:
+            sig[n] = f"*{dtype}"
+    return sig
+
+
+def compile_sm90(fn, consts, num_warps, num_stages, dtype="bf16"):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = _signature(fn, consts, dtype)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def measure(ck, num_warps):
+    """Registers, spill stack, shared memory, programs per SM and SASS counts of a compiled kernel."""
+    import triton
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(ck.asm["cubin"])
+        fh.flush()
+        use = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
+                             text=True, check=True).stdout
+        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name], capture_output=True,
+                              text=True, check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(1)] += 1
+    regs = int(re.search(r"REG:(\d+)", use).group(1))
+    stack = int(re.search(r"STACK:(\d+)", use).group(1))
+    shared = ck.metadata.shared
+    reg_alloc = math.ceil(regs * 32 / 256) * 256  # registers per warp, allocated in units of 256
+    cta = min(65536 // (reg_alloc * num_warps), 233472 // (shared + 1024), 32, 64 // num_warps)
+    spill_st = sum(c for o, c in ops.items() if o in ("STL",))
+    spill_ld = sum(c for o, c in ops.items() if o in ("LDL",))
+    return dict(regs=regs, stack_B=stack, smem_KB=round(shared / 1024, 1), cta_per_SM=cta,
+                sass=sum(ops.values()), hmma=ops["HMMA"] + ops["HGMMA"], mufu=ops["MUFU"], stl=spill_st, ldl=spill_ld)
+
+
+def cases(H, N, K, V, dtype=torch.bfloat16):
+    """(name, kernel, constexprs, launch) of every backward kernel as ops_bwd launches it."""
+    from k3.ops.kda.triton import kernels_bwd as kb, ops_bwd as ob
+    BT = ob.chunk_len(K)
+    lc = ob.launch_config(K, V, N * H, dtype)
+    const = dict(H=H, K=K, V=V, BT=BT, TS=ob.TS, REF=ob.REF, LOG2_TS=int(math.log2(ob.TS)),
+                 LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32)
+    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False)
+    out = []
+    for name, fn, extra in ob.kernel_table(kb):
+        cfg = dict(lc[name])
+        consts = dict(const if extra == "chunk" else seq)
+        if extra == "states":
+            consts["HAS_H0"] = True
+        elif extra == "dstates":
+            consts["HAS_DHT"] = True
+        consts.update({k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+        out.append((name, fn, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--H", type=int, nargs="+", default=[96, 8])
+    ap.add_argument("--N", type=int, default=8)
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--V", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import triton
+    rows = []
+    keys = ["regs", "stack_B", "smem_KB", "cta_per_SM", "sass", "hmma", "mufu", "stl", "ldl"]
+    print(f"static sm_90 compile (triton {triton.__version__}), K={args.K} V={args.V} N={args.N} bf16, gate + L2")
+    print("| H | kernel | BV | warps | stages | " + " | ".join(keys) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(keys))
+    for H in args.H:
+        for name, fn, consts, launch in cases(H, args.N, args.K, args.V):
+            try:
+                r = measure(compile_sm90(fn, consts, **launch), launch["num_warps"])
+            except Exception as e:  # noqa: BLE001
+                r = dict(error=repr(e)[:300])
+            r.update(H=H, kernel=name, BV=consts.get("BV", "-"), **launch)
+            rows.append(r)
+            cells = " | ".join(str(r.get(k, "-")) for k in keys) if "error" not in r else r["error"]
+            print(f"| {H} | {name} | {r['BV']} | {launch['num_warps']} | {launch['num_stages']} | {cells} |",
+                  flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(triton=triton.__version__, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
