@@ -21,22 +21,44 @@ the same prep/grad numbers (H only enters strides); the sequential passes differ
 | states (unchanged)    | 4     | 166  | 0       | 88      | 1120  | 16   | 0    | 0/0       |
 | dstates (unchanged)   | 4     | 227  | 0       | 144     | 1448  | 28   | 0    | 0/0       |
 | grad   before         | 8     | 255  | 5760    | 168     | 39008 | (a)  | 570  | 3015/4148 |
-| grad   after          | 8     | 255  | 4856    | 152     | 33784 | 1092 | 570  | 2253/3185 |
+| grad   after tf32x3   | 8     | 255  | 4856    | 152     | 33784 | 1092 | 570  | 2253/3185 |
+| grad_v (K split)      | 4     | 255  | 600     | 64      | 12272 | 340  | 182  | 136/181   |
+| grad_k (K split)      | 8     | 255  | 184     | 88      | 5384  | 226  | 63   | 48/49     |
 (a) the first version of this script counted HMMA only (0: sm_90 tensor-core dots are HGMMA); MMA = both.
+H = 8: grad_v 600 B, grad_k 176 B (same shape).
 
-What changed: `_unit_lower_inv` (the 64x64 inverse of both kernels, ten chained 64x64x64 products) ran exact-fp32
+What changed (1): `_unit_lower_inv` (the 64x64 inverse of both kernels, ten chained 64x64x64 products) ran exact-fp32
 FMA dots, which hold whole 64-wide operand rows in registers; it now uses 3-pass tf32 tensor-core dots (~fp32
 accuracy; the interpreter tests pass at unchanged tolerances). The prep runs 8 warps instead of 4 (4 warps
 after the change: 1832 B of spills; 16 warps: 128 registers, 3000 B). Tried without gain and dropped: 16 warps
 for grad (6832 B), num_stages=1 (same spills), d(q e^G) in a second value loop (5016 B), scaling the intra-chunk
 row operands once per chunk instead of per tile (prep 1408 B at 8 warps).
 
+What changed (2): the grad kernel is split in two, both per (chunk, head), with fp32 scratch between them:
+- grad_v: Aq and L accumulated over BK = 32 column blocks of the raw q, k (the L2 norm applied afterwards as a
+  row/column scaling), T, then W and k e^(G_l - G) written per column block to scratch; the value loop (BV = 16)
+  forms u' and du' with K-blocked products against W / k e^(G_l - G) re-read from scratch (L1/L2) and the stored
+  states, writes u', du', dv and the per-chunk T, L, tril(dAq), sum_V dXv U^T, sum_V dXv v.
+- grad_k: pass A over BK = 16 column blocks: dW = -du' S0^T, dXk = T^T dW (over W in the scratch), the W side of
+  dN; pass B per column block: d(q e^G), d(k e^(G_l - G)), the intra-chunk backward, dG -> dg/df, dq, dk (pre-norm
+  to the scratch with the L2 norm); pass C: the L2 norm's backward from the full-row sums.
+No [BT, K] fp32 tile is live across a loop any more. Tuning (static, K = V = 128 bf16): grad_v at 8 warps /
+2 stages needs 248 KB of shared memory (does not fit), 1 stage 1104 B; 4 warps BK = 32: 664 B (BV = 32), 600 B
+(BV = 16), BK = 16: 656 B; 16 warps 2040 B. grad_k BK = 64: 2272 B, BK = 32: 776 B, BK = 16: 184 B; 4 or 16 warps
+worse; re-loading dAq / dL per block instead of keeping them live: worse (1056 B at BK = 32). What is left in
+grad_v (600 B) is most likely the tf32x3 64x64 inverse at 4 warps (the prep kernel, which has the same inverse,
+keeps 1224 B).
+Cost: extra fp32 scratch while the two kernels run, 3 KiB per token-head at K = V = 128 (W/dXk, k e^(G_l - G),
+u', du' at 4 B each, plus 4 BT x BT matrices per chunk), and extra reads: the states twice more (grad_k's passes A
+and B; mostly L2), u'/du'/W/k e^(G_l - G) written and read back once or twice, q/k/g re-read per pass (3x).
+
 Prediction (not measured): the prep was bound by its spill traffic and ~27k FMA-dot instructions; 2.7x fewer
-instructions and 4x less spill should make it ~2-3x faster. The grad kernel keeps ~4.9 KB of spills per thread
-(1.2 MB per 256-thread program, beyond L1): ~10-15% faster at most; it stays the slowest backward kernel. The
-remaining pressure is its K-wide fp32 tiles (W, k e^(G_l - G), three [BT, K] accumulators across the value
-loop, then ~8 [BT, K] tiles in the dq/dk/dg epilogue); cutting it needs the accumulators and the epilogue in K
-blocks (two passes over K, u'/du' kept in an fp32 per-chunk scratch), not done yet.
+instructions and 4x less spill should make it ~2-3x faster. The split gradient runs 17.7K SASS instructions in
+two programs instead of 33.8K in one and ~0.8 KB of spills per (chunk, head) thread pair instead of 4.9 KB
+(1.2 MB of local memory traffic per 256-thread program before, beyond L1): expect the gradient step ~1.5-2x
+faster in GPU time despite ~2x more bytes read (extra ~3-4 KB per token-head of fp32 scratch and state reads,
+mostly L2 hits at K3 shapes), grad_v now the larger half; the backward as a whole perhaps 25-35% faster if the
+gradient step was ~half of it. To be checked on the H200 (gpu_selfcheck's ms.triton_bwd).
 """
 from __future__ import annotations
 
@@ -54,7 +76,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part"}
+F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part",
+            "ws", "ks", "uns", "dus", "cmat", "cdb"}
 I32_PTRS = {"chunk_tok", "chunk_end", "cu", "seq_chunk"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
 

@@ -43,12 +43,17 @@ same overflow bound as the forward, while a 64-token span may decay by e^-320):
 2. `kda_bwd_states_kernel` (sequence, head, V block), sequential: the fp32 state at every chunk start.
 3. `kda_bwd_dstates_kernel` (sequence, head, V block), reverse sequential from dht: the fp32 state gradient at
    every chunk end, du' = Aq^T do + (k e^(G_l - G)) dS, dS <- e^(G_l) dS + (q e^G)^T do - W^T du'; ends with dh0.
-4. `kda_bwd_grad_kernel` (chunk, head): recomputes the chunk in fp32 from the raw inputs and the two stored
-   states and writes dq, dk, dv, dbeta, dg (or df through the gate, with per-chunk partials of dA_log/ddt_bias
-   that torch sums), through the L2 norm and the q scale.
+4. `kda_bwd_grad_v_kernel` (chunk, head): recomputes the chunk in fp32 from the raw inputs (Aq, L over K-column
+   blocks, T, W, k e^(G_l - G)) and, per value block with the stored states, u', du' and dv; writes u', du', W,
+   k e^(G_l - G) and the per-chunk T, L, dAq, value part of dN / dbeta to an fp32 scratch.
+5. `kda_bwd_grad_k_kernel` (chunk, head): from that scratch and the states, in K-column blocks (no [64, K] fp32
+   tile live across a loop; sm_90 spills 600 B / 184 B per thread instead of 4.9 KB in the former single grad
+   kernel, benchmarks/kda_bwd_static.py): dXk and the rest of dN, then dq, dk, dbeta, dg (or df through the
+   gate, with per-chunk partials of dA_log/ddt_bias that torch sums), through the L2 norm and the q scale.
 Memory beyond inputs/grads: two fp32 K x V states per 64 tokens and head (2*K*V*4/64 B per token-head, 2 KiB at
 K = V = 128) plus the operands of steps 1-3 (3K + V + 64 values per token-head in the input dtype, freed before
-step 4). K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
+step 4), then the fp32 scratch of steps 4-5 (2K + 2V + 4*64 + 1 values, 3 KiB per token-head at K = V = 128).
+K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
 - Imports without triton or CUDA: triton is imported the first time `available()` says yes.

@@ -58,7 +58,12 @@ def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def _gate_x(g, A_log, dt_bias, pk, m_t, i_h, K: tl.constexpr):
     """Gate pre-activation x = exp(A_log[h]) (f + dt_bias[h]) of a chunk's rows (zero rows past the end)."""
-    o_k = tl.arange(0, K)
+    return _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, tl.arange(0, K), K)
+
+
+@triton.jit
+def _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_k, K: tl.constexpr):
+    """`_gate_x` at the columns o_k (pk addresses the same columns)."""
     b_f = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
     dtb = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
     return tl.exp(tl.load(A_log + i_h).to(tl.float32)) * (b_f + dtb[None, :])
@@ -268,105 +273,242 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chu
 
 
 @triton.jit
-def kda_bwd_grad_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
-                        dq, dk, dv, dg, dbeta, dal_part, ddt_part,
-                        chunk_tok, chunk_end, scale, lower_bound,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
-                        REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """One program = one BT-token chunk of one head, given the chunk's start state S0 and end-state gradient dS:
-    recompute (fp32) L, Aq, T, W, U, u', du' and produce dq, dk, dv, dbeta and dg (or the raw-gate df with the
-    chunk's partial sums of dA_log, ddt_bias), through the gate and the L2 norm. Formulas: module docstring."""
+def _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_k, rq, rk, lower_bound,
+               H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr):
+    """The columns o_k of `_prep_chunk`, given its row factors rq, rk: (qn, kn, gl, pk) with pk their addresses."""
+    pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_k = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    if USE_GATE:
+        b_g = lower_bound * tl.sigmoid(_gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_k, K))
+    else:
+        b_g = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_g = tl.where(m_t[:, None], b_g, 0.)
+    return b_q * rq[:, None], b_k * rk[:, None], b_g, pk
+
+
+@triton.jit
+def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+    """(rq, rk) of `_prep_chunk`, summed over K in BK-column blocks (1 without the L2 norm)."""
+    sq = tl.zeros(tok.shape, dtype=tl.float32)
+    sk = tl.zeros(tok.shape, dtype=tl.float32)
+    if L2NORM:
+        for kb in range(0, K // BK):
+            o_k = kb * BK + tl.arange(0, BK)
+            pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+            b_q = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+            b_k = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32)
+            sq += tl.sum(b_q * b_q, 1)
+            sk += tl.sum(b_k * b_k, 1)
+        return tl.rsqrt(sq + 1e-6), tl.rsqrt(sk + 1e-6)
+    else:
+        return sq + 1., sk + 1.
+
+
+@triton.jit
+def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
+                          dv, ws, ks, uns, dus, cmat, cdb,
+                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+                          REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
+                          BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """Gradient kernel, part 1 of 2. One program = one BT-token chunk of one head, given the chunk's start state
+    S0 and end-state gradient dS: recompute (fp32) L, Aq, T, W, k e^(G_l - G), then per value block u', du', dv
+    and the value-side sums, without any [BT, K] accumulator. Writes (fp32 scratch, read by part 2):
+    ws = W, ks = k e^(G_l - G) ([H, Ttot, K], W re-read here in BK-column blocks), uns = u', dus = du'
+    ([H, Ttot, V]), cmat = (T, tril_-1 L, tril(dAq), sum_V dXv U^T) per chunk ([NC, H, 4, BT, BT]) and
+    cdb = sum_V dXv v ([NC, H, BT]); dv final."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_tok + i_c)
     t1 = tl.load(chunk_end + i_c)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
     tok = (t0 + o_t).to(tl.int64)
     m_t = tok < t1
     row = o_t[:, None]
     col = o_t[None, :]
-    qn, kn, rq, rk, b_g, b_b = _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
-                                           H, K, USE_GATE, L2NORM)
-    G = tl.cumsum(b_g, axis=0)
-    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
-    Aq, L = _intra_fwd(qn * scale, kn, G, BT, TS, REF, IEEE)
-    Aq = tl.where(row >= col, Aq, 0.)
-    L = tl.where(row > col, L, 0.)
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    # Aq and L in BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both)
+    one = tl.zeros([BT], dtype=tl.float32) + 1.
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    L = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
+                                       H, K, USE_GATE)
+        a_kb, l_kb = _intra_fwd(b_q, b_k, tl.cumsum(b_g, axis=0), BT, TS, REF, IEEE)
+        Aq += a_kb
+        L += l_kb
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
+    L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
     Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
-    # K-wide tiles live across the value loop: W, kd and the three accumulators (register pressure, not flops,
-    # limits this kernel; everything else is recomputed after the loop)
-    W = _dot(Tm, kn * tl.exp(G) * b_b[:, None], IEEE)
-    kd = kn * tl.exp(g_last[None, :] - G)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                                     H, K, USE_GATE)
+        G = tl.cumsum(b_g, axis=0)
+        g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        tl.store(ws + hkb, _dot(Tm, kn * tl.exp(G) * b_b[:, None], IEEE), mask=m_t[:, None])
+        tl.store(ks + hkb, kn * tl.exp(g_last[None, :] - G), mask=m_t[:, None])
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    tl.store(cmat + pc, Tm)
+    tl.store(cmat + pc + BT * BT, L)
+    tl.debug_barrier()  # ws / ks are read back below in other threads' layouts
 
+    AqT = tl.trans(Aq)
+    TmT = tl.trans(Tm)
     d_aq = tl.zeros([BT, BT], dtype=tl.float32)
     d_n = tl.zeros([BT, BT], dtype=tl.float32)
-    d_qg = tl.zeros([BT, K], dtype=tl.float32)
-    d_w = tl.zeros([BT, K], dtype=tl.float32)
-    d_kd = tl.zeros([BT, K], dtype=tl.float32)
-    d_gl = tl.zeros([K], dtype=tl.float32)
     d_b = tl.zeros([BT], dtype=tl.float32)
     ps = (i_c * H + i_h).to(tl.int64) * K * V
     for iv in range(0, V // BV):
         o_v = iv * BV + tl.arange(0, BV)
         pv = (tok[:, None] * H + i_h) * V + o_v[None, :]
-        kv = ps + o_k[:, None] * V + o_v[None, :]
         b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
         b_do = tl.load(do + pv, mask=m_t[:, None], other=0.).to(tl.float32)
-        S0 = tl.load(states + kv)
-        dS = tl.load(dstates + kv)
         U = _dot(Tm, b_v * b_b[:, None], IEEE)
-        un = U - _dot(W, S0, IEEE)
-        du = _dot(tl.trans(Aq), b_do, IEEE) + _dot(kd, dS, IEEE)
+        un = U
+        du = _dot(AqT, b_do, IEEE)
+        for jb in tl.static_range(K // BK):
+            o_kb = jb * BK + tl.arange(0, BK)
+            hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+            kv = ps + o_kb[:, None] * V + o_v[None, :]
+            un -= _dot(tl.load(ws + hkb, mask=m_t[:, None], other=0.), tl.load(states + kv), IEEE)
+            du += _dot(tl.load(ks + hkb, mask=m_t[:, None], other=0.), tl.load(dstates + kv), IEEE)
+        hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
+        tl.store(uns + hv, un, mask=m_t[:, None])
+        tl.store(dus + hv, du, mask=m_t[:, None])
         d_aq += _dot(b_do, tl.trans(un), IEEE)
-        S0T = tl.trans(S0)
-        d_qg += _dot(b_do, S0T, IEEE)
-        d_w -= _dot(du, S0T, IEEE)
-        d_kd += _dot(un, tl.trans(dS), IEEE)
-        d_gl += tl.sum(S0 * dS, 1)
-        dxv = _dot(tl.trans(Tm), du, IEEE)
+        dxv = _dot(TmT, du, IEEE)
         tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
         d_b += tl.sum(dxv * b_v, 1)
         d_n += _dot(dxv, tl.trans(U), IEEE)
-    dxk = _dot(tl.trans(Tm), d_w, IEEE)
-    d_n += _dot(dxk, tl.trans(W), IEEE)
-    d_n = tl.where(row > col, -d_n, 0.)
-    # Reload the chunk instead of keeping q, k, G live across the value loop. This also keeps the compiler from
-    # merging the tile operands below with those of _intra_fwd above (on sm_90 each is a shared-memory buffer,
-    # and merged ones stay allocated from the first use to the last: ~576 KB at K = 128 instead of < 200 KB).
-    qn, kn, rq, rk, b_g, b_b = _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
-                                           H, K, USE_GATE, L2NORM)
-    G = tl.cumsum(b_g, axis=0)
-    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
-    eG = tl.exp(G)
-    kgb = kn * eG * b_b[:, None]   # the right-hand side X_k = diag(beta) k e^G
-    d_b += tl.sum(d_n * L, 1) + tl.sum(dxk * kn * eG, 1)
-    d_aq = tl.where(row >= col, d_aq, 0.)
-    dqp, dkr, dkc = _intra_bwd(qn * scale, kn, G, d_aq, d_n * b_b[:, None], BT, TS, REF, IEEE)
-    # q e^G, k e^(G_l - G), X_k and the pairwise matrices -> dG (inclusive cumsum) ...
-    kd = kn * tl.exp(g_last[None, :] - G)
-    dG = (d_qg * eG + dqp) * (qn * scale) + dxk * kgb - d_kd * kd + kn * (dkr - dkc)
-    d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
-    dG += tl.where(row == BT - 1, d_gl[None, :], 0.)
-    dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG  # ... -> dg: g_t enters G_s for all s >= t
-    dkn = dxk * (b_b[:, None] * eG) + d_kd * tl.exp(g_last[None, :] - G) + dkr + dkc
-    dqn = (d_qg * eG + dqp) * scale
+    tl.store(cmat + pc + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
+    tl.store(cmat + pc + 3 * BT * BT, d_n)
+    tl.store(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, d_b)
 
-    pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+
+@triton.jit
+def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
+                          ws, ks, uns, dus, cmat, cdb,
+                          dq, dk, dg, dbeta, dal_part, ddt_part,
+                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+                          REF: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                          USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """Gradient kernel, part 2 of 2. One program = one chunk of one head, in BK-column blocks of K, reading
+    part 1's scratch (u', du', W, the per-chunk BT x BT matrices) and the stored states again per block:
+    pass A: dW = -du' S0^T, dXk = T^T dW (kept in ws over W), dN = -tril_-1(sum_V dXv U^T + dXk W^T);
+    pass B: d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T, the intra-chunk backward and dG -> dg (or df, dA_log,
+    ddt_bias partials), dq, dk, dbeta; with the L2 norm the pre-norm dq, dk go to ks / ws and
+    pass C applies the norm's backward (it needs the full-row sums of q dq, k dk)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    ps = (i_c * H + i_h).to(tl.int64) * K * V
+    TmT = tl.trans(tl.load(cmat + pc))
+    d_n = tl.load(cmat + pc + 3 * BT * BT)
+    # pass A: the W side of dN (needs all of K before the intra-chunk backward)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        d_w = tl.zeros([BT, BK], dtype=tl.float32)
+        for iv in range(0, V // BV):
+            o_v = iv * BV + tl.arange(0, BV)
+            b_du = tl.load(dus + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
+            S0 = tl.load(states + ps + o_kb[:, None] * V + o_v[None, :])
+            d_w -= _dot(b_du, tl.trans(S0), IEEE)
+        dxk = _dot(TmT, d_w, IEEE)
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
+        d_n += _dot(dxk, tl.trans(b_w), IEEE)
+        tl.debug_barrier()  # every thread has read W before dXk replaces it
+        tl.store(ws + hkb, dxk, mask=m_t[:, None])
+    d_n = tl.where(row > col, -d_n, 0.)
+    d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t) + tl.sum(d_n * tl.load(cmat + pc + BT * BT), 1)
+    d_l = d_n * b_b[:, None]
+    d_aq = tl.load(cmat + pc + 2 * BT * BT)
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    s_q = tl.zeros([BT], dtype=tl.float32)
+    s_k = tl.zeros([BT], dtype=tl.float32)
+    d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    tl.debug_barrier()  # dXk stores above -> loads below
+    # pass B: everything per K column block
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                                     H, K, USE_GATE)
+        G = tl.cumsum(b_g, axis=0)
+        g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+        d_qg = tl.zeros([BT, BK], dtype=tl.float32)
+        d_kd = tl.zeros([BT, BK], dtype=tl.float32)
+        d_gl = tl.zeros([BK], dtype=tl.float32)
+        for iv in range(0, V // BV):
+            o_v = iv * BV + tl.arange(0, BV)
+            b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None],
+                           other=0.).to(tl.float32)
+            b_un = tl.load(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
+            kv = ps + o_kb[:, None] * V + o_v[None, :]
+            S0 = tl.load(states + kv)
+            dS = tl.load(dstates + kv)
+            d_qg += _dot(b_do, tl.trans(S0), IEEE)
+            d_kd += _dot(b_un, tl.trans(dS), IEEE)
+            d_gl += tl.sum(S0 * dS, 1)
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        dxk = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
+        eG = tl.exp(G)
+        d_b += tl.sum(dxk * kn * eG, 1)
+        qs = qn * scale
+        dqp, dkr, dkc = _intra_bwd(qs, kn, G, d_aq, d_l, BT, TS, REF, IEEE)
+        # q e^G, k e^(G_l - G), X_k = diag(beta) k e^G and the pairwise matrices -> dG (inclusive cumsum) ...
+        kd = kn * tl.exp(g_last[None, :] - G)
+        dG = (d_qg * eG + dqp) * qs + dxk * (kn * eG * b_b[:, None]) - d_kd * kd + kn * (dkr - dkc)
+        d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
+        dG += tl.where(row == BT - 1, d_gl[None, :], 0.)
+        dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG  # ... -> dg: g_t enters G_s for all s >= t
+        dkn = dxk * (b_b[:, None] * eG) + d_kd * tl.exp(g_last[None, :] - G) + dkr + dkc
+        dqn = (d_qg * eG + dqp) * scale
+        if USE_GATE:
+            x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
+            s = tl.sigmoid(x)
+            dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
+            df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
+            d_al += tl.sum(tl.sum(dx * x, 1), 0)
+            tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, tl.sum(df, 0))
+        else:
+            tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
+        if L2NORM:
+            s_q += tl.sum(qn * dqn, 1)
+            s_k += tl.sum(kn * dkn, 1)
+            tl.debug_barrier()  # every thread has read dXk before the pre-norm dk replaces it
+            tl.store(ks + hkb, dqn, mask=m_t[:, None])
+            tl.store(ws + hkb, dkn, mask=m_t[:, None])
+        else:
+            tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
+            tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
     if USE_GATE:
-        x = _gate_x(g, A_log, dt_bias, pk, m_t, i_h, K)
-        s = tl.sigmoid(x)
-        dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
-        df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
-        tl.store(dal_part + i_c * H + i_h, tl.sum(tl.sum(dx * x, 1), 0))
-        tl.store(ddt_part + (i_c * H + i_h) * K + o_k, tl.sum(df, 0))
-    else:
-        tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
-    if L2NORM:
-        dqn = rq[:, None] * (dqn - qn * tl.sum(qn * dqn, 1)[:, None])
-        dkn = rk[:, None] * (dkn - kn * tl.sum(kn * dkn, 1)[:, None])
-    tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
-    tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dal_part + i_c * H + i_h, d_al)
     tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
+    if L2NORM:
+        # pass C: backward of the L2 norm, dx = r (dxn - xn sum_K(xn dxn))
+        tl.debug_barrier()
+        for kb in range(0, K // BK):
+            o_kb = kb * BK + tl.arange(0, BK)
+            pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+            hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+            qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+            kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+            dqn = tl.load(ks + hkb, mask=m_t[:, None], other=0.)
+            dkn = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
+            tl.store(dq + pk, (rq[:, None] * (dqn - qn * s_q[:, None])).to(dq.dtype.element_ty), mask=m_t[:, None])
+            tl.store(dk + pk, (rk[:, None] * (dkn - kn * s_k[:, None])).to(dk.dtype.element_ty), mask=m_t[:, None])

@@ -1,10 +1,11 @@
 """Python side of the KDA chunk backward kernels (needs triton; imported lazily by the package __init__).
 
-`kda_chunk_bwd` runs four kernels (see kernels_bwd.py for the math):
+`kda_chunk_bwd` runs five kernels (see kernels_bwd.py for the math):
 1. kda_bwd_prep_kernel    (chunk, head)              operands of the sequential passes (intermediate dtype)
 2. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32)
 3. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), and dh0
-4. kda_bwd_grad_kernel    (chunk, head)              all token gradients, recomputing the chunk in fp32
+4. kda_bwd_grad_v_kernel  (chunk, head)              recompute the chunk in fp32: u', du', dv, the BT x BT parts
+5. kda_bwd_grad_k_kernel  (chunk, head)              dq, dk, dg, dbeta in K-column blocks from 4.'s fp32 scratch
 then sums the per-chunk partials of dA_log / ddt_bias in torch. `gpu_selfcheck()` compares against the torch
 path on a CUDA device at K3 head shapes.
 """
@@ -50,7 +51,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         prep=dict(BV=min(V, 64), num_warps=8, num_stages=2),
         states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
-        grad=dict(BV=min(V, 32), num_warps=8, num_stages=2),
+        # the gradient in two kernels (value side, then K-column blocks): no [BT, K] fp32 accumulator stays live
+        grad_v=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
+        grad_k=dict(BV=min(V, 32), BK=16, num_warps=8, num_stages=2),
     )
 
 
@@ -58,7 +61,8 @@ def kernel_table(kb=_k):
     """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head,
     the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
     return [("prep", kb.kda_bwd_prep_kernel, "chunk"), ("states", kb.kda_bwd_states_kernel, "states"),
-            ("dstates", kb.kda_bwd_dstates_kernel, "dstates"), ("grad", kb.kda_bwd_grad_kernel, "chunk")]
+            ("dstates", kb.kda_bwd_dstates_kernel, "dstates"), ("grad_v", kb.kda_bwd_grad_v_kernel, "chunk"),
+            ("grad_k", kb.kda_bwd_grad_k_kernel, "chunk")]
 
 
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
@@ -117,9 +121,20 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
         del qg, kd, w, u, aq, eg
-        _k.kda_bwd_grad_kernel[(NC, H)](
-            qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
-            ctok, cend, float(scale), lb, **lc["grad"], **const)
+        # fp32 scratch of the two gradient kernels: W / dXk / pre-norm dk, k e^(G_l - G) / pre-norm dq, u', du',
+        # per chunk (T, L, dAq, dN) and the value part of dbeta (3 KiB per token-head at K = V = 128, BT = 64)
+        ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
+        uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=torch.float32) for _ in range(2))
+        cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
+        cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
+        _k.kda_bwd_grad_v_kernel[(NC, H)](
+            qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dv, ws, ks, uns, dus, cmat, cdb,
+            ctok, cend, float(scale), lb, Tt, **lc["grad_v"], **const)
+        kconst = {n: c for n, c in const.items() if n not in ("LOG2_TS", "LOG2_NB")}
+        _k.kda_bwd_grad_k_kernel[(NC, H)](
+            qc, kc, gc, bc, a_log, dtb, doc, states, dstates, ws, ks, uns, dus, cmat, cdb,
+            dq, dk, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, **lc["grad_k"], **kconst)
+        del ws, ks, uns, dus, cmat, cdb
     dA_log = ddt_bias = None
     if gate:
         dA_log = dal_part.sum(0)
