@@ -63,14 +63,10 @@ gradient step was ~half of it. To be checked on the H200 (gpu_selfcheck's ms.tri
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,40 +95,18 @@ def _signature(fn, consts, dtype="bf16"):
 
 
 def compile_sm90(fn, consts, num_warps, num_stages, dtype="bf16"):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sig = _signature(fn, consts, dtype)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
-    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    from k3.ops.triton_sm90 import compile_sm90 as comp
+    return comp(fn, consts, _signature(fn, consts, dtype), num_warps, num_stages)
 
 
 def measure(ck, num_warps):
     """Registers, spill stack, shared memory, programs per SM and SASS counts of a compiled kernel."""
-    import triton
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(ck.asm["cubin"])
-        fh.flush()
-        use = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
-                             text=True, check=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name], capture_output=True,
-                              text=True, check=True).stdout
-    ops = collections.Counter()
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-        if m:
-            ops[m.group(1)] += 1
-    regs = int(re.search(r"REG:(\d+)", use).group(1))
-    stack = int(re.search(r"STACK:(\d+)", use).group(1))
-    shared = ck.metadata.shared
-    reg_alloc = math.ceil(regs * 32 / 256) * 256  # registers per warp, allocated in units of 256
-    cta = min(65536 // (reg_alloc * num_warps), 233472 // (shared + 1024), 32, 64 // num_warps)
-    spill_st = sum(c for o, c in ops.items() if o in ("STL",))
-    spill_ld = sum(c for o, c in ops.items() if o in ("LDL",))
-    return dict(regs=regs, stack_B=stack, smem_KB=round(shared / 1024, 1), cta_per_SM=cta,
-                sass=sum(ops.values()), hmma=ops["HMMA"] + ops["HGMMA"], mufu=ops["MUFU"], stl=spill_st, ldl=spill_ld)
+    from k3.ops.triton_sm90 import stats
+    st = stats(ck, num_warps)
+    ops = st["ops"]
+    return dict(regs=st["regs"], stack_B=st["stack_B"], smem_KB=round(st["smem_B"] / 1024, 1),
+                cta_per_SM=st["cta_per_SM"], sass=st["n_instr"], hmma=ops["HMMA"] + ops["HGMMA"], mufu=ops["MUFU"],
+                stl=ops["STL"], ldl=ops["LDL"])
 
 
 def cases(H, N, K, V, dtype=torch.bfloat16):

@@ -530,49 +530,25 @@ def static_report(sweep, json_path=None, H=96, D=128):
     resident programs / chunks / warps per SM, and SASS counts per 16-token chunk (warp-instructions summed over the
     program's warps; MUFU, MMA and barriers per program). The K-block loops are unrolled, so counts are per chunk
     as executed (the LOOP loop's body is counted once)."""
-    import collections
-    import math
-    import re
-    import subprocess
-    import tempfile
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from k3.ops.kda.triton import kernels as kern, ops as ours
+    from k3.ops.triton_sm90 import compile_sm90, stats
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    target = GPUTarget("cuda", 90, 32)
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     sig = dict(q=bf, k=bf, v=bf, g=bf, beta=bf, A_log=f32, dt_bias=f32, qg_out=bf, kd_out=bf, w_out=bf, u_out=bf,
                aqk_out=bf, eg_out=f32, chunk_tok=i32, chunk_end=i32, NC="i32", NP="i32", Tseq="i32", NCT="i32",
                scale="fp32", lower_bound="fp32", Ttot="i32")
 
     def build(fn, consts, launch):
-        full = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
-        return triton.compile(ASTSource(fn, full, consts, attrs), target=target, options=dict(launch))
+        return compile_sm90(fn, consts, sig, **launch)
 
     def measure(ck, nw, c):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-            fh.write(ck.asm["cubin"])
-            fh.flush()
-            use = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
-                                 text=True).stdout
-            sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name], capture_output=True,
-                                  text=True).stdout
-        ops_ = collections.Counter()
-        for line in sass.splitlines():
-            m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
-            if m:
-                ops_[m.group(1)] += 1
-        regs = int(re.search(r"REG:(\d+)", use).group(1))
-        stack = int(re.search(r"STACK:(\d+)", use).group(1))
-        shared = ck.metadata.shared
-        reg_alloc = math.ceil(regs * 32 / 256) * 256  # per warp, allocation unit 256
-        cta = min(65536 // (reg_alloc * nw), 233472 // (shared + 1024), 32, 64 // nw)
-        return dict(regs=regs, spill_stack_B=stack, smem_KB=round(shared / 1024, 1), cta_per_SM=cta,
-                    chunks_per_SM=cta * c, warps_per_SM=cta * nw,
-                    warp_instr_per_chunk=round(sum(ops_.values()) * nw / c),
+        st = stats(ck, nw)
+        ops_ = st["ops"]
+        cta = st["cta_per_SM"]
+        return dict(regs=st["regs"], spill_stack_B=st["stack_B"], smem_KB=round(st["smem_B"] / 1024, 1),
+                    cta_per_SM=cta, chunks_per_SM=cta * c, warps_per_SM=cta * nw,
+                    warp_instr_per_chunk=round(st["n_instr"] * nw / c),
                     mufu_per_chunk=round(ops_["MUFU"] * nw / c), mma_per_chunk=round(ops_["HMMA"] * nw / c),
                     bar_per_program=ops_["BAR"])
 
@@ -768,16 +744,10 @@ def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
     step (see _sim_body) and the modelled sequential ms at B8 T8K (see STATE_SWEEP)."""
     import collections
     import math
-    import re
-    import subprocess
-    import tempfile
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
     from k3.ops.kda.triton import ops as ours
+    from k3.ops.triton_sm90 import compile_sm90, sass, stats
 
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    target = GPUTarget("cuda", 90, 32)
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     sig = dict(qg=bf, kd=bf, w=bf, u=bf, aqk=bf, eg=f32, o=bf, h0=f32, ht=f32, cu=i32, seq_chunk=i32, Ttot="i32")
     N, nc, ghz, n_sm = 8, 512, 1.755, 132
@@ -787,23 +757,11 @@ def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
         fn, consts, launch = ours.state_meta(scfg)
         nw, ch = launch["num_warps"], consts.get("CH", 1)
         consts = dict(consts, H=H, K=D, V=D, BT=16, BV=bv, HAS_H0=True, STORE_HT=True)
-        full = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
-        ck = triton.compile(ASTSource(fn, full, consts, attrs), target=target, options=dict(launch))
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-            fh.write(ck.asm["cubin"])
-            fh.flush()
-            use = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", fh.name], capture_output=True,
-                                 text=True).stdout
-            sass = subprocess.run([os.path.join(bindir, "cuobjdump"), "-sass", fh.name], capture_output=True,
-                                  text=True).stdout
-        _, body = _sass_body(sass)
+        ck = compile_sm90(fn, consts, sig, **launch)
+        st = stats(ck, nw)
+        _, body = _sass_body(sass(ck))
         cnt = collections.Counter(op for _, op, _, _ in body)
-        regs = int(re.search(r"REG:(\d+)", use).group(1))
-        stack = int(re.search(r"STACK:(\d+)", use).group(1))
-        shared = ck.metadata.shared
-        reg_alloc = math.ceil(regs * 32 / 256) * 256
-        cta = min(65536 // (reg_alloc * nw), 233472 // (shared + 1024), 32, 64 // nw)
+        regs, stack, shared, cta = st["regs"], st["stack_B"], st["smem_B"], st["cta_per_SM"]
         sim = _sim_body(body, nw) / ch
         issue = len(body) * nw / 4 / ch  # cycles of the 4 schedulers one program's step takes
         progs = N * H * (D // bv)

@@ -7,17 +7,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
-SMEM_LIMIT = 232448  # bytes per block on sm_90
-
-
-def _compile(fn, types, consts, num_warps=4, num_stages=2):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    full = {n: ("constexpr" if n in consts else types.get(n, "*bf16")) for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(full.values()) if t.startswith("*")}
-    return triton.compile(ASTSource(fn, full, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+from k3.ops.triton_sm90 import SMEM_LIMIT, compile_sm90  # noqa: E402
 
 
 TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32", b2="fp32", Q="*fp32",
@@ -55,6 +45,6 @@ def _cases():
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):
     fn, consts = _cases()[name]
-    ck = _compile(fn, TYPES, consts)
+    ck = compile_sm90(fn, consts, TYPES)
     assert ck.asm.get("cubin"), "no cubin produced"
     assert ck.metadata.shared <= SMEM_LIMIT, f"{name}: {ck.metadata.shared} B of shared memory"
