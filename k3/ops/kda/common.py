@@ -98,19 +98,25 @@ def prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel, use_gate_in
 
 
 @dataclass
-class Layout:
-    """Tokens [B*T] <-> per-sequence padded blocks of `C` slots, arranged as a grid [N, J] of block ids.
-
+class _Slots:
+    """Tokens [B*T] <-> per-sequence padded blocks of `C` slots: N sequences, at most J blocks each, Nb blocks.
     slot_src_P: for each padded slot (P = Nb*C), the source token, or B*T (a zero dummy row) for padding.
-    token_slot_BT: for each token, its slot. grid_NJ: block id of the j-th block of sequence n, or Nb (dummy).
-    block_pos_Nb: position n*J + j of each real block in the flattened grid.
-    """
+    token_slot_BT: for each token, its slot."""
     N: int
     J: int
     Nb: int
     C: int
     slot_src_P: torch.Tensor
     token_slot_BT: torch.Tensor
+
+
+@dataclass
+class Layout(_Slots):
+    """The blocks arranged as a grid [N, J] of block ids (see _Slots for the slot maps).
+
+    grid_NJ: block id of the j-th block of sequence n, or Nb (dummy).
+    block_pos_Nb: position n*J + j of each real block in the flattened grid.
+    """
     grid_NJ: torch.Tensor
     block_pos_Nb: torch.Tensor
 
@@ -144,7 +150,7 @@ def make_layout(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, devi
 
 
 @dataclass
-class StepLayout:
+class StepLayout(_Slots):
     """Tokens [B*T] <-> per-sequence padded blocks of `C` slots, ordered for a chunk loop over active sequences only.
 
     Sequences are sorted by block count, descending (stable): sorted rank r is sequence perm_N[r]. Blocks are in
@@ -152,12 +158,6 @@ class StepLayout:
     so x_Nb.split(n_J) gives the per-step tensors as contiguous slices, and no padded [N, J] grid is needed.
     slot_src_P / token_slot_BT as in `Layout`; perm_N is None when the order is the identity.
     """
-    N: int
-    J: int
-    Nb: int
-    C: int
-    slot_src_P: torch.Tensor
-    token_slot_BT: torch.Tensor
     n_J: list
     perm_N: Optional[torch.Tensor]
 
