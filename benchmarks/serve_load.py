@@ -155,16 +155,11 @@ def main(argv=None) -> int:
     rows = []
     try:
         import httpx
-        t = time.time()
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.time() - t > 120:
-                raise RuntimeError(f"server did not start; see {log.name}")
-            time.sleep(0.2)
+        from k3.serve.client import wait_ready
+        try:
+            wait_ready(base, proc, timeout=120)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; see {log.name}") from None
         asyncio.run(level(base, name, prompts, 2, 4, a.max_tokens, 60))          # warm-up
         for c in a.concurrency:
             n = a.requests or max(16, 2 * c)

@@ -3,13 +3,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 
 from k3.cli import build_parser
+from k3.serve.client import wait_ready
 
 
 def _free_port():
@@ -37,16 +36,10 @@ def test_k3_serve_subprocess(ckpt):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        t = time.time()
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.time() - t < 60, "server did not come up"
-            time.sleep(0.2)
+        try:
+            wait_ready(base, proc, timeout=60)
+        except RuntimeError as e:
+            pytest.fail(f"{e}\n{proc.stdout.read() if proc.poll() is not None else ''}")
         c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0, timeout=30)
         assert c.models.list().data[0].id == os.path.basename(d)
         r = c.chat.completions.create(model=os.path.basename(d), messages=[{"role": "user", "content": "Hi"}],
