@@ -22,7 +22,7 @@ step() {  # step NAME SECONDS CMD...
 }
 for stage in "$@"; do case $stage in
   warm) step warm 330 python3 benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 --pack "$OUT/autotune.tgz" ;;
-  tests) step warm-tests 150 python3 benchmarks/fla_warmup.py --shapes 4x128 --attnres "" --T 1024
+  tests) step warm-tests 150 python3 benchmarks/fla_warmup.py --shapes 8x128 --attnres "" --T 1024
          step tests 150 python3 -m pytest -q -s --timeout 90 tests/gpu tests/generation/test_static_decode.py ;;
   ops) step ops 200 python3 benchmarks/gpu_ops.py --quick --only kda,moe,attnres,attn --json "$OUT/gpu_ops.json" ;;
   decode) step decode 90 python3 benchmarks/decode.py --device cuda --preset small --min-context 4096 \
@@ -40,13 +40,18 @@ for stage in "$@"; do case $stage in
       --json "$OUT/prefill_1m.json" ;;
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
       --compile none,modules ;;
+  trainbf16) step trainbf16 200 python3 benchmarks/gpu_model.py --train --batch 16,8 --seq 4096 --steps 5 \
+      --compile modules --bf16-params ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
   kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g
 print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
-  kdafwd) step kdafwd 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" --budget-s 500 ;;
+  kdafwd) step kdafwd $(( ${KDAFWD_BUDGET:-500} + 60 )) python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" \
+      --budget-s ${KDAFWD_BUDGET:-500} ;;
   kdastate) step kdastate 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton_state.json" --budget-s 500 \
       --shapes B8_T8K --prep-configs '["default"]' --state-configs base,base_s3,v2_w4_late_s3,v2_w8_r128_late_s3,v2_w8_r128_pf_late,v2_w8_pf,base_w8_r128,v2_w8_ch2_pf_late ;;
-  kdafb) step kdafb 330 python3 benchmarks/kda_triton.py --bwd --json "$OUT/kda_triton_bwd.json" --budget-s 300 ;;
+  kdafb) step kdafb $(( ${KDAFB_BUDGET:-300} + 30 )) env K3_KDA_TRITON_FWD=${KDAFB_FWD:-c16p} python3 benchmarks/kda_triton.py \
+      --bwd --variants ${KDAFB_FWD:-c16p} --prep-configs '["default"]' --state-configs none --shapes B8_T8K,varlen \
+      --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-300} ;;
   mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;
   *) echo "unknown stage $stage" ;;

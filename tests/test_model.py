@@ -151,3 +151,63 @@ def test_info_tiny_matches_real_model():
     pad = sum(max(0, cfg.a_log_storage_size - cfg.linear_attn_config.num_heads) for t in cfg.layer_types if t == "kda")
     assert info["total_params"] == real + pad
     assert 10e6 <= info["total_params"] <= 40e6
+
+
+def test_pinned_routing_replays_picks_and_keeps_gradients():
+    from k3.nn.moe import pinned_routing
+    torch.manual_seed(1)
+    m = K3ForCausalLM(micro()).float()
+    ids = torch.randint(0, 512, (2, 24))
+    rec = pinned_routing(m)
+    with rec:
+        ref = m(ids).logits
+    assert len(rec.picks) == sum(1 for layer in m.model.layers if hasattr(layer, "block_sparse_moe"))
+    # inside the replay the routers hand on the recorded picks (an observer hook registered after the replay's)
+    seen = {}
+
+    def observe(n):
+        def hook(mod, inp, out):
+            seen[n] = out[0]
+        return hook
+    with rec.replay(m), torch.autocast("cpu", dtype=torch.bfloat16):
+        hooks = [mod.register_forward_hook(observe(n)) for n, mod in m.named_modules()
+                 if type(mod).__name__ == "K3Router"]
+        out = m(ids).logits
+    for h in hooks:
+        h.remove()
+    assert seen.keys() == rec.picks.keys()
+    for n, idx in seen.items():
+        assert torch.equal(idx, rec.picks[n][0])
+    out.float().sum().backward()
+    assert m.model.layers[1].block_sparse_moe.gate.weight.grad.abs().sum() > 0  # weights still from scores
+    # replay of the fp32 run on itself is exact
+    with rec.replay(m), torch.no_grad():
+        again = m(ids).logits
+    torch.testing.assert_close(again, ref.detach(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="recorded picks"):
+        with rec.replay(m):
+            m(ids[:, :10])
+    fresh = pinned_routing(m)
+    with pytest.raises(ValueError, match="no recorded picks"):
+        with fresh.replay(m):
+            pass
+
+
+def test_fp32_parts_stay_fp32_under_autocast():
+    """Router scores and the AttnRes mix are fp32 by the spec: bf16 autocast must not lower their matmuls."""
+    from k3.ops.attnres import attnres_mix, attnres_mix_reference
+    from k3.ops.moe import route
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 128, generator=g), torch.randn(16, 128, generator=g)
+    ref = route(x, w, None, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = route(x, w, None, 4)
+    assert got[2].dtype == torch.float32
+    torch.testing.assert_close(got[2], ref[2], rtol=1e-6, atol=1e-6)
+    srcs = [torch.randn(32, 64, generator=g) for _ in range(4)]
+    q = torch.randn(64, generator=g)
+    mix_ref = attnres_mix_reference(srcs, q)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mix, mix2 = attnres_mix(srcs, q), attnres_mix_reference(srcs, q)
+    torch.testing.assert_close(mix, mix_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mix2, mix_ref, rtol=1e-6, atol=1e-6)

@@ -295,8 +295,9 @@ class StaticDecoder:
     on an H200). Off by default: the compile costs tens of seconds per decoder and its gain is not measured yet.
     mla_kernel: absorbed MLA attention as "torch" (batched matmuls + masked softmax over the whole window) or
     "triton" (split-K flash-decoding kernel, k3.ops.mla_decode_triton: reads each row's visible latent once;
-    falls back to "torch", with a warning, where it cannot run). Default: $K3_MLA_DECODE, else "torch" (until the
-    kernel is measured on the GPU)."""
+    falls back to "torch", with a warning, where it cannot run). Default: $K3_MLA_DECODE, else "triton" on CUDA
+    (measured on the H200, `small` at 1M context: all-MLA step 9.13 vs 26.65 ms, hybrid 6.94 vs 11.50 ms) and
+    "torch" elsewhere."""
 
     def __init__(self, model, cache: K3Cache, batch_size: Optional[int] = None, max_length: Optional[int] = None,
                  cuda_graph: Optional[bool] = None, compile: bool = False, mla_kernel: Optional[str] = None):
@@ -330,7 +331,7 @@ class StaticDecoder:
         self.compile = bool(compile)
         if mla_kernel is None:
             import os
-            mla_kernel = os.environ.get("K3_MLA_DECODE", "") or "torch"
+            mla_kernel = os.environ.get("K3_MLA_DECODE", "") or ("triton" if self.device.type == "cuda" else "torch")
         if mla_kernel not in ("torch", "triton"):
             raise ValueError(f"StaticDecoder: mla_kernel {mla_kernel!r} (expected 'torch' or 'triton')")
         self.mla_kernel = mla_kernel

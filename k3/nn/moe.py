@@ -74,3 +74,75 @@ def init_moe_(m: LatentMoE, std: float) -> None:
     nn.init.normal_(m.experts.gate_up_proj, std=std)
     nn.init.normal_(m.experts.down_proj, std=std)
     m.gate.e_score_correction_bias.zero_()
+
+
+class pinned_routing:
+    """Record the experts every router picks, then replay those picks in another run of the same model (another
+    device, dtype or backend). Top-k selection is discontinuous: at random init the score margins are small, so a
+    bf16 rounding flips some picks and whole-model comparisons measure those flips, not the numerics. Replayed
+    picks keep the gradient path: weights are recomputed from the replaying run's own fp32 scores.
+
+        rec = pinned_routing(m_ref)            # hooks every K3Router of m_ref
+        with rec: out_ref = m_ref(ids)         # records (one list per router, in call order)
+        with rec.replay(m_other): out = m_other(ids)
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model, self.picks, self._hooks = model, {}, []
+
+    def _routers(self, model):
+        return [(n, mod) for n, mod in model.named_modules() if isinstance(mod, K3Router)]
+
+    def __enter__(self):
+        self.picks = {}
+
+        def rec(name):
+            def hook(mod, inp, out):
+                self.picks.setdefault(name, []).append(out[0].detach())
+            return hook
+        self._hooks = [mod.register_forward_hook(rec(n)) for n, mod in self._routers(self.model)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def replay(self, model: nn.Module) -> "_Replay":
+        return _Replay(self, model)
+
+
+class _Replay:
+    def __init__(self, rec: pinned_routing, model: nn.Module):
+        self.rec, self.model, self._hooks = rec, model, []
+
+    def __enter__(self):
+        routers = self.rec._routers(self.model)
+        missing = [n for n, _ in routers if n not in self.rec.picks]
+        if missing:
+            raise ValueError(f"pinned_routing: no recorded picks for routers {missing[:3]} (record a run first)")
+        cursor = {n: 0 for n, _ in routers}
+
+        def play(name):
+            def hook(mod, inp, out):
+                i = cursor[name]
+                if i >= len(self.rec.picks[name]):
+                    raise RuntimeError(f"pinned_routing: router {name} called more often than recorded")
+                cursor[name] = i + 1
+                scores = out[2]
+                idx = self.rec.picks[name][i].to(scores.device)
+                if idx.shape != out[0].shape:
+                    raise ValueError(f"pinned_routing: router {name}: recorded picks {tuple(idx.shape)} vs "
+                                     f"{tuple(out[0].shape)} in this run (same inputs are needed)")
+                w = scores.gather(1, idx)
+                if mod.renormalize:
+                    w = w / (w.sum(-1, keepdim=True) + 1e-20)
+                return idx, w * mod.scaling, scores
+            return hook
+        self._hooks = [mod.register_forward_hook(play(n)) for n, mod in routers]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from k3.ops import dispatch, f32
+from k3.ops import dispatch, f32, fp32_math
 
 
 def _avail(name):
@@ -28,6 +28,11 @@ dispatch.register("attnres", "compile", _avail("compile"), priority=5)
 
 
 def attnres_mix_reference(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    with fp32_math(w):
+        return _reference(sources, w, eps)
+
+
+def _reference(sources, w, eps):
     V_SNd = torch.stack([f32(s) for s in sources], 0)
     k_SNd = V_SNd / torch.sqrt(V_SNd.pow(2).mean(-1, keepdim=True) + eps)
     logit_SN = (k_SNd * f32(w)).sum(-1)
@@ -47,6 +52,11 @@ def attnres_mix(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1
             from k3.ops import attnres_triton
             if attnres_triton.uniform(sources) and sources[0].dtype != torch.float64:
                 return attnres_triton.MIX[name](sources, w, eps)
+    with fp32_math(w):
+        return _mix_streamed(sources, w, eps)
+
+
+def _mix_streamed(sources, w, eps):
     w32 = f32(w)
     logits = []
     for s in sources:

@@ -54,6 +54,11 @@ def mix_fla(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> tor
 
 
 def _mix_eager(sources, w, eps):
+    with torch.autocast(device_type=w.device.type, enabled=False):  # fp32 math under autocast too
+        return _mix_eager_fp32(sources, w, eps)
+
+
+def _mix_eager_fp32(sources, w, eps):
     w32 = w.float()
     logits = torch.stack([torch.rsqrt(s.float().pow(2).mean(-1) + eps) * (s.float() @ w32) for s in sources], 0)
     alpha = torch.softmax(logits, dim=0)

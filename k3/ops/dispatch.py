@@ -67,3 +67,17 @@ def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") ->
         _LOGGED.add(key)
         log.info("k3: %s backend = %s (device %s)", op, name, device_type)
     return name
+
+
+def is_available(op: str, name: str) -> bool:
+    """`name` is registered for `op` and can run here."""
+    entry = _REGISTRY.get(op, {}).get(name)
+    return bool(entry and entry[0]())
+
+
+def log_once(op: str, name: str, device_type: str, why: str = "") -> None:
+    """The once-per-(op, backend, device) log line of resolve(), for choices made after it."""
+    key = (op, name, device_type)
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info("k3: %s backend = %s (device %s)%s", op, name, device_type, f" for {why}" if why else "")

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from k3.ops import f32
+from k3.ops import f32, fp32_math
 
 from k3.ops import dispatch
 
@@ -24,7 +24,8 @@ dispatch.register("moe", "loop", lambda: True, priority=-10)  # per-token refere
 def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Tensor], top_k: int,
           renormalize: bool = True, scaling: float = 1.0):
     """Returns (topk_idx [N,k] int64, topk_weight [N,k] fp32, scores [N,E] fp32)."""
-    scores_NE = torch.sigmoid(f32(x_Nd) @ f32(weight_Ed).t())
+    with fp32_math(x_Nd):
+        scores_NE = torch.sigmoid(f32(x_Nd) @ f32(weight_Ed).t())
     sel_NE = scores_NE.detach() + f32(bias_E) if bias_E is not None else scores_NE.detach()
     topk_idx_Nk = torch.topk(sel_NE, top_k, dim=-1, sorted=True).indices
     w_Nk = scores_NE.gather(1, topk_idx_Nk)

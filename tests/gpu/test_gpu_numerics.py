@@ -67,7 +67,7 @@ needs_fla = pytest.mark.skipif(
 @needs_fla
 @pytest.mark.parametrize("T", [64, 300])
 def test_kda_fla_vs_cpu_reference(T):
-    B, H, K, V = 2, 4, 128, 128
+    B, H, K, V = 2, 8, 128, 128  # H8 D128: a key of the committed fla autotune pack (H4 D128 autotuned for 100 s)
     q, k, v, f, beta, A_log, dt_bias = kda_inputs(B, T, H, K, V, seed=T)
     h0 = torch.randn(B, H, K, V) * 0.1
     o_r, S_r, g_r = _kda_run("torch", "cpu", torch.float32, q, k, v, f, beta, A_log, dt_bias, h0)
@@ -197,10 +197,28 @@ def test_experts_grouped_mm_bf16_vs_cpu():
 
 
 # ---------------------------------------------------------------------------------------------------- model
+# Routing is pinned: the CPU fp32 run records every router's top-k picks and the CUDA run replays them (weights from
+# its own scores). At random init the score margins are small and a bf16 rounding flips picks; unpinned, the model
+# comparison measured those flips (logits 0.21 apart on the H200 and equally on CPU bf16 autocast, 2026-11-30), not
+# the kernels. Tolerances: fp32 mode checks semantics (TF32 off in torch; fla's fp32 kernels use tf32 dots);
+# bf16 mode is what eight random-init layers of bf16 rounding give on CPU autocast too (logits 4.2e-2, grad median
+# 7.5e-2 there), with margin.
+TINY_TOL = {"fp32": dict(logits=2e-2, loss=2e-3, grad_median=4e-2),
+            "bf16": dict(logits=8e-2, loss=1e-2, grad_median=1.5e-1)}
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp32"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_tiny_model_cuda_vs_cpu(packed):
+def test_tiny_model_cuda_vs_cpu(packed, mode, monkeypatch):
+    import contextlib
+    if mode == "fp32":
+        # fla's fp32 KDA kernels are not in the committed autotune pack: their first call autotunes for minutes on
+        # a fresh machine (a whole 140 s test stage went there, 2026-11-30). fp32 mode checks every other CUDA path
+        # at model level; fla's KDA is checked against the fp32 reference by the op tests above (bf16).
+        monkeypatch.setenv("K3_BACKEND", "kda:torch")
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
+    from k3.nn.moe import pinned_routing
     torch.manual_seed(0)
     cfg = K3Config.from_preset("tiny")
     m_cpu = K3ForCausalLM(cfg).float()
@@ -215,12 +233,20 @@ def test_tiny_model_cuda_vs_cpu(packed):
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     cu = torch.tensor([0, 100, 101, 300, 384], dtype=torch.int32) if packed else None
-    out_c = m_cpu(ids, labels=labels, cu_seqlens=cu, return_logits=True)
+    rec = pinned_routing(m_cpu)
+    with rec:
+        out_c = m_cpu(ids, labels=labels, cu_seqlens=cu, return_logits=True)
     out_c.loss.backward()
-    with torch.autocast("cuda", dtype=BF):
-        out_g = m_gpu(ids.to(DEV), labels=labels.to(DEV), cu_seqlens=None if cu is None else cu.to(DEV),
-                      return_logits=True)
-    out_g.loss.backward()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        ctx = torch.autocast("cuda", dtype=BF) if mode == "bf16" else contextlib.nullcontext()
+        with rec.replay(m_gpu), ctx:
+            out_g = m_gpu(ids.to(DEV), labels=labels.to(DEV), cu_seqlens=None if cu is None else cu.to(DEV),
+                          return_logits=True)
+        out_g.loss.backward()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     errs = dict(logits=rel(out_g.logits.float(), out_c.logits),
                 loss=abs(out_g.loss.item() - out_c.loss.item()) / abs(out_c.loss.item()))
     gc = dict(m_cpu.named_parameters())
@@ -231,8 +257,9 @@ def test_tiny_model_cuda_vs_cpu(packed):
     errs["grad_median"] = sorted(gerr.values())[len(gerr) // 2]
     errs["grad_max"] = max(gerr.values())
     worst = max(gerr, key=gerr.get)
-    report(f"tiny model cuda(bf16 autocast) vs cpu fp32 packed={packed} (worst grad: {worst})", **errs)
-    assert errs["logits"] < 3e-2 and errs["loss"] < 1e-2 and errs["grad_median"] < 5e-2, errs
+    report(f"tiny model cuda({mode}, routing pinned) vs cpu fp32 packed={packed} (worst grad: {worst})", **errs)
+    tol = TINY_TOL[mode]
+    assert all(errs[k] < tol[k] for k in tol), (errs, tol)
 
 
 # ---------------------------------------------------------------------------------------------------- our Triton kernels
@@ -282,3 +309,86 @@ def test_kda_triton_backward_selfcheck():
         loose = any(n in k for n in ("dg", "df", "dbeta", "dA_log", "ddt_bias"))
         tol = 1e-3 if tight else (2e-2 if loose else 8e-3)
         assert v <= tol, (k, v)
+
+
+# ---------------------------------------------------------------------------------------------------- our KDA forward, full shapes
+def _fp32_ref(q, k, v, f, beta, A_log, dt_bias, h0=None, cu=None):
+    from k3.ops.kda import chunk_kda
+    with torch.no_grad():
+        return chunk_kda(*(t.to(DEV, torch.float32) for t in (q, k, v, f, beta)), scale=q.shape[-1] ** -0.5,
+                         initial_state=None if h0 is None else h0.to(DEV), output_final_state=True,
+                         cu_seqlens=None if cu is None else cu.to(DEV), use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, A_log=A_log.to(DEV), dt_bias=dt_bias.to(DEV), lower_bound=-5.0,
+                         backend="torch")
+
+
+@pytest.mark.parametrize("variant", ["c16p", "c16"])
+def test_kda_triton_forward_full_shape(variant, monkeypatch):
+    """Our Triton forward at K3 head shapes (H96 D128, bf16, varlen with an initial state) vs the fp32 torch chunk
+    path on the GPU: fla's test tolerances (relative RMSE <= 5e-3 for outputs and final states)."""
+    from k3.ops.kda import chunk_kda
+    monkeypatch.setenv("K3_KDA_TRITON_FWD", variant)
+    H, D = 96, 128
+    q, k, v, f, beta, A_log, dt_bias = kda_inputs(1, 2000, H, D, D, seed=11)
+    cu = torch.tensor([0, 1, 700, 1333, 2000])
+    h0 = torch.randn(4, H, D, D, generator=torch.Generator().manual_seed(12)) * 0.1
+    o_ref, S_ref = _fp32_ref(q, k, v, f, beta, A_log, dt_bias, h0, cu)
+    with torch.no_grad():
+        o, S = chunk_kda(*(t.to(DEV, BF) for t in (q, k, v, f)), beta.to(DEV), scale=D ** -0.5,
+                         initial_state=h0.to(DEV), output_final_state=True, cu_seqlens=cu.to(DEV),
+                         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.to(DEV),
+                         dt_bias=dt_bias.to(DEV), lower_bound=-5.0, backend="triton")
+    rr = lambda a, b: float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+    errs = dict(o=rr(o, o_ref), S=rr(S, S_ref))
+    report(f"kda triton {variant} H96 D128 varlen+h0", **errs)
+    assert errs["o"] <= 5e-3 and errs["S"] <= 5e-3, errs
+
+
+def test_kda_triton_forward_causal_in_gates():
+    """Outputs before position t do not move when the gates (and keys, values) after t change."""
+    from k3.ops.kda import chunk_kda
+    H, D, T, t = 8, 128, 300, 137
+    q, k, v, f, beta, A_log, dt_bias = kda_inputs(1, T, H, D, D, seed=13)
+    f2, k2, v2 = f.clone(), k.clone(), v.clone()
+    f2[:, t:] = torch.randn(f2[:, t:].shape) * 3
+    k2[:, t:] += 1.0
+    v2[:, t:] -= 1.0
+    run = lambda ff, kk, vv: chunk_kda(*(x.to(DEV, BF) for x in (q, kk, vv, ff)), beta.to(DEV), scale=D ** -0.5,
+                                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log.to(DEV),
+                                       dt_bias=dt_bias.to(DEV), lower_bound=-5.0, backend="triton")[0]
+    with torch.no_grad():
+        a, b = run(f, k, v), run(f2, k2, v2)
+    before = (a[:, :t].float() - b[:, :t].float()).abs().max().item()
+    after = (a[:, t:].float() - b[:, t:].float()).abs().max().item()
+    report("kda triton causality", before=before, after=after)
+    assert before <= 1e-2 * a[:, :t].float().abs().max().item() and after > 1e-2, (before, after)
+
+
+def test_model_prefill_forward_only_uses_triton_and_matches_fla():
+    """No-grad calls route to our forward (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS); same logits as fla's."""
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    from k3.ops.kda import triton as kt
+    torch.manual_seed(0)
+    cfg = K3Config.from_preset("tiny")
+    m = K3ForCausalLM(cfg).to(DEV, BF).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 1024), device=DEV)
+    calls = []
+    orig = kt.chunk_kda_triton
+    import k3.ops.kda as kda_mod
+    kda_mod._IMPLS["triton"] = lambda *a, **kw: calls.append(1) or orig(*a, **kw)
+    try:
+        with torch.no_grad():
+            auto = m(ids).logits.float()
+    finally:
+        kda_mod._IMPLS["triton"] = orig
+    assert calls, "no-grad prefill did not go to the triton backend"
+    os.environ["K3_BACKEND"] = "kda:fla"
+    try:
+        with torch.no_grad():
+            ref = m(ids).logits.float()
+    finally:
+        del os.environ["K3_BACKEND"]
+    err = rel(auto, ref)
+    report("model prefill triton vs fla (bf16)", logits=err)
+    assert err < 2e-2, err

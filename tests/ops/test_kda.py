@@ -308,3 +308,24 @@ def test_backend_dispatch(monkeypatch):
         _IMPLS.pop("fake_test", None)
         dispatch._REGISTRY["kda"].pop("fake_test", None)
     assert "torch" in dispatch.backends("kda")
+
+
+def test_forward_only_calls_prefer_triton_rule(monkeypatch):
+    """The CUDA rule of chunk_kda: no-grad calls with enough tokens per sequence go to "triton" (measured faster
+    forward), calls with gradients or decode-sized ones keep the resolved backend."""
+    import k3.ops.kda as kda_mod
+    from k3.ops import dispatch
+    monkeypatch.setattr(dispatch, "is_available", lambda op, name: True)
+    n = kda_mod.FORWARD_ONLY_TRITON_MIN_TOKENS
+    mk = lambda B, T, req=False: [torch.randn(B, T, 2, 16, requires_grad=req) for _ in range(4)] + [torch.rand(B, T, 2)]
+    choose = lambda xs, cu=None: kda_mod._forward_only_choice(*xs, None, None, None, cu)
+    assert choose(mk(2, n)) == "triton"
+    assert choose(mk(2, n, req=True)) is None                     # training: gradients needed
+    with torch.no_grad():
+        assert choose(mk(2, n, req=True)) == "triton"             # same tensors under no_grad
+    assert choose(mk(4, 1)) is None                               # decode-sized
+    cu = torch.tensor([0, 5, 10, 2 * n])                          # 3 sequences, 2n tokens: below n per sequence
+    assert choose(mk(1, 2 * n), cu) is None
+    assert choose(mk(1, 3 * n), torch.tensor([0, n, 2 * n, 3 * n])) == "triton"
+    monkeypatch.setattr(dispatch, "is_available", lambda op, name: False)
+    assert choose(mk(2, n)) is None                               # triton missing: keep fla

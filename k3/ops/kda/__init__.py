@@ -53,6 +53,8 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 16:
         raise ValueError(f"chunk_size: expected a positive multiple of 16, got {chunk_size!r}")
     name = dispatch.resolve("kda", backend, q.device.type)
+    if name == "fla" and backend is None and FORWARD_ONLY_TRITON_MIN_TOKENS and not dispatch._env_choice("kda"):
+        name = _forward_only_choice(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) or name
     fn = _IMPLS.get(name)
     if fn is None:
         raise ValueError(f"backend: {name!r} is registered with k3.ops.dispatch for 'kda' but has no "
@@ -61,6 +63,29 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
               chunk_size=chunk_size)
+
+# Automatic choice on CUDA (no backend= and no K3_BACKEND kda entry): calls that need no gradient (prefill,
+# evaluation) with at least this many tokens per sequence on average go to our Triton forward ("triton", c16p),
+# measured 1.6-2.0x fla's forward at H96 D128 on the H200 (benchmarks/RESULTS.md, third session); calls with
+# gradients stay on fla (our Triton backward measured 0.29x fla's), and so do decode-sized calls (fla's
+# fused_recurrent). 0 disables the rule.
+FORWARD_ONLY_TRITON_MIN_TOKENS = 256
+
+
+def _forward_only_choice(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) -> Optional[str]:
+    if torch.compiler.is_compiling():  # compiled graphs keep the resolved backend (no data-dependent choice)
+        return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+        return None
+    n_seq = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+    if q.shape[0] * q.shape[1] < FORWARD_ONLY_TRITON_MIN_TOKENS * max(n_seq, 1):
+        return None
+    if "triton" not in _IMPLS or not dispatch.is_available("kda", "triton"):
+        return None
+    dispatch.log_once("kda", "triton", q.device.type, "forward-only calls (no gradient)")
+    return "triton"
+
 
 # Fused-kernel backends register themselves here; each imports its kernels lazily (CPU-only installs are fine).
 from . import fla_backend as _fla_backend  # noqa: E402

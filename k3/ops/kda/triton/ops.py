@@ -15,7 +15,7 @@ from . import kernels as _k
 #   c64f  one kernel per (sequence, head): prep64 into an L2-resident scratch + the 64-token state step
 #   c16p  c16 with the faster prep kernel kda_prep16p_fwd_kernel (same intermediates, same sequential pass)
 FWD_VARIANTS = ("c16", "c64", "c64s", "c64f", "c16p")
-DEFAULT_FWD = "c16"  # one-line switch once the H200 numbers are in; K3_KDA_TRITON_FWD overrides per process
+DEFAULT_FWD = "c16p"  # measured fastest on the H200 (2026-11-30, third session); K3_KDA_TRITON_FWD overrides
 ENV_FWD = "K3_KDA_TRITON_FWD"
 
 BT = 16   # chunk (= tile) length of c16: exp(+-cumsum) inside a tile stays within fp32 range for g >= -10
@@ -40,8 +40,11 @@ N_SM = 132  # H200; only used to size the value blocks of the sequential passes
 # 8 programs / 16 warps per SM vs the old prep's 2 / 8, 6,080 vs 10,144 warp-instructions per chunk), before any GPU
 # measurement: predicted 4.9 ms (3.5-7) for the prep at B8 T8K H96 D128 bf16 (c16's prep: 12.4 ms), 9.5 ms for the
 # c16p forward. Per-option predictions: benchmarks/kda_triton.py PREP16P_SWEEP (`--static` prints the counts).
+# Measured on the H200 (third session, benchmarks/RESULTS.md): the register cap of that static choice made ptxas spill
+# 212 B per thread and the prep ran at 13.8 ms; without the cap ("c1_w2", 254 registers, no spills) it runs at
+# 6.40 ms, the fastest of the 19 option sets, so the default is now c1_w2.
 PREP16P_DEFAULT = dict(c=1, loop=1, prefetch=False, num_warps=2, num_stages=1, inv="blk", qk="tf32",
-                       head_fast=True, kb=0, maxnreg=128)
+                       head_fast=True, kb=0, maxnreg=None)
 PREP16P_INV = ("blk", "blkn", "ieee")
 PREP16P_QK = ("tf32", "tf32x3", "bf16")
 # Sequential pass of c16 / c16p / c64 (kda_chunk_fwd(state_cfg=...) overrides any of these keys; None = heuristic):
@@ -55,6 +58,9 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 #   maxnreg    None, or a register cap per thread for ptxas (8 warps at BV 128 take 234 registers: 1 program per SM)
 # The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
 # Predictions per option set: benchmarks/kda_triton.py STATE_SWEEP (`--static --state` prints the counts).
+# c16 / c16p with the base kernel and num_stages None run 3 stages (BASE16_STAGES): "base_s3", measured best of 18
+# option sets at B8 T8K on the H200 (third session: sequential pass 3.94 vs 4.58 ms at 2 stages).
+BASE16_STAGES = 3
 STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
                          out_late=False, fold=False, maxnreg=None)
 LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled handle by variant name
@@ -232,6 +238,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     bv = scfg["bv"] if scfg["bv"] is not None else bv
     num_warps = scfg["num_warps"] or num_warps
     num_stages = scfg["num_stages"] or num_stages
+    if num_stages is None and name in ("c16", "c16p") and scfg["kernel"] == "base":
+        num_stages = BASE16_STAGES
     if bv is not None and (bv < 16 or bv & (bv - 1)):
         raise ValueError(f"bv: expected a power of two >= 16, got {bv!r}")
     bv = None if bv is None else min(bv, v.shape[-1])
