@@ -45,6 +45,9 @@ on 2 warps, registers capped at 128: 8 programs and 16 warps per SM instead of t
 (2.1x fla). B1 T128K (twice the tokens; 96 sequence-heads, the sequential pass ~15 ms there): ~25 ms forward
 (1.6x fla's 40.8).
 c64/c64s/c64f (measured 45-70 ms on 2026-11-30) run only when named in --variants.
+Measured in the third session (benchmarks/RESULTS.md): the capped default spilled (13.8 ms); uncapped c1_w2 6.40 ms
+prep, 10.97 ms forward (2.02x fla at B8 T8K, 1.59-1.69x at the other shapes): now ops.PREP16P_DEFAULT, and the
+sweep's "default" row is c1_w2 (the "c1_w2" row then repeats it).
 
 Usage: python benchmarks/kda_triton.py [--json PATH] [--budget-s S] [--variants c16,c16p,...] [--shapes ...]
        [--prep-configs JSON] [--top N] [--decode] [--bwd] [--smoke] [--static]
@@ -60,8 +63,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PREDICTED_MS_B8_T8K = {"fla": 19.7, "c16": 17.0, "c16p": 9.5, "c64": 45.3, "c64s": 46.9, "c64f": 69.6}
-# c16p prep option sets (overrides of ops.PREP16P_DEFAULT = c=1, 2 warps, maxnreg=128, block inverse, tf32 Aqk/Akk,
+PREDICTED_MS_B8_T8K = {"fla": 19.7, "c16": 17.0, "c16p": 9.5,  # c16p measured 10.97 (third session)
+                        "c64": 45.3, "c64s": 46.9, "c64f": 69.6}
+# c16p prep option sets (overrides of ops.PREP16P_DEFAULT = c=1, 2 warps, maxnreg=None, block inverse, tf32 Aqk/Akk,
 # heads-fastest, whole-K tiles), in the order they are timed, with the predicted prep time at B8 T8K (ms) and what
 # the row isolates. Keys: see ops.PREP16P_DEFAULT. The predictions come from `--static` (sm_90 compile with triton
 # 3.9 on a CPU: registers, spills, programs per SM, SASS warp-instructions per chunk I) and one crude model
@@ -70,13 +74,14 @@ PREDICTED_MS_B8_T8K = {"fla": 19.7, "c16": 17.0, "c16p": 9.5, "c64": 45.3, "c64s
 # i.e. the prep is taken to be issue- and latency-bound (not bandwidth-bound: floor ~2.8-3.2 ms) and more resident
 # warps hide more latency. The register counts on the H200 (triton 3.6) are recorded per row as n_regs/n_spills.
 PREP16P_SWEEP = [
-    ("default", {}, 4.9, "c=1 chunk per program on 2 warps, registers capped at 128 (8 programs / 16 warps per SM)"),
-    ("c1_w2", dict(maxnreg=None), 7.1, "default without the register cap (~250 registers: 4 programs per SM)"),
+    ("default", {}, 7.1, "ops.PREP16P_DEFAULT: c=1 chunk per program on 2 warps, no register cap (= c1_w2; 6.40 ms, third session)"),
+    ("c1_w2_r128", dict(maxnreg=128), 4.9, "the second session's default: registers capped at 128 (8 programs / 16 warps per SM); measured 13.8 ms (spills)"),
+    ("c1_w2", dict(maxnreg=None), 7.1, "no register cap (~250 registers: 4 programs per SM); the default since the third session"),
     ("c1_w2_r168", dict(maxnreg=168), 5.6, "cap 168: 6 programs per SM, fewer spills"),
-    ("kb32_c1_w1_r128", dict(kb=32, num_warps=1), 5.3, "K in blocks of 32, one warp per chunk, cap 128"),
+    ("kb32_c1_w1_r128", dict(kb=32, num_warps=1, maxnreg=128), 5.3, "K in blocks of 32, one warp per chunk, cap 128"),
     ("kb32_c1_w2", dict(kb=32, maxnreg=None), 6.7, "K in blocks of 32 on 2 warps, no cap (~110 registers)"),
-    ("c2_w4_r128", dict(c=2, num_warps=4), 5.9, "2 chunks per program (batched dots) on 4 warps, cap 128"),
-    ("c1_w4_r128", dict(num_warps=4), 7.1, "1 chunk on 4 warps (as the old prep), cap 128"),
+    ("c2_w4_r128", dict(c=2, num_warps=4, maxnreg=128), 5.9, "2 chunks per program (batched dots) on 4 warps, cap 128"),
+    ("c1_w4_r128", dict(num_warps=4, maxnreg=128), 7.1, "1 chunk on 4 warps (as the old prep), cap 128"),
     ("c1_w4_ieee_chunkfast", dict(num_warps=4, maxnreg=None, inv="ieee", head_fast=False), 8.2,
      "old structure (4 warps, fp32 FMA squaring inverse, chunks-fastest grid, no cap) + two exps instead of four + "
      "no chunk-table load: the elementwise savings alone"),
@@ -84,13 +89,13 @@ PREP16P_SWEEP = [
     ("c1_w4", dict(num_warps=4, maxnreg=None), 7.9, "+ heads-fastest grid"),
     ("c2_w4", dict(c=2, num_warps=4, maxnreg=None), 8.2, "2 chunks per program on 4 warps, no cap"),
     ("kb32_c1_w1", dict(kb=32, num_warps=1, maxnreg=None), 6.2, "K blocks of 32, one warp, no cap"),
-    ("kb64_c1_w2", dict(kb=64), 6.6, "K in blocks of 64 on 2 warps, cap 128"),
+    ("kb64_c1_w2", dict(kb=64, maxnreg=128), 6.6, "K in blocks of 64 on 2 warps, cap 128"),
     ("kb32_c2_w4", dict(kb=32, c=2, num_warps=4, maxnreg=None), 7.1, "K blocks of 32, 2 chunks on 4 warps"),
     ("c1_w4_loop4_prefetch", dict(num_warps=4, maxnreg=None, loop=4, prefetch=True), 8.5,
      "4 warps, 4 tiles per program with the next tile's loads in flight during compute"),
-    ("c1_w2_r128_loop4", dict(loop=4), 5.6, "default with 4 tiles per program (per-program setup amortised)"),
-    ("c1_w2_r128_blkn", dict(inv="blkn"), 5.1, "default + one Newton step (tf32x3 residual): its cost"),
-    ("c1_w2_r128_qkbf16", dict(qk="bf16"), 4.8, "default with bf16 Aqk/Akk operands (~5e-3 more error)"),
+    ("c1_w2_r128_loop4", dict(loop=4, maxnreg=128), 5.6, "default with 4 tiles per program (per-program setup amortised)"),
+    ("c1_w2_r128_blkn", dict(inv="blkn", maxnreg=128), 5.1, "default + one Newton step (tf32x3 residual): its cost"),
+    ("c1_w2_r128_qkbf16", dict(qk="bf16", maxnreg=128), 4.8, "default with bf16 Aqk/Akk operands (~5e-3 more error)"),
     ("c4_w4", dict(c=4, num_warps=4, maxnreg=None), 8.0, "one warp per chunk, 4 chunks per program (spills)"),
 ]
 SMOKE_SWEEP = ["default", "kb32_c1_w1_r128", "c2_w4", "c1_w4_loop4_prefetch"]
