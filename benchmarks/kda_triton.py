@@ -517,6 +517,13 @@ def main():
                 rowb["ours_fwdbwd_ms"] = bench(fb_ours)
                 if "fla_fwdbwd_ms" in rowb:
                     rowb["speedup_fwdbwd"] = rowb["fla_fwdbwd_ms"] / rowb["ours_fwdbwd_ms"]
+                if dev == "cuda":  # where the time goes, kernel by kernel (one fwd+bwd under torch.profiler)
+                    try:
+                        rowb["ours_kernels_ms"] = kernel_breakdown(fb_ours)
+                        if fla_chunk is not None:
+                            rowb["fla_kernels_ms"] = kernel_breakdown(lambda: fla_fwd(ins, cu=cu)[0].backward(do))
+                    except Exception as e:  # noqa: BLE001 - keep the timings above
+                        rowb["kernels_error"] = repr(e)[:300]
             except Exception as e:  # noqa: BLE001
                 rowb["error"] = repr(e)[:300]
             add(rowb)
@@ -527,6 +534,24 @@ def main():
     save()
     summary(res, variants, sweep, H, D)
     print(f"total {res['total_s']} s; json: {args.json}")
+
+
+def kernel_breakdown(fn, top: int = 12) -> dict:
+    """CUDA time (ms) per kernel name of one call of fn (after one warm-up call), largest first: the
+    per-kernel split a fwd+bwd comparison needs before any redesign (docs/LOG.md, third session)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    tot = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if us > 0:
+            tot[ev.key[:80]] = tot.get(ev.key[:80], 0.0) + us / 1e3
+    return dict(sorted(tot.items(), key=lambda kv: -kv[1])[:top])
 
 
 def static_report(sweep, json_path=None, H=96, D=128):
