@@ -204,10 +204,14 @@ def sec_explain(a, cfg):
 def sec_profile(a, cfg):
     from torch.profiler import ProfilerActivity, profile
     model = make_model(cfg, a.bf16_params)
+    mode = a.profile_compile
+    if mode != "none":  # Inductor kernels keep their fused op names (triton_poi_fused_mul_to_copy_...)
+        from k3.compile import compile_model
+        compile_model(model, mode=mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    B = a.fit.get("none", a.batch)  # the profile runs eager: the batch that fitted eager
+    B = a.fit.get(mode, a.batch)  # the batch that fitted in this mode in --train (else the smallest --batch)
     ids, labels = batch(cfg, B, a.seq)
-    log(section="profile", B=B, T=a.seq)
+    log(section="profile", B=B, T=a.seq, compile=mode, bf16_params=a.bf16_params)
     train_steps(model, opt, ids, labels, 2, a.bf16_params)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -215,7 +219,7 @@ def sec_profile(a, cfg):
         torch.cuda.synchronize()
     ka = prof.key_averages()
     table = ka.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
-    open(os.path.join(OUT, "profile_small.txt"), "w").write(table)
+    open(os.path.join(OUT, f"profile_{a.preset}_{mode}.txt"), "w").write(table)
     # kernel-level totals (device time) grouped by a name pattern
     groups = {"fla KDA kernels": ("kda", "chunk_", "wy_", "recompute", "l2norm", "fwd_h", "bwd_dh", "gate"),
               "flash attention": ("flash", "fmha", "attention"),
@@ -224,6 +228,7 @@ def sec_profile(a, cfg):
               "GEMM (cuBLAS/cutlass)": ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul"),
               "optimizer": ("adam", "multi_tensor"),
               "index/sort/scatter": ("index", "sort", "scatter", "gather", "topk", "radix", "cumsum"),
+              "casts/copies": ("direct_copy", "copy_kernel", "to_copy", "convert"),
               "reductions/elementwise": ("elementwise", "reduce", "vectorized", "unrolled", "triton_")}
     tot = {}
     all_t = 0.0
@@ -311,6 +316,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", default="none", help="comma list of none,modules,layers,model")
     ap.add_argument("--bf16-params", action="store_true")
+    ap.add_argument("--profile-compile", default="none", help="--profile: compile mode of the profiled model "
+                    "(none = eager; modules/layers/model as in --compile)")
     ap.add_argument("--loss-chunk", type=int, default=4096)
     ap.add_argument("--long-start", type=int, default=32768)
     ap.add_argument("--long-max", type=int, default=1 << 21)
