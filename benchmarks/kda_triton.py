@@ -554,6 +554,14 @@ def kernel_breakdown(fn, top: int = 12) -> dict:
     return dict(sorted(tot.items(), key=lambda kv: -kv[1])[:top])
 
 
+def print_rows(first: str, keys, rows: dict) -> None:
+    """A markdown table: one row per name, the keys as columns ('-' where missing; the error where there is one)."""
+    print(f"| {first} | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for n, r in rows.items():
+        print(f"| {n} | " + (" | ".join(str(r.get(k, "-")) for k in keys) if "error" not in r else r["error"]) + " |")
+
+
 def static_report(sweep, json_path=None, H=96, D=128):
     """--static (no GPU needed): compile the old prep and every c16p sweep config for sm_90 with triton's bundled
     ptxas (B8 T8K-like arguments, bf16, fused gate + L2 norm) and print registers, spill stack, shared memory,
@@ -601,10 +609,7 @@ def static_report(sweep, json_path=None, H=96, D=128):
     keys = ["regs", "spill_stack_B", "smem_KB", "cta_per_SM", "chunks_per_SM", "warps_per_SM",
             "warp_instr_per_chunk", "mufu_per_chunk", "mma_per_chunk", "bar_per_program"]
     print(f"static sm_90 compile (triton {triton.__version__}), H={H} D={D} bf16")
-    print("| prep | " + " | ".join(keys) + " |")
-    print("|---|" + "---|" * len(keys))
-    for n, r in rows.items():
-        print(f"| {n} | " + (" | ".join(str(r.get(k, "-")) for k in keys) if "error" not in r else r["error"]) + " |")
+    print_rows("prep", keys, rows)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(dict(triton=triton.__version__, H=H, D=D, rows=rows), fh, indent=1)
@@ -828,10 +833,7 @@ def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
             "ldgsts_ldg_per_warp_step", "sim_cycles_per_step", "issue_cycles_per_step", "model_ms"]
     print(f"\nstatic sm_90 compile of the sequential pass (triton {triton.__version__}), H={H} D={D} bf16, "
           f"B8 T8K model (calibration x{cal:.2f} so that 'base' = 4.6 ms)")
-    print("| config | " + " | ".join(keys) + " |")
-    print("|---|" + "---|" * len(keys))
-    for n, r in rows.items():
-        print(f"| {n} | " + (" | ".join(str(r.get(k, "-")) for k in keys) if "error" not in r else r["error"]) + " |")
+    print_rows("config", keys, rows)
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(dict(triton=triton.__version__, H=H, D=D, calibration=cal, lat=STATE_LAT, rows=rows), fh,

@@ -27,7 +27,8 @@ def backends(op: str) -> list[str]:
     return sorted(_REGISTRY.get(op, {}))
 
 
-def _env_choice(op: str) -> Optional[str]:
+def env_choice(op: str) -> Optional[str]:
+    """The backend $K3_BACKEND names for `op` (None: none, or a global name this op family does not know)."""
     env = os.environ.get("K3_BACKEND", "").strip()
     if not env:
         return None
@@ -49,7 +50,7 @@ def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") ->
     """The backend to use for `op` on `device_type`. Under torch.compile the call is evaluated once while tracing and
     its result is a constant of the graph (no graph break from the availability checks or the log line)."""
     table = _REGISTRY.get(op, {})
-    choice = backend or _env_choice(op)
+    choice = backend or env_choice(op)
     if choice and choice != "auto":
         if choice not in table:
             raise ValueError(f"unknown backend {choice!r} for {op}; known: {', '.join(sorted(table))}")

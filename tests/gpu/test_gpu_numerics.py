@@ -364,7 +364,7 @@ def test_kda_triton_forward_causal_in_gates():
     assert before <= 1e-2 * a[:, :t].float().abs().max().item() and after > 1e-2, (before, after)
 
 
-def test_model_prefill_forward_only_uses_triton_and_matches_fla():
+def test_model_prefill_forward_only_uses_triton_and_matches_fla(monkeypatch):
     """No-grad calls route to our forward (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS); same logits as fla's."""
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
@@ -376,19 +376,13 @@ def test_model_prefill_forward_only_uses_triton_and_matches_fla():
     calls = []
     orig = kt.chunk_kda_triton
     import k3.ops.kda as kda_mod
-    kda_mod._IMPLS["triton"] = lambda *a, **kw: calls.append(1) or orig(*a, **kw)
-    try:
-        with torch.no_grad():
-            auto = m(ids).logits.float()
-    finally:
-        kda_mod._IMPLS["triton"] = orig
+    monkeypatch.setitem(kda_mod._IMPLS, "triton", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    with torch.no_grad():
+        auto = m(ids).logits.float()
     assert calls, "no-grad prefill did not go to the triton backend"
-    os.environ["K3_BACKEND"] = "kda:fla"
-    try:
-        with torch.no_grad():
-            ref = m(ids).logits.float()
-    finally:
-        del os.environ["K3_BACKEND"]
+    monkeypatch.setenv("K3_BACKEND", "kda:fla")
+    with torch.no_grad():
+        ref = m(ids).logits.float()
     err = rel(auto, ref)
     report("model prefill triton vs fla (bf16)", logits=err)
     assert err < 2e-2, err

@@ -135,6 +135,16 @@ def test_free_row_inside_a_decoding_run(loaded):
         sched.stop()
 
 
+def _serve_all(sched, qs):
+    """Start the scheduler, wait for every queued request to finish, stop it."""
+    sched.start()
+    try:
+        for q in qs:
+            _drain(q)
+    finally:
+        sched.stop()
+
+
 def _count_forwards(model):
     calls = []
     orig = model.forward
@@ -165,12 +175,9 @@ def test_ragged_prompts_arriving_together_are_prefilled_in_one_packed_forward(lo
         reqs.append(GenRequest(prompt=p, max_tokens=8, sink=None, params=params, seed=7 + i, stop_ids=frozenset()))
     qs = [_collect(sched, r) for r in reqs]                 # queued before the thread starts: admitted together
     calls, restore = _count_forwards(model)
-    sched.start()
     try:
-        for q in qs:
-            _drain(q)
+        _serve_all(sched, qs)
     finally:
-        sched.stop()
         restore()
     prefills = [c for c in calls if c[0][0] == 1 and c[0][1] > 1 or c[1]]
     assert prefills == [((1, sum(map(len, prompts))), True)], calls[:3]
@@ -190,12 +197,7 @@ def test_packed_prefill_chunks_continue_rows_exactly(loaded):
     sched = Scheduler(model, tok, max_batch=6, max_context=256, prefill_chunk=11)
     reqs = [GenRequest(prompt=p, max_tokens=5, sink=None, stop_ids=frozenset()) for p in prompts]
     qs = [_collect(sched, r) for r in reqs]
-    sched.start()
-    try:
-        for q in qs:
-            _drain(q)
-    finally:
-        sched.stop()
+    _serve_all(sched, qs)
     assert sched.stats["packed_prefills"] >= 2
     for p, r in zip(prompts, reqs):
         assert r.generated == generate(model, [p], 5, stop_token_ids=[])[0, len(p):].tolist()

@@ -53,7 +53,7 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 16:
         raise ValueError(f"chunk_size: expected a positive multiple of 16, got {chunk_size!r}")
     name = dispatch.resolve("kda", backend, q.device.type)
-    if name == "fla" and backend is None and FORWARD_ONLY_TRITON_MIN_TOKENS and not dispatch._env_choice("kda"):
+    if name == "fla" and backend is None and FORWARD_ONLY_TRITON_MIN_TOKENS and not dispatch.env_choice("kda"):
         name = _forward_only_choice(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens) or name
     fn = _IMPLS.get(name)
     if fn is None:

@@ -67,13 +67,25 @@ LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled ha
 LAST_PREP = {}  # benchmarks: the last launched prep kernel's compiled handle (n_regs, n_spills) by variant name
 
 
+def _merged(what: str, default: dict, given: Optional[dict]) -> dict:
+    """default updated with given; unknown keys name `what`."""
+    cfg = dict(default)
+    bad = set(given or {}) - set(cfg)
+    if bad:
+        raise ValueError(f"{what}: unknown keys {sorted(bad)} (known: {sorted(cfg)})")
+    cfg.update(given or {})
+    return cfg
+
+
+def _check_maxnreg(what: str, cfg: dict) -> None:
+    n = cfg["maxnreg"]
+    if n is not None and not (isinstance(n, int) and 24 <= n <= 255):
+        raise ValueError(f"{what}['maxnreg']: expected None or an int in [24, 255], got {n!r}")
+
+
 def prep16p_config(prep_cfg: Optional[dict] = None) -> dict:
     """PREP16P_DEFAULT updated with prep_cfg, validated."""
-    cfg = dict(PREP16P_DEFAULT)
-    bad = set(prep_cfg or {}) - set(cfg)
-    if bad:
-        raise ValueError(f"prep_cfg: unknown keys {sorted(bad)} (known: {sorted(cfg)})")
-    cfg.update(prep_cfg or {})
+    cfg = _merged("prep_cfg", PREP16P_DEFAULT, prep_cfg)
     for key in ("c", "loop", "num_warps"):
         n = cfg[key]
         if not (isinstance(n, int) and 1 <= n <= 64 and n & (n - 1) == 0):
@@ -85,8 +97,7 @@ def prep16p_config(prep_cfg: Optional[dict] = None) -> dict:
     kb = cfg["kb"]
     if not (isinstance(kb, int) and (kb == 0 or (16 <= kb and kb & (kb - 1) == 0))):
         raise ValueError(f"prep_cfg['kb']: expected 0 or a power of two >= 16, got {kb!r}")
-    if cfg["maxnreg"] is not None and not (isinstance(cfg["maxnreg"], int) and 24 <= cfg["maxnreg"] <= 255):
-        raise ValueError(f"prep_cfg['maxnreg']: expected None or an int in [24, 255], got {cfg['maxnreg']!r}")
+    _check_maxnreg("prep_cfg", cfg)
     return cfg
 
 
@@ -104,11 +115,7 @@ def prep16p_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: boo
 
 def state_config(state_cfg: Optional[dict] = None) -> dict:
     """STATE_CFG_DEFAULT updated with state_cfg, validated."""
-    cfg = dict(STATE_CFG_DEFAULT)
-    bad = set(state_cfg or {}) - set(cfg)
-    if bad:
-        raise ValueError(f"state_cfg: unknown keys {sorted(bad)} (known: {sorted(cfg)})")
-    cfg.update(state_cfg or {})
+    cfg = _merged("state_cfg", STATE_CFG_DEFAULT, state_cfg)
     if cfg["kernel"] not in ("base", "v2"):
         raise ValueError(f"state_cfg['kernel']: expected 'base' or 'v2', got {cfg['kernel']!r}")
     if cfg["ch"] not in (1, 2):
@@ -122,8 +129,7 @@ def state_config(state_cfg: Optional[dict] = None) -> dict:
     ns = cfg["num_stages"]
     if ns is not None and not (isinstance(ns, int) and 1 <= ns <= 6):
         raise ValueError(f"state_cfg['num_stages']: expected None or an int in [1, 6], got {ns!r}")
-    if cfg["maxnreg"] is not None and not (isinstance(cfg["maxnreg"], int) and 24 <= cfg["maxnreg"] <= 255):
-        raise ValueError(f"state_cfg['maxnreg']: expected None or an int in [24, 255], got {cfg['maxnreg']!r}")
+    _check_maxnreg("state_cfg", cfg)
     if cfg["kernel"] == "base" and (cfg["ch"] != 1 or cfg["prefetch"] or cfg["out_late"] or cfg["fold"]):
         raise ValueError("state_cfg: ch / prefetch / out_late / fold need kernel='v2'")
     return cfg
