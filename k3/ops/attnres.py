@@ -52,6 +52,12 @@ def attnres_mix(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1
             from k3.ops import attnres_triton
             if attnres_triton.uniform(sources) and sources[0].dtype != torch.float64:
                 return attnres_triton.MIX[name](sources, w, eps)
+    return mix_eager(sources, w, eps)
+
+
+def mix_eager(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """The eager fp32 mix, streaming the sources one at a time (fixed summation order); fp32 under autocast too.
+    Also what the "compile" CUDA backend compiles."""
     with fp32_math(w):
         return _mix_streamed(sources, w, eps)
 

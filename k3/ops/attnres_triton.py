@@ -53,29 +53,16 @@ def mix_fla(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> tor
     return fused(w.float(), list(sources), _ones(d, w.device), rms_eps=eps, scale=1.0)
 
 
-def _mix_eager(sources, w, eps):
-    with torch.autocast(device_type=w.device.type, enabled=False):  # fp32 math under autocast too
-        return _mix_eager_fp32(sources, w, eps)
-
-
-def _mix_eager_fp32(sources, w, eps):
-    w32 = w.float()
-    logits = torch.stack([torch.rsqrt(s.float().pow(2).mean(-1) + eps) * (s.float() @ w32) for s in sources], 0)
-    alpha = torch.softmax(logits, dim=0)
-    out = alpha[0].unsqueeze(-1) * sources[0].float()
-    for i in range(1, len(sources)):
-        out = out + alpha[i].unsqueeze(-1) * sources[i].float()
-    return out.to(sources[0].dtype)
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled():
-    return torch.compile(_mix_eager, dynamic=False)
+    from k3.ops.attnres import mix_eager
+    return torch.compile(mix_eager, dynamic=False)
 
 
 def mix_compile(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.compiler.is_compiling():  # already inside a compiled region: let the outer graph fuse it
-        return _mix_eager(sources, w, eps)
+        from k3.ops.attnres import mix_eager
+        return mix_eager(sources, w, eps)
     return _compiled()(list(sources), w, eps)
 
 
