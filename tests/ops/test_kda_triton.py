@@ -144,30 +144,25 @@ def _checks() -> dict:
         res[f"{variant}.causal.max_abs_diff_before"] = float(
             (o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
         res[f"{variant}.causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
-    # c16p prep options: the public path (chunk_kda, variant c16p) with ops.PREP16P_DEFAULT patched per option set
-    os.environ[ops.ENV_FWD] = "c16p"
-    saved = dict(ops.PREP16P_DEFAULT)
-    for cname, pc in PREP16P_CASES.items():
-        ops.PREP16P_DEFAULT.update(pc)
-        for (name, args, kw, _), (o1, s1) in zip(cases, refs):
-            if name in PREP16P_FWD_CASES:
-                o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
-                res[f"c16p[{cname}].{name}.o"] = _rr(o2, o1)
-                res[f"c16p[{cname}].{name}.S"] = _rr(s2, s1)
-        ops.PREP16P_DEFAULT.clear()
-        ops.PREP16P_DEFAULT.update(saved)
-    # sequential-pass options: ops.STATE_CFG_DEFAULT patched per option set (chunk_kda takes no state_cfg)
-    saved_st = dict(ops.STATE_CFG_DEFAULT)
-    for sname, sc in STATE_CASES.items():
-        os.environ[ops.ENV_FWD] = sname.split(":")[0]
-        ops.STATE_CFG_DEFAULT.update(sc)
-        for (name, args, kw, _), (o1, s1) in zip(cases, refs):
-            if name in STATE_FWD_CASES:
-                o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
-                res[f"state[{sname}].{name}.o"] = _rr(o2, o1)
-                res[f"state[{sname}].{name}.S"] = _rr(s2, s1)
-        ops.STATE_CFG_DEFAULT.clear()
-        ops.STATE_CFG_DEFAULT.update(saved_st)
+    def option_sweep(label, defaults, option_sets, fwd_cases, variant_of):
+        """chunk_kda (public path) with the module defaults patched per option set; restored after each."""
+        saved = dict(defaults)
+        for oname, opts in option_sets.items():
+            os.environ[ops.ENV_FWD] = variant_of(oname)
+            defaults.update(opts)
+            for (name, args, kw, _), (o1, s1) in zip(cases, refs):
+                if name in fwd_cases:
+                    o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
+                    res[f"{label}[{oname}].{name}.o"] = _rr(o2, o1)
+                    res[f"{label}[{oname}].{name}.S"] = _rr(s2, s1)
+            defaults.clear()
+            defaults.update(saved)
+
+    # c16p prep options (ops.PREP16P_DEFAULT patched); sequential-pass options (ops.STATE_CFG_DEFAULT patched:
+    # chunk_kda takes no state_cfg), names "variant:option"
+    option_sweep("c16p", ops.PREP16P_DEFAULT, PREP16P_CASES, PREP16P_FWD_CASES, lambda n: "c16p")
+    option_sweep("state", ops.STATE_CFG_DEFAULT, STATE_CASES, STATE_FWD_CASES, lambda n: n.split(":")[0])
+    saved = dict(ops.PREP16P_DEFAULT)  # restored after each D128 run below
     res["state_bad_cfg_raises"] = 0.0
     for bad in (dict(ch=3), dict(prefetch=True), dict(kernel="v3"), dict(bv=24), dict(foo=1)):
         try:
