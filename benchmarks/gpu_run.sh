@@ -23,7 +23,13 @@ step() {  # step NAME SECONDS CMD...
 for stage in "$@"; do case $stage in
   warm) step warm 330 python3 benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 --pack "$OUT/autotune.tgz" ;;
   tests) step warm-tests 150 python3 benchmarks/fla_warmup.py --shapes 8x128 --attnres "" --T 1024
-         step tests 150 python3 -m pytest -q -s --timeout 90 tests/gpu tests/generation/test_static_decode.py ;;
+         step tests 150 python3 -m pytest -q -s --timeout 90 --durations=0 tests/gpu -k "not tiny_model" \
+           tests/generation/test_static_decode.py ;;
+  tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
+  bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 )) python3 benchmarks/kda_bwd_sweep.py \
+      --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ;;
+  bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
+      --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;
   ops) step ops 200 python3 benchmarks/gpu_ops.py --quick --only kda,moe,attnres,attn --json "$OUT/gpu_ops.json" ;;
   decode) step decode 90 python3 benchmarks/decode.py --device cuda --preset small --min-context 4096 \
       --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \

@@ -132,6 +132,8 @@ def main():
     ap.add_argument("--top", type=int, default=2, help="best c16p preps (first shape) carried to the other shapes")
     ap.add_argument("--decode", action="store_true", help="also time decode (one token) vs fla")
     ap.add_argument("--bwd", action="store_true", help="also time fwd+bwd (slow: fla's backward autotune)")
+    ap.add_argument("--bwd-only", action="store_true",
+                    help="only the fwd+bwd rows (with each kernel's CUDA time): no accuracy or forward rows")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     ap.add_argument("--static", action="store_true",
                     help="no GPU: compile the preps for sm_90 and print registers/spills/occupancy/SASS counts")
@@ -284,7 +286,7 @@ def main():
 
     # 1. accuracy vs the fp32 token loop: fla, each variant's default, each c16p sweep config; random and hard inputs
     B_acc, T_acc = (2, 2048) if not args.smoke else (1, 100)
-    for case in ("random", "hard"):
+    for case in () if args.bwd_only else ("random", "hard"):
         if over():
             add(dict(op="accuracy_vs_fp32_loop", case=case, error="skipped: time budget"))
             continue
@@ -359,7 +361,7 @@ def main():
 
     best_cfg = {}
     prep_rank = []  # c16p sweep names by prep time at the first shape
-    for si, (name, B, T, cu_list) in enumerate(shapes):
+    for si, (name, B, T, cu_list) in enumerate([] if args.bwd_only else shapes):
         if over():
             add(dict(op="chunk_fwd", shape=name, error="skipped: time budget"))
             continue
@@ -498,7 +500,7 @@ def main():
             run_decode()
 
     # 4. fwd+bwd (default forward variant + the backend's backward) vs fla
-    if args.bwd:
+    if args.bwd or args.bwd_only:
         for name, B, T, cu_list in [s for s in shapes if s[0] in ("B8_T8K", "varlen", "B2_T200")]:
             if over():
                 add(dict(op="chunk_fwd_bwd", shape=name, error="skipped: time budget"))

@@ -15,7 +15,9 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32"
              NSPLIT="i32", s_qn="i32", s_qh="i32", s_kn="i32", s_kw="i32", s_on="i32", s_oh="i32",
              eg="*fp32", h0="*fp32", ht="*fp32", cu="*i32", seq_chunk="*i32", Ttot="i32", states="*fp32",
              dht="*fp32", dstates="*fp32", dh0="*fp32", A_log="*fp32", dt_bias="*fp32", eg_out="*fp32",
-             chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16")
+             chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16",
+             uns="*fp32", dus="*fp32", cmat="*fp32", cdb="*fp32", x1s="*fp32", x2s="*fp32", dgis="*fp32",
+             nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32")
 
 
 def _cases():
@@ -23,6 +25,7 @@ def _cases():
     from k3.ops.kda.triton import kernels as kf, kernels_bwd as kb
     c = dict(H=96, K=128, V=128, BT=16, BV=64, HAS_H0=True, STORE_HT=True)
     cb = dict(H=96, K=128, V=128, BT=64, BV=32, IEEE=False, UPCAST=False)
+    cg = dict(H=96, K=128, V=128, BT=64, TS=16, REF=7, USE_GATE=True, L2NORM=True, IEEE=False)
     return {
         "kda_prep_fwd c16": (kf.kda_prep_fwd_kernel, dict(H=96, K=128, V=128, BT=16, REF=7, USE_GATE=True,
                                                           L2NORM=True)),
@@ -30,8 +33,12 @@ def _cases():
         "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64)),
         "kda_recurrent_fwd": (kf.kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
                                                                 L2NORM=True, HAS_H0=True, STORE_HT=True)),
-        "kda_bwd_states": (kb.kda_bwd_states_kernel, dict(cb, HAS_H0=True)),
-        "kda_bwd_dstates": (kb.kda_bwd_dstates_kernel, dict(cb, HAS_DHT=True)),
+        "kda_bwd_states": (kb.kda_bwd_states_kernel, dict(cb, HAS_H0=True, STORE_U=True)),
+        "kda_bwd_dstates": (kb.kda_bwd_dstates_kernel, dict(cb, HAS_DHT=True, STORE_DU=True)),
+        "kda_bwd_gv": (kb.kda_bwd_gv_kernel, dict(H=96, V=128, BT=64, BV=32, IEEE=False)),
+        "kda_bwd_gw": (kb.kda_bwd_gw_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, BV=32,
+                                                   BK=32)),
+        "kda_bwd_gi": (kb.kda_bwd_gi_kernel, dict({n: c for n, c in cg.items() if n != "V"}, BK=32, NKW=4)),
         "situ_fwd": (at._situ_fwd_kernel, dict(BR=2, BC=512)),
         "situ_bwd": (at._situ_bwd_kernel, dict(BR=2, BC=512)),
         "mla_decode_partial C512 R64 H64": (md._partial_kernel, dict(C=512, R=64, BC=512, BR=64, BH=64, BN=32,
@@ -41,7 +48,8 @@ def _cases():
 
 
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
-                                  "kda_bwd_states", "kda_bwd_dstates", "situ_fwd", "situ_bwd",
+                                  "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw", "kda_bwd_gi",
+                                  "situ_fwd", "situ_bwd",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):
     fn, consts = _cases()[name]

@@ -53,6 +53,10 @@ same overflow bound as the forward, while a 64-token span may decay by e^-320):
 Memory beyond inputs/grads: two fp32 K x V states per 64 tokens and head (2*K*V*4/64 B per token-head, 2 KiB at
 K = V = 128) plus the operands of steps 1-3 (3K + V + 64 values per token-head in the input dtype, freed before
 step 4), then the fp32 scratch of steps 4-5 (2K + 2V + 4*64 + 1 values, 3 KiB per token-head at K = V = 128).
+K3_KDA_TRITON_BWD=v1 selects steps 4-5 as described; the default v2 replaces them (ops_bwd.kda_chunk_bwd): the
+sequential passes keep u' / du' and the prep keeps T and L (fp32), and three leaner kernels follow: gv (chunk, head:
+dv, dAq, value parts of dN / dbeta), gw (chunk, head, K block: dXk, the state-side dq / dk / dG terms, partial dN)
+and gi (chunk, head: the intra-chunk backward, dg through the gate, dq / dk through the L2 norm).
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
@@ -129,9 +133,18 @@ def _fallback(reason, *args, **kw):
     return chunk_kda_torch(*args, **kw)
 
 
+BWD_IMPLS = ("v2", "v1", "torch")
+DEFAULT_BWD = "v2"
+
+
 def _bwd_mode() -> str:
-    """"triton" (default) or "torch" (K3_KDA_TRITON_BWD=torch: recompute through the torch path + autograd)."""
-    return "torch" if os.environ.get("K3_KDA_TRITON_BWD", "").strip().lower() == "torch" else "triton"
+    """The backward: $K3_KDA_TRITON_BWD, else DEFAULT_BWD. "v2" / "v1": Triton kernels (ops_bwd; v1 = the third
+    session's two fp32-recompute gradient kernels, v2 = the leaner split that reuses the sequential passes' u' and
+    du'); "torch": recompute through the torch path + autograd."""
+    mode = os.environ.get("K3_KDA_TRITON_BWD", "").strip().lower() or DEFAULT_BWD
+    if mode not in BWD_IMPLS:
+        raise ValueError(f"K3_KDA_TRITON_BWD={mode!r}: known values are {', '.join(BWD_IMPLS)}")
+    return mode
 
 
 @functools.lru_cache(maxsize=1)
@@ -154,7 +167,8 @@ class _ChunkKDATriton(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        if _bwd_mode() == "torch":
+        mode = _bwd_mode()
+        if mode == "torch":
             return _ChunkKDATriton._backward_torch(ctx, do, dht)
         q, k, v, g, beta, h0, A_log, dt_bias = ctx.saved_tensors
         cfg = ctx.cfg
@@ -163,7 +177,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         dq, dk, dv, dg, db, dh0, dal, ddt = _ops_bwd().kda_chunk_bwd(
             q, k, v, g, beta, do, dht, scale=cfg["scale"], initial_state=h0, cu_seqlens=cfg["cu_seqlens"],
             use_qk_l2norm_in_kernel=cfg["use_qk_l2norm_in_kernel"], use_gate_in_kernel=cfg["use_gate_in_kernel"],
-            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"])
+            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"], impl=mode)
         res = [dq, dk, dv, dg, db,
                None if h0 is None else dh0.to(h0.dtype),
                None if A_log is None else dal.to(A_log.dtype).view_as(A_log),

@@ -176,12 +176,14 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
 @triton.jit
 def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                         qg_out, kd_out, w_out, u_out, aq_out, eg_out,
-                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                        cmat, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
+                        STORE_TL: tl.constexpr):
     """One program = one BT-token chunk of one head: recompute the operands of the two sequential passes,
-    q e^G, k e^(G_l - G), W, U, tril(Aq) (head-major, in the intermediate dtype) and e^(G_l) (fp32)."""
+    q e^G, k e^(G_l - G), W, U, tril(Aq) (head-major, in the intermediate dtype) and e^(G_l) (fp32).
+    STORE_TL (the v2 gradient kernels): also T and tril_-1(L) (fp32) to slots 0 and 1 of cmat [NC, H, 4, BT, BT]."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_tok + i_c)
@@ -199,7 +201,12 @@ def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
     g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
     Aq, L = _intra_fwd(qs, kn, G, BT, TS, REF, IEEE)
     Aq = tl.where(row >= col, Aq, 0.)
-    Tm = _unit_lower_inv(tl.where(row > col, b_b[:, None] * L, 0.), BT, TS, LOG2_TS, LOG2_NB)
+    L = tl.where(row > col, L, 0.)
+    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    if STORE_TL:
+        pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+        tl.store(cmat + pc, Tm)
+        tl.store(cmat + pc + BT * BT, L)
     eG = tl.exp(G)
     b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
     dt = w_out.dtype.element_ty
@@ -217,11 +224,12 @@ def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
 
 
 @triton.jit
-def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
+def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr):
     """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
-    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S)."""
+    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S). STORE_U (v2): also
+    u' = U - W S to uns [H, Ttot, V] (fp32)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -237,17 +245,24 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
         b_kd = tl.load(kd + hk, mask=m_t[:, None], other=0.)
         b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
-        b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
+        if STORE_U:
+            # kept for the gradient kernels: against the fp32 state (tf32 products on the GPU; a bf16-rounded S
+            # costs the gradients ~2x in relative error, dv 9.3e-3 vs 3.3e-3 under the interpreter)
+            b_vn = b_u.to(tl.float32) - _dot(b_w.to(tl.float32), S, IEEE)
+            tl.store(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_vn, mask=m_t[:, None])
+        else:
+            b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
         S = S * b_e[:, None] + _dot_lp(tl.trans(b_kd), b_vn.to(dt), IEEE, UPCAST)
 
 
 @triton.jit
-def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chunk, Ttot,
+def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, seq_chunk, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_DU: tl.constexpr):
     """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
     gradient dS (starting from dht): stores dS at each chunk's end, then
-    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS."""
+    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS.
+    STORE_DU (v2): also du' to dus [H, Ttot, V] (fp32)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -266,7 +281,11 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chu
         b_a = tl.load(aq + (i_h * Ttot + tok[:, None]) * BT + o_t[None, :], mask=m_t[:, None], other=0.)
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
-        b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
+        if STORE_DU:  # as u' in the forward pass: against the fp32 dS
+            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot(b_kd.to(tl.float32), dS, IEEE)
+            tl.store(dus + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_du, mask=m_t[:, None])
+        else:
+            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
         dS = dS * b_e[:, None] + _dot_lp(tl.trans(b_qg), b_do, IEEE, UPCAST) \
             - _dot_lp(tl.trans(b_w), b_du.to(dt), IEEE, UPCAST)
     tl.store(dh0 + ps, dS)
@@ -500,15 +519,273 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
         tl.store(dal_part + i_c * H + i_h, d_al)
     tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
     if L2NORM:
-        # pass C: backward of the L2 norm, dx = r (dxn - xn sum_K(xn dxn))
+        # pass C: backward of the L2 norm
         tl.debug_barrier()
-        for kb in range(0, K // BK):
-            o_kb = kb * BK + tl.arange(0, BK)
-            pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-            hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-            qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
-            kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
-            dqn = tl.load(ks + hkb, mask=m_t[:, None], other=0.)
-            dkn = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
-            tl.store(dq + pk, (rq[:, None] * (dqn - qn * s_q[:, None])).to(dq.dtype.element_ty), mask=m_t[:, None])
-            tl.store(dk + pk, (rk[:, None] * (dkn - kn * s_k[:, None])).to(dk.dtype.element_ty), mask=m_t[:, None])
+        _l2norm_bwd_cols(q, k, dq, dk, ks, ws, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v2 gradient kernels. The sequential passes already form u' (states) and du' (dstates): with STORE_U / STORE_DU
+# they keep them (fp32), and the prep keeps T and tril_-1(L) (STORE_TL), so no chunk is recomputed in fp32. The
+# work is split so that each kernel holds few tiles (more programs per SM than the v1 pair):
+#   gv (chunk, head)           value side: dv, dAq, the value part of dN and dbeta
+#   gw (chunk, head, K block)  the state side per K block: dW -> dXk, d(q e^G), d(k e^(G_l - G)), their dG terms,
+#                              partial dN (dXk W^T) and dbeta per K block
+#   gi (chunk, head)           the intra-chunk backward from dAq and dL = diag(beta) dN, dG -> dg (gate), dq, dk
+#                              through the L2 norm
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def kda_bwd_gv_kernel(v, beta, do, u, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
+                      H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr):
+    """v2, value side. One program = one chunk of one head; per value block with u', du' (sequential passes) and U
+    (prep): dXv = T^T du', dv = diag(beta) dXv, dAq = tril(do u'^T), dN_v = dXv U^T, dbeta_v = sum_V dXv v.
+    Writes cmat slots 2 (tril dAq) and 3 (dN_v, unmasked) and cdb (dbeta_v)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    TmT = tl.trans(tl.load(cmat + pc))
+    d_aq = tl.zeros([BT, BT], dtype=tl.float32)
+    d_n = tl.zeros([BT, BT], dtype=tl.float32)
+    d_b = tl.zeros([BT], dtype=tl.float32)
+    for iv in range(0, V // BV):
+        o_v = iv * BV + tl.arange(0, BV)
+        pv = (tok[:, None] * H + i_h) * V + o_v[None, :]
+        hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
+        du = tl.load(dus + hv, mask=m_t[:, None], other=0.)
+        un = tl.load(uns + hv, mask=m_t[:, None], other=0.)
+        b_do = tl.load(do + pv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_u = tl.load(u + hv, mask=m_t[:, None], other=0.).to(tl.float32)
+        d_aq += _dot(b_do, tl.trans(un), IEEE)
+        dxv = _dot(TmT, du, IEEE)
+        tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
+        d_b += tl.sum(dxv * b_v, 1)
+        d_n += _dot(dxv, tl.trans(b_u), IEEE)
+    tl.store(cmat + pc + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
+    tl.store(cmat + pc + 3 * BT * BT, d_n)
+    tl.store(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, d_b)
+
+
+@triton.jit
+def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, w, states, dstates, uns, dus, cmat,
+                      x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """v2, state side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
+    start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
+    and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
+    chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
+    nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    i_k = tl.program_id(2)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    o_kb = i_k * BK + tl.arange(0, BK)
+    ps = (i_c * H + i_h).to(tl.int64) * K * V
+    d_w = tl.zeros([BT, BK], dtype=tl.float32)
+    d_qg = tl.zeros([BT, BK], dtype=tl.float32)
+    d_kd = tl.zeros([BT, BK], dtype=tl.float32)
+    d_gl = tl.zeros([BK], dtype=tl.float32)
+    for iv in range(0, V // BV):
+        o_v = iv * BV + tl.arange(0, BV)
+        hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
+        du = tl.load(dus + hv, mask=m_t[:, None], other=0.)
+        un = tl.load(uns + hv, mask=m_t[:, None], other=0.)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        kv = ps + o_kb[:, None] * V + o_v[None, :]
+        S0 = tl.load(states + kv)
+        dS = tl.load(dstates + kv)
+        d_w -= _dot(du, tl.trans(S0), IEEE)
+        d_qg += _dot(b_do, tl.trans(S0), IEEE)
+        d_kd += _dot(un, tl.trans(dS), IEEE)
+        d_gl += tl.sum(S0 * dS, 1)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    dxk = _dot(tl.trans(tl.load(cmat + pc)), d_w, IEEE)
+    hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+    b_w = tl.load(w + hkb, mask=m_t[:, None], other=0.).to(tl.float32)
+    pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
+    tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
+    G = tl.cumsum(b_g, axis=0)
+    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    eG = tl.exp(G)
+    ed = tl.exp(g_last[None, :] - G)
+    keg = kn * eG
+    tl.store(dbp + pp + o_t, tl.sum(dxk * keg, 1))
+    x1 = d_qg * eG
+    kd = kn * ed
+    dgi = x1 * (qn * scale) + dxk * keg * b_b[:, None] - d_kd * kd
+    d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
+    # on the chunk's last token (rows past a sequence end are not stored; their g is 0, so G there is G_l)
+    dgi += tl.where(row == tl.minimum(t1 - t0, BT) - 1, d_gl[None, :], 0.)
+    tl.store(x1s + hkb, x1, mask=m_t[:, None])
+    tl.store(x2s + hkb, dxk * (b_b[:, None] * eG) + d_kd * ed, mask=m_t[:, None])
+    tl.store(dgis + hkb, dgi, mask=m_t[:, None])
+
+
+@triton.jit
+def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis,
+                      dq, dk, dg, dbeta, dal_part, ddt_part, chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
+                      BK: tl.constexpr, NKW: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
+                      IEEE: tl.constexpr):
+    """v2, intra-chunk side. One program = one chunk of one head: dN = -tril_-1(dN_v + sum of gw's partials),
+    dbeta, dL = diag(beta) dN, then per BK columns the intra-chunk backward of (dAq, dL), dG (with gw's terms) ->
+    dg through the suffix sum and the gate, d(q scale), d(kn); with the L2 norm the pre-norm gradients go back to
+    x1s / x2s and a last pass applies the norm's backward (it needs full-row sums)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
+    d_n = tl.load(cmat + pc + 3 * BT * BT)
+    d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t)
+    for j in tl.static_range(NKW):
+        d_n += tl.load(nkp + (pp + j * BT) * BT + row * BT + col)
+        d_b += tl.load(dbp + pp + j * BT + o_t)
+    d_n = tl.where(row > col, -d_n, 0.)
+    d_b += tl.sum(d_n * tl.load(cmat + pc + BT * BT), 1)
+    d_l = d_n * b_b[:, None]
+    d_aq = tl.load(cmat + pc + 2 * BT * BT)
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    s_q = tl.zeros([BT], dtype=tl.float32)
+    s_k = tl.zeros([BT], dtype=tl.float32)
+    d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                                     H, K, USE_GATE)
+        G = tl.cumsum(b_g, axis=0)
+        qs = qn * scale
+        dqp, dkr, dkc = _intra_bwd(qs, kn, G, d_aq, d_l, BT, TS, REF, IEEE)
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        x1 = tl.load(x1s + hkb, mask=m_t[:, None], other=0.)
+        x2 = tl.load(x2s + hkb, mask=m_t[:, None], other=0.)
+        dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.) + dqp * qs + kn * (dkr - dkc)
+        dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG  # g_t enters G_s for all s >= t
+        dkn = x2 + dkr + dkc
+        dqn = (x1 + dqp) * scale
+        if USE_GATE:
+            x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
+            s = tl.sigmoid(x)
+            dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
+            df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+            tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
+            d_al += tl.sum(tl.sum(dx * x, 1), 0)
+            tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, tl.sum(df, 0))
+        else:
+            tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
+        if L2NORM:
+            s_q += tl.sum(qn * dqn, 1)
+            s_k += tl.sum(kn * dkn, 1)
+            tl.debug_barrier()  # every thread has read x1 / x2 before the pre-norm gradients replace them
+            tl.store(x1s + hkb, dqn, mask=m_t[:, None])
+            tl.store(x2s + hkb, dkn, mask=m_t[:, None])
+        else:
+            tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
+            tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
+    if USE_GATE:
+        tl.store(dal_part + i_c * H + i_h, d_al)
+    tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
+    if L2NORM:
+        tl.debug_barrier()
+        _l2norm_bwd_cols(q, k, dq, dk, x1s, x2s, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+
+
+@triton.jit
+def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot,
+                     H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Backward of the q/k L2 norm, dx = r (dxn - xn sum_K(xn dxn)), from the pre-norm gradients dqs / dks
+    (head-major fp32 scratch) and the row sums s_q = sum_K qn dqn, s_k likewise; BK columns at a time."""
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+        dqn = tl.load(dqs + hkb, mask=m_t[:, None], other=0.)
+        dkn = tl.load(dks + hkb, mask=m_t[:, None], other=0.)
+        tl.store(dq + pk, (rq[:, None] * (dqn - qn * s_q[:, None])).to(dq.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dk + pk, (rk[:, None] * (dkn - kn * s_k[:, None])).to(dk.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
+def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
+                         qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat,
+                         chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
+                         BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """v2 prep: the outputs of `kda_bwd_prep_kernel` (with STORE_TL) in BK-column blocks, so no [BT, K] fp32 tile
+    is live (the single-pass prep keeps ~1.3 KB of spills per thread at K = 128): Aq and L accumulate over column
+    blocks of the raw q, k (the L2 norm is a row / column scaling of both), then T, and per column block
+    q e^G, k e^(G_l - G), W, e^(G_l); per value block U."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    row = o_t[:, None]
+    col = o_t[None, :]
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    one = tl.zeros([BT], dtype=tl.float32) + 1.
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    L = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
+                                       H, K, USE_GATE)
+        a_kb, l_kb = _intra_fwd(b_q, b_k, tl.cumsum(b_g, axis=0), BT, TS, REF, IEEE)
+        Aq += a_kb
+        L += l_kb
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
+    L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
+    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    tl.store(cmat + pc, Tm)
+    tl.store(cmat + pc + BT * BT, L)
+    dt = w_out.dtype.element_ty
+    tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(dt), mask=m_t[:, None])
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                                     H, K, USE_GATE)
+        G = tl.cumsum(b_g, axis=0)
+        g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+        eG = tl.exp(G)
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        tl.store(qg_out + hkb, (qn * scale * eG).to(dt), mask=m_t[:, None])
+        tl.store(kd_out + hkb, (kn * tl.exp(g_last[None, :] - G)).to(dt), mask=m_t[:, None])
+        tl.store(w_out + hkb, _dot(Tm, kn * eG * b_b[:, None], IEEE).to(dt), mask=m_t[:, None])
+        tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
+    for iv in range(0, V // BV):
+        o_v = iv * BV + tl.arange(0, BV)
+        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], _dot(Tm, b_v * b_b[:, None], IEEE).to(dt),
+                 mask=m_t[:, None])

@@ -1,0 +1,113 @@
+"""Time the KDA Triton backward (k3/ops/kda/triton/ops_bwd.py) kernel by kernel on one GPU: v1 against v2 and v2's
+launch options, at a K3 head shape (H=96, D=128, bf16, gate + L2 norm in the kernel, 64-token chunks).
+
+    python benchmarks/kda_bwd_sweep.py [--T 8192] [--B 1] [--budget-s 150] [--json PATH]
+
+Per configuration: the backward alone (`kda_chunk_bwd`, do_bench median), each kernel's CUDA time (one call under
+torch.profiler), and the largest relative RMSE of its gradients against v1's (a broken option shows up here; the
+accuracy against the fp32 reference is tests/gpu's selfcheck). Also times our forward (c16p) once, so fwd + bwd
+can be set against fla's fwd+bwd from the same machine (benchmarks/kda_triton.py --bwd). Rows are printed as
+they finish; configurations left when --budget-s runs out are skipped.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# (name, impl, launch overrides {kernel: {param: value}}): one change from the v2 default per row
+CONFIGS = [
+    ("v2", "v2", {}),
+    ("v1", "v1", {}),
+    ("v2_prep_single", "v2", {"prep2": {"BK": 128}}),
+    ("v2_prep2_bk16", "v2", {"prep2": {"BK": 16}}),
+    ("v2_gi_bk16_w8", "v2", {"gi": {"BK": 16, "num_warps": 8}}),
+    ("v2_gw_bk64_w8", "v2", {"gw": {"BK": 64, "num_warps": 8}}),
+    ("v2_gv_bv64", "v2", {"gv": {"BV": 64}}),
+    ("v2_gw_bv64", "v2", {"gw": {"BV": 64}}),
+    ("v2_states_bv16", "v2", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
+]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--B", type=int, default=1)
+    ap.add_argument("--T", type=int, default=8192)
+    ap.add_argument("--H", type=int, default=96)
+    ap.add_argument("--D", type=int, default=128)
+    ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--configs", default=None, help="comma list of names from CONFIGS (default: all)")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bwd_sweep.json"))
+    args = ap.parse_args()
+    import torch
+    from triton.testing import do_bench
+    from k3.ops.kda.triton import ops as fwd_ops, ops_bwd
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kda_triton import kernel_breakdown
+
+    t0 = time.time()
+    names = set(args.configs.split(",")) if args.configs else None
+    B, T, H, D = args.B, args.T, args.H, args.D
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    q, k, v, f, do = (r(B, T, H, D).bfloat16() for _ in range(5))
+    beta = r(B, T, H).sigmoid().bfloat16()
+    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
+    dt_bias = r(H * D) * 0.1
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    scale = D ** -0.5
+    res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, B=B, T=T, H=H, D=D, rows=[])
+    fwd = lambda: fwd_ops.kda_chunk_fwd(q, k, v, f, beta, scale, output_final_state=True, **kw)
+    fwd()
+    res["ours_fwd_ms"] = do_bench(fwd, warmup=10, rep=50, return_mode="median")
+    print(f"forward (c16p) {res['ours_fwd_ms']:.2f} ms", flush=True)
+    ref = None
+    for name, impl, launch in CONFIGS:
+        if names is not None and name not in names:
+            continue
+        row = dict(config=name, impl=impl, launch=launch)
+        if time.time() - t0 > args.budget_s:
+            row["error"] = "skipped: time budget"
+            res["rows"].append(row)
+            continue
+        bwd = lambda: ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, None, scale, impl=impl, launch=launch, **kw)
+        try:
+            t1 = time.time()
+            got = bwd()
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.time() - t1, 1)
+            row["bwd_ms"] = do_bench(bwd, warmup=5, rep=30, return_mode="median")
+            row["fwd_bwd_ms"] = row["bwd_ms"] + res["ours_fwd_ms"]
+            row["kernels_ms"] = kernel_breakdown(bwd)
+            grads = [x for x in got if x is not None]
+            if ref is None:
+                ref = grads
+            else:
+                row["max_rr_vs_first"] = max(
+                    float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+                    for a, b in zip(grads, ref))
+        except Exception as e:  # noqa: BLE001 - one bad option must not end the sweep
+            row["error"] = repr(e)[:300]
+        row["t_s"] = round(time.time() - t0, 1)
+        print(json.dumps(row), flush=True)
+        res["rows"].append(row)
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+        torch.cuda.empty_cache()
+    ok = [x for x in res["rows"] if "bwd_ms" in x]
+    if ok:
+        print("| config | bwd ms | fwd+bwd ms | top kernels (ms) |\n|---|---|---|---|")
+        for x in ok:
+            top = ", ".join(f"{n.replace('kda_bwd_', '').replace('_kernel', '')} {t:.2f}"
+                            for n, t in list(x["kernels_ms"].items())[:6])
+            print(f"| {x['config']} | {x['bwd_ms']:.2f} | {x['fwd_bwd_ms']:.2f} | {top} |")
+    with open(args.json, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
