@@ -132,6 +132,7 @@ def main():
     ap.add_argument("--top", type=int, default=2, help="best c16p preps (first shape) carried to the other shapes")
     ap.add_argument("--decode", action="store_true", help="also time decode (one token) vs fla")
     ap.add_argument("--bwd", action="store_true", help="also time fwd+bwd (slow: fla's backward autotune)")
+    ap.add_argument("--no-accuracy", action="store_true", help="skip the accuracy rows (timing only)")
     ap.add_argument("--bwd-only", action="store_true",
                     help="only the fwd+bwd rows (with each kernel's CUDA time): no accuracy or forward rows")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -286,7 +287,7 @@ def main():
 
     # 1. accuracy vs the fp32 token loop: fla, each variant's default, each c16p sweep config; random and hard inputs
     B_acc, T_acc = (2, 2048) if not args.smoke else (1, 100)
-    for case in () if args.bwd_only else ("random", "hard"):
+    for case in () if args.bwd_only or args.no_accuracy else ("random", "hard"):
         if over():
             add(dict(op="accuracy_vs_fp32_loop", case=case, error="skipped: time budget"))
             continue

@@ -57,7 +57,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # v2 (prep2 / gv / gw / gi; prep2 with BK = K is the single-pass prep)
         prep2=dict(BV=min(V, 32), BK=max(16, min(32, K // 2)), num_warps=4, num_stages=1),
         gv=dict(BV=min(V, 32), num_warps=4, num_stages=1),
-        gw=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=2),
+        # gw: BK = 64 / 8 warps 3.81 ms vs 4.39 at BK = 32 / 4 warps (H200, B1 T8K H96, benchmarks/RESULTS.md)
+        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
         gi=dict(BK=min(K, 32), num_warps=4, num_stages=1),
     )
 
