@@ -161,14 +161,22 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
+def _nonfinite(**tensors) -> None:
+    """Debug aid ($K3_KDA_BWD_CHECK=1): print the non-finite element count of each intermediate."""
+    if os.environ.get("K3_KDA_BWD_CHECK", "0") not in ("", "0"):
+        print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items()}, flush=True)
+
+
 def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, w, u, states, dstates, uns, dus, cmat,
             dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const):
     """The v2 gradient kernels gv, gw, gi (kernels_bwd.py) after the prep and the sequential passes."""
+    _nonfinite(w=w, u=u, T=cmat[:, :, 0], L=cmat[:, :, 1], states=states, dstates=dstates, uns=uns, dus=dus)
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
     dev = qc.device
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, u, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
                                   H=H, V=V, BT=BT, IEEE=ieee, **lc["gv"])
+    _nonfinite(dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
     NKW = K // BKW
     x1s, x2s, dgis = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(3))
@@ -178,6 +186,7 @@ def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, w, u, states, dstates, uns, dus
         qc, kc, gc, bc, a_log, dtb, doc, w, states, dstates, uns, dus, cmat, x1s, x2s, dgis, nkp, dbp,
         ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
         IEEE=ieee, **lc["gw"])
+    _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     _k.kda_bwd_gi_kernel[(NC, H)](
         qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
         ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW,
