@@ -73,7 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part",
-            "ws", "ks", "uns", "dus", "cmat", "cdb", "x1s", "x2s", "dgis", "nkp", "dbp"}
+            "ws", "ks", "uns", "dus", "cmat", "cdb", "x1s", "x2s", "dgis", "nkp", "dbp", "aqf"}
 I32_PTRS = {"chunk_tok", "chunk_end", "cu", "seq_chunk"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
 
@@ -116,8 +116,8 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
     lc = ob.launch_config(K, V, N * H, dtype)
     const = dict(H=H, K=K, V=V, BT=BT, TS=ob.TS, REF=ob.REF, LOG2_TS=int(math.log2(ob.TS)),
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
-                 STORE_TL=True, NKW=K // lc["gw"]["BK"])
-    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=True, STORE_DU=True)
+                 NKW=K // lc["gw"]["BK"])
+    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False)
     out = []
     for name, fn, extra in ob.kernel_table(kb):
         cfg = dict(lc[name])

@@ -17,16 +17,18 @@ import json
 import os
 import subprocess
 import sys
-from typing import Iterable
+from typing import Iterable, Optional
 
 _GPU = {"on": False}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_interpreted(script: str, timeout: float = 300, env_pop: Iterable[str] = ()) -> dict:
+def run_interpreted(script: str, timeout: float = 300, env_pop: Iterable[str] = (),
+                    env_set: Optional[dict] = None) -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for k in env_pop:
         env.pop(k, None)
+    env.update(env_set or {})
     p = subprocess.run([sys.executable, os.path.abspath(script)], env=env, capture_output=True, text=True,
                        timeout=timeout, cwd=ROOT)
     if p.returncode != 0:

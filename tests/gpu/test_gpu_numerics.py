@@ -301,16 +301,37 @@ def test_mla_decode_triton_vs_fp64_reference(H, C, R):
     assert err < 1e-2
 
 
-def test_kda_triton_backward_selfcheck():
+@pytest.mark.parametrize("impl", ["v1", "v2"])
+def test_kda_triton_backward_selfcheck(impl, monkeypatch):
     from k3.ops.kda.triton.ops_bwd import gpu_selfcheck
+    monkeypatch.setenv("K3_KDA_TRITON_BWD", impl)
     res = gpu_selfcheck(T=1000, H=8, D=128, dtypes=("bf16",))  # fp32: minutes of first compile
     errs = {k: v for k, v in res.items() if ".ms." not in k}
-    report("kda triton bwd", **errs)
+    report(f"kda triton bwd {impl}", **errs)
     for k, v in errs.items():
         tight = ".fp32." in k or k.endswith("fp32")
         loose = any(n in k for n in ("dg", "df", "dbeta", "dA_log", "ddt_bias"))
         tol = 1e-3 if tight else (2e-2 if loose else 8e-3)
         assert v <= tol, (k, v)
+
+
+@pytest.mark.parametrize("impl", ["v1", "v2"])
+def test_kda_triton_backward_finite_with_saturated_gates(impl):
+    """Every gradient finite at H96 D128 bf16 with gates that saturate (exp(A_log) up to 16, no dht): the regime
+    where the first v2 (u' / du' kept by the sequential passes) gave non-finite states and gradients on the H200
+    while the selfcheck above passed (2026-11-30, benchmarks/kda_bwd_nan.py)."""
+    from k3.ops.kda.triton import ops_bwd
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)
+    T, H, D = 2048, 96, 128
+    q, k, v, f, do = (r(1, T, H, D).to(BF) for _ in range(5))
+    beta = r(1, T, H).sigmoid().to(BF)
+    A_log = torch.log(torch.empty(H, device=DEV).uniform_(1, 16, generator=gen))
+    grads = ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, None, D ** -0.5, impl=impl, use_qk_l2norm_in_kernel=True,
+                                  use_gate_in_kernel=True, A_log=A_log, dt_bias=r(H * D) * 0.1, lower_bound=-5.0)
+    bad = {n: int((~torch.isfinite(x)).sum()) for n, x in
+           zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads) if not torch.isfinite(x).all()}
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------------------------------------------- our KDA forward, full shapes
@@ -391,6 +412,13 @@ def test_model_prefill_forward_only_uses_triton_and_matches_fla(monkeypatch):
     with torch.no_grad(), rec.replay(m):
         auto = m(ids).logits.float()
     assert calls, "no-grad prefill did not go to the triton backend"
-    err = rel(auto, ref)
-    report("model prefill triton vs fla (bf16)", logits=err)
-    assert err < 2e-2, err
+    # both bf16 paths against the same model in fp32 (torch KDA / AttnRes paths, same routing): ours must be as close
+    # as fla's (pinned, triton vs fla measured 3.2e-2 apart on the H200, 2026-11-30: eight random-init bf16 layers)
+    import copy
+    m32 = copy.deepcopy(m).float()
+    monkeypatch.setenv("K3_BACKEND", "kda:torch,attnres:torch")
+    with torch.no_grad(), rec.replay(m32):
+        exact = m32(ids).logits.float()
+    err_ours, err_fla = rel(auto, exact), rel(ref, exact)
+    report("model prefill bf16 vs fp32", triton=err_ours, fla=err_fla, triton_vs_fla=rel(auto, ref))
+    assert err_ours <= 1.5 * err_fla + 5e-3, (err_ours, err_fla)

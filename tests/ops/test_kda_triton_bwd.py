@@ -112,20 +112,37 @@ def _checks() -> dict:
     run("subset", 1, 20, 1, 16, 16, gate=True, l2=True, h0=True, dht=True, want=("dv", "dg", "ddt_bias"))
     res["calls.triton_bwd"] = float(calls["n"])
     # 8. K3_KDA_TRITON_BWD=torch: the old recompute backward is still reachable and agrees
+    prev = os.environ.get("K3_KDA_TRITON_BWD")
     os.environ["K3_KDA_TRITON_BWD"] = "torch"
     n0 = calls["n"]
     run("torch_fallback", 1, 50, H, 16, 16, gate=True, l2=True, h0=True, dht=True)
     res["calls.during_fallback"] = float(calls["n"] - n0)
-    del os.environ["K3_KDA_TRITON_BWD"]
+    if prev is None:
+        del os.environ["K3_KDA_TRITON_BWD"]
+    else:
+        os.environ["K3_KDA_TRITON_BWD"] = prev
+    # 9. an unknown backend name is refused with the known ones
+    os.environ["K3_KDA_TRITON_BWD"] = "v9"
+    try:
+        run("bad_name", 1, 20, 1, 16, 16, gate=True, l2=True, h0=False, dht=False)
+        res["bad_name_error"] = ""
+    except ValueError as e:
+        res["bad_name_error"] = str(e)
+    finally:
+        if prev is None:
+            del os.environ["K3_KDA_TRITON_BWD"]
+        else:
+            os.environ["K3_KDA_TRITON_BWD"] = prev
     return res
 
 
-@pytest.fixture(scope="module")
-def results():
+@pytest.fixture(scope="module", params=["v1", "v2"])
+def results(request):
+    """Every check below runs for both backward implementations (K3_KDA_TRITON_BWD=v1 / v2)."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
     from k3.ops.triton_interp import run_interpreted
-    return run_interpreted(__file__, timeout=600, env_pop=("K3_KDA_TRITON_BWD",))
+    return run_interpreted(__file__, timeout=600, env_set={"K3_KDA_TRITON_BWD": request.param})
 
 
 FP32 = {"gate_l2_h0_dht": GRADS, "varlen": GRADS, "g_at_bound": ("dq", "dk", "dv", "dg", "dbeta"),
@@ -153,9 +170,10 @@ def test_only_requested_gradients(results):
         assert results[f"subset.{g}.is_none"] == 1.0, results
 
 
-def test_triton_backward_is_default_and_torch_fallback_reachable(results):
+def test_triton_backward_used_and_torch_fallback_reachable(results):
     assert results["calls.triton_bwd"] == 9.0  # one per run() above the fallback case
     assert results["calls.during_fallback"] == 0.0
+    assert "K3_KDA_TRITON_BWD='v9'" in results["bad_name_error"] and "v1" in results["bad_name_error"]
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32"
              dht="*fp32", dstates="*fp32", dh0="*fp32", A_log="*fp32", dt_bias="*fp32", eg_out="*fp32",
              chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16",
              uns="*fp32", dus="*fp32", cmat="*fp32", cdb="*fp32", x1s="*fp32", x2s="*fp32", dgis="*fp32",
-             nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32")
+             nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32", ws="*fp32", ks="*fp32", aqf="*fp32")
 
 
 def _cases():
@@ -33,9 +33,10 @@ def _cases():
         "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64)),
         "kda_recurrent_fwd": (kf.kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
                                                                 L2NORM=True, HAS_H0=True, STORE_HT=True)),
-        "kda_bwd_states": (kb.kda_bwd_states_kernel, dict(cb, HAS_H0=True, STORE_U=True)),
-        "kda_bwd_dstates": (kb.kda_bwd_dstates_kernel, dict(cb, HAS_DHT=True, STORE_DU=True)),
-        "kda_bwd_gv": (kb.kda_bwd_gv_kernel, dict(H=96, V=128, BT=64, BV=32, IEEE=False)),
+        "kda_bwd_states": (kb.kda_bwd_states_kernel, dict(cb, HAS_H0=True)),
+        "kda_bwd_dstates": (kb.kda_bwd_dstates_kernel, dict(cb, HAS_DHT=True)),
+        "kda_bwd_gv": (kb.kda_bwd_gv_kernel, dict(H=96, K=128, V=128, BT=64, BV=16, BK=32, IEEE=False)),
+        "kda_bwd_prep2": (kb.kda_bwd_prep2_kernel, dict(cg, V=128, LOG2_TS=4, LOG2_NB=2, BV=32, BK=32)),
         "kda_bwd_gw": (kb.kda_bwd_gw_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, BV=32,
                                                    BK=32)),
         "kda_bwd_gi": (kb.kda_bwd_gi_kernel, dict({n: c for n, c in cg.items() if n != "V"}, BK=32, NKW=4)),
@@ -48,7 +49,8 @@ def _cases():
 
 
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
-                                  "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw", "kda_bwd_gi",
+                                  "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_prep2", "kda_bwd_gv", "kda_bwd_gw",
+                                  "kda_bwd_gi",
                                   "situ_fwd", "situ_bwd",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):

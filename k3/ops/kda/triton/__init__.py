@@ -53,10 +53,15 @@ same overflow bound as the forward, while a 64-token span may decay by e^-320):
 Memory beyond inputs/grads: two fp32 K x V states per 64 tokens and head (2*K*V*4/64 B per token-head, 2 KiB at
 K = V = 128) plus the operands of steps 1-3 (3K + V + 64 values per token-head in the input dtype, freed before
 step 4), then the fp32 scratch of steps 4-5 (2K + 2V + 4*64 + 1 values, 3 KiB per token-head at K = V = 128).
-K3_KDA_TRITON_BWD=v1 selects steps 4-5 as described; the default v2 replaces them (ops_bwd.kda_chunk_bwd): the
-sequential passes keep u' / du' and the prep keeps T and L (fp32), and three leaner kernels follow: gv (chunk, head:
-dv, dAq, value parts of dN / dbeta), gw (chunk, head, K block: dXk, the state-side dq / dk / dG terms, partial dN)
-and gi (chunk, head: the intra-chunk backward, dg through the gate, dq / dk through the L2 norm).
+Steps 1-5 are "v1" (the default). K3_KDA_TRITON_BWD=v2 selects the split that recomputes nothing (`_bwd_v2`):
+`kda_bwd_prep2_kernel` (chunk, head) writes step 1's operands plus T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in
+fp32 (Aq / L / T over K-column blocks, no [64, K] fp32 tile); the same sequential passes; then gv (chunk, head:
+grad_v's value loop, `_value_side`: u', du', dv, dAq, value parts of dN / dbeta), gw (chunk, head, K block: dXk,
+the state-side dq / dk / dG terms, a partial dN per K block) and gi (chunk, head: the intra-chunk backward, dg
+through the gate, dq / dk through the L2 norm). Same arithmetic as v1 (same interpreter errors); ~1 KB more fp32
+scratch per token-head. Its first form (u' / du' kept by the sequential passes against the fp32 state) measured
+1.75x faster than v1 on the H200 but gave non-finite gradients at K3 shapes, so v2 stays opt-in until its current
+form is checked there (benchmarks/RESULTS.md).
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
@@ -133,8 +138,11 @@ def _fallback(reason, *args, **kw):
     return chunk_kda_torch(*args, **kw)
 
 
-BWD_IMPLS = ("v2", "v1", "torch")
-DEFAULT_BWD = "v2"
+BWD_IMPLS = ("v1", "v2", "torch")
+# v1 until v2 is re-checked on the H200: v2's first form (u' / du' kept by the sequential passes) measured 1.75x
+# faster but gave non-finite gradients at K3 shapes (benchmarks/RESULTS.md, fourth session); the current v2 keeps
+# v1's arithmetic everywhere (same interpreter errors) and has not run on a GPU yet.
+DEFAULT_BWD = "v1"
 
 
 def _bwd_mode() -> str:

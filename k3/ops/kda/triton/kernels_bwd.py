@@ -176,14 +176,12 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
 @triton.jit
 def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
                         qg_out, kd_out, w_out, u_out, aq_out, eg_out,
-                        cmat, chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
-                        STORE_TL: tl.constexpr):
-    """One program = one BT-token chunk of one head: recompute the operands of the two sequential passes,
-    q e^G, k e^(G_l - G), W, U, tril(Aq) (head-major, in the intermediate dtype) and e^(G_l) (fp32).
-    STORE_TL (the v2 gradient kernels): also T and tril_-1(L) (fp32) to slots 0 and 1 of cmat [NC, H, 4, BT, BT]."""
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """One program = one BT-token chunk of one head (v1): recompute the operands of the two sequential passes,
+    q e^G, k e^(G_l - G), W, U, tril(Aq) (head-major, in the intermediate dtype) and e^(G_l) (fp32)."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_tok + i_c)
@@ -201,12 +199,7 @@ def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
     g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
     Aq, L = _intra_fwd(qs, kn, G, BT, TS, REF, IEEE)
     Aq = tl.where(row >= col, Aq, 0.)
-    L = tl.where(row > col, L, 0.)
-    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
-    if STORE_TL:
-        pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
-        tl.store(cmat + pc, Tm)
-        tl.store(cmat + pc + BT * BT, L)
+    Tm = _unit_lower_inv(tl.where(row > col, b_b[:, None] * L, 0.), BT, TS, LOG2_TS, LOG2_NB)
     eG = tl.exp(G)
     b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
     dt = w_out.dtype.element_ty
@@ -224,12 +217,11 @@ def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
 
 
 @triton.jit
-def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
+def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr):
+                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
-    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S). STORE_U (v2): also
-    u' = U - W S to uns [H, Ttot, V] (fp32)."""
+    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -245,24 +237,17 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
         b_kd = tl.load(kd + hk, mask=m_t[:, None], other=0.)
         b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
-        if STORE_U:
-            # kept for the gradient kernels: against the fp32 state (tf32 products on the GPU; a bf16-rounded S
-            # costs the gradients ~2x in relative error, dv 9.3e-3 vs 3.3e-3 under the interpreter)
-            b_vn = b_u.to(tl.float32) - _dot(b_w.to(tl.float32), S, IEEE)
-            tl.store(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_vn, mask=m_t[:, None])
-        else:
-            b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
+        b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
         S = S * b_e[:, None] + _dot_lp(tl.trans(b_kd), b_vn.to(dt), IEEE, UPCAST)
 
 
 @triton.jit
-def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, seq_chunk, Ttot,
+def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chunk, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_DU: tl.constexpr):
+                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
     gradient dS (starting from dht): stores dS at each chunk's end, then
-    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS.
-    STORE_DU (v2): also du' to dus [H, Ttot, V] (fp32)."""
+    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -281,11 +266,7 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, se
         b_a = tl.load(aq + (i_h * Ttot + tok[:, None]) * BT + o_t[None, :], mask=m_t[:, None], other=0.)
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
-        if STORE_DU:  # as u' in the forward pass: against the fp32 dS
-            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot(b_kd.to(tl.float32), dS, IEEE)
-            tl.store(dus + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_du, mask=m_t[:, None])
-        else:
-            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
+        b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
         dS = dS * b_e[:, None] + _dot_lp(tl.trans(b_qg), b_do, IEEE, UPCAST) \
             - _dot_lp(tl.trans(b_w), b_du.to(dt), IEEE, UPCAST)
     tl.store(dh0 + ps, dS)
@@ -325,6 +306,33 @@ def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.co
 
 
 @triton.jit
+def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound,
+                    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
+                    LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+                    L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """A chunk's (tril(Aq), tril_-1(L), T, rq, rk) in fp32 without a [BT, K] tile: Aq and L accumulate over
+    BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after)."""
+    o_t = tl.arange(0, BT)
+    row = o_t[:, None]
+    col = o_t[None, :]
+    one = tl.zeros([BT], dtype=tl.float32) + 1.
+    Aq = tl.zeros([BT, BT], dtype=tl.float32)
+    L = tl.zeros([BT, BT], dtype=tl.float32)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
+                                       H, K, USE_GATE)
+        a_kb, l_kb = _intra_fwd(b_q, b_k, tl.cumsum(b_g, axis=0), BT, TS, REF, IEEE)
+        Aq += a_kb
+        L += l_kb
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
+    L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
+    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    return Aq, L, Tm, rq, rk
+
+
+@triton.jit
 def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
                           dv, ws, ks, uns, dus, cmat, cdb,
                           chunk_tok, chunk_end, scale, lower_bound, Ttot,
@@ -348,20 +356,8 @@ def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
     col = o_t[None, :]
     b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
     # Aq and L in BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both)
-    one = tl.zeros([BT], dtype=tl.float32) + 1.
-    Aq = tl.zeros([BT, BT], dtype=tl.float32)
-    L = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
-                                       H, K, USE_GATE)
-        a_kb, l_kb = _intra_fwd(b_q, b_k, tl.cumsum(b_g, axis=0), BT, TS, REF, IEEE)
-        Aq += a_kb
-        L += l_kb
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
-    L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
-    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
+                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
@@ -377,6 +373,21 @@ def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
     tl.debug_barrier()  # ws / ks are read back below in other threads' layouts
 
     AqT = tl.trans(Aq)
+    _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
+                H, K, V, BT, BV, BK, IEEE)
+
+
+@triton.jit
+def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
+                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                BK: tl.constexpr, IEEE: tl.constexpr):
+    """The value side of a chunk's gradient, given T, Aq^T (fp32, in registers) and W / k e^(G_l - G) in the fp32
+    scratch ws / ks: per value block U = T diag(beta) v, u' = U - W S0, du' = Aq^T do + (k e^(G_l - G)) dS (K in BK
+    blocks against the stored states), dv = diag(beta) T^T du'; stores u', du' (uns / dus), and per chunk
+    tril(dAq) = tril(do u'^T), sum_V dXv U^T and sum_V dXv v (cmat slots 2, 3; cdb)."""
+    o_t = tl.arange(0, BT)
+    row = o_t[:, None]
+    col = o_t[None, :]
     TmT = tl.trans(Tm)
     d_aq = tl.zeros([BT, BT], dtype=tl.float32)
     d_n = tl.zeros([BT, BT], dtype=tl.float32)
@@ -404,6 +415,7 @@ def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
         tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
         d_b += tl.sum(dxv * b_v, 1)
         d_n += _dot(dxv, tl.trans(U), IEEE)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
     tl.store(cmat + pc + 3 * BT * BT, d_n)
     tl.store(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, d_b)
@@ -525,21 +537,20 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# v2 gradient kernels. The sequential passes already form u' (states) and du' (dstates): with STORE_U / STORE_DU
-# they keep them (fp32), and the prep keeps T and tril_-1(L) (STORE_TL), so no chunk is recomputed in fp32. The
-# work is split so that each kernel holds few tiles (more programs per SM than the v1 pair):
-#   gv (chunk, head)           value side: dv, dAq, the value part of dN and dbeta
+# v2 gradient kernels. The prep (prep2) keeps T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in fp32, so no chunk
+# is recomputed; the work is split so that each kernel holds few tiles (more programs per SM than the v1 pair):
+#   gv (chunk, head)           value side (v1's `_value_side`): u', du', dv, dAq, the value part of dN and dbeta
 #   gw (chunk, head, K block)  the state side per K block: dW -> dXk, d(q e^G), d(k e^(G_l - G)), their dG terms,
 #                              partial dN (dXk W^T) and dbeta per K block
 #   gi (chunk, head)           the intra-chunk backward from dAq and dL = diag(beta) dN, dG -> dg (gate), dq, dk
 #                              through the L2 norm
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def kda_bwd_gv_kernel(v, beta, do, u, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
-                      H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr):
-    """v2, value side. One program = one chunk of one head; per value block with u', du' (sequential passes) and U
-    (prep): dXv = T^T du', dv = diag(beta) dXv, dAq = tril(do u'^T), dN_v = dXv U^T, dbeta_v = sum_V dXv v.
-    Writes cmat slots 2 (tril dAq) and 3 (dN_v, unmasked) and cdb (dbeta_v)."""
+def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
+                      H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      BK: tl.constexpr, IEEE: tl.constexpr):
+    """v2, value side: v1's `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the
+    prep (fp32) instead of recomputed. One program = one chunk of one head."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_tok + i_c)
@@ -550,32 +561,14 @@ def kda_bwd_gv_kernel(v, beta, do, u, uns, dus, cmat, cdb, dv, chunk_tok, chunk_
     row = o_t[:, None]
     col = o_t[None, :]
     b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
-    TmT = tl.trans(tl.load(cmat + pc))
-    d_aq = tl.zeros([BT, BT], dtype=tl.float32)
-    d_n = tl.zeros([BT, BT], dtype=tl.float32)
-    d_b = tl.zeros([BT], dtype=tl.float32)
-    for iv in range(0, V // BV):
-        o_v = iv * BV + tl.arange(0, BV)
-        pv = (tok[:, None] * H + i_h) * V + o_v[None, :]
-        hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
-        du = tl.load(dus + hv, mask=m_t[:, None], other=0.)
-        un = tl.load(uns + hv, mask=m_t[:, None], other=0.)
-        b_do = tl.load(do + pv, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_u = tl.load(u + hv, mask=m_t[:, None], other=0.).to(tl.float32)
-        d_aq += _dot(b_do, tl.trans(un), IEEE)
-        dxv = _dot(TmT, du, IEEE)
-        tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
-        d_b += tl.sum(dxv * b_v, 1)
-        d_n += _dot(dxv, tl.trans(b_u), IEEE)
-    tl.store(cmat + pc + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
-    tl.store(cmat + pc + 3 * BT * BT, d_n)
-    tl.store(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, d_b)
+    Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
+    AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
+    _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
+                H, K, V, BT, BV, BK, IEEE)
 
 
 @triton.jit
-def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, w, states, dstates, uns, dus, cmat,
+def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, uns, dus, cmat,
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
@@ -616,7 +609,7 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, w, states, dstates, uns
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     dxk = _dot(tl.trans(tl.load(cmat + pc)), d_w, IEEE)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-    b_w = tl.load(w + hkb, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
     pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
     tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
@@ -734,15 +727,16 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 
 @triton.jit
 def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
-                         qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat,
+                         qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat, ws, ks, aqf,
                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                          REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
                          BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep: the outputs of `kda_bwd_prep_kernel` (with STORE_TL) in BK-column blocks, so no [BT, K] fp32 tile
+    """v2 prep: the outputs of `kda_bwd_prep_kernel` in BK-column blocks, so no [BT, K] fp32 tile
     is live (the single-pass prep keeps ~1.3 KB of spills per thread at K = 128): Aq and L accumulate over column
     blocks of the raw q, k (the L2 norm is a row / column scaling of both), then T, and per column block
-    q e^G, k e^(G_l - G), W, e^(G_l); per value block U."""
+    q e^G, k e^(G_l - G), W, e^(G_l); per value block U. For the gradient kernels also T and tril_-1(L) (cmat
+    slots 0, 1), W and k e^(G_l - G) (ws / ks) and tril(Aq) (aqf), all fp32."""
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_tok + i_c)
@@ -753,25 +747,14 @@ def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
     row = o_t[:, None]
     col = o_t[None, :]
     b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    one = tl.zeros([BT], dtype=tl.float32) + 1.
-    Aq = tl.zeros([BT, BT], dtype=tl.float32)
-    L = tl.zeros([BT, BT], dtype=tl.float32)
-    for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
-                                       H, K, USE_GATE)
-        a_kb, l_kb = _intra_fwd(b_q, b_k, tl.cumsum(b_g, axis=0), BT, TS, REF, IEEE)
-        Aq += a_kb
-        L += l_kb
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
-    L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
-    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
+                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
     dt = w_out.dtype.element_ty
     tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(dt), mask=m_t[:, None])
+    tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
@@ -781,8 +764,12 @@ def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
         eG = tl.exp(G)
         hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
         tl.store(qg_out + hkb, (qn * scale * eG).to(dt), mask=m_t[:, None])
-        tl.store(kd_out + hkb, (kn * tl.exp(g_last[None, :] - G)).to(dt), mask=m_t[:, None])
-        tl.store(w_out + hkb, _dot(Tm, kn * eG * b_b[:, None], IEEE).to(dt), mask=m_t[:, None])
+        b_kd = kn * tl.exp(g_last[None, :] - G)
+        b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
+        tl.store(kd_out + hkb, b_kd.to(dt), mask=m_t[:, None])
+        tl.store(w_out + hkb, b_w.to(dt), mask=m_t[:, None])
+        tl.store(ks + hkb, b_kd, mask=m_t[:, None])
+        tl.store(ws + hkb, b_w, mask=m_t[:, None])
         tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
     for iv in range(0, V // BV):
         o_v = iv * BV + tl.arange(0, BV)

@@ -54,9 +54,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # the gradient in two kernels (value side, then K-column blocks): no [BT, K] fp32 accumulator stays live
         grad_v=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
         grad_k=dict(BV=min(V, 32), BK=16, num_warps=8, num_stages=2),
-        # v2 (prep2 / gv / gw / gi; prep2 with BK = K is the single-pass prep)
-        prep2=dict(BV=min(V, 32), BK=max(16, min(32, K // 2)), num_warps=4, num_stages=1),
-        gv=dict(BV=min(V, 32), num_warps=4, num_stages=1),
+        # v2 (prep2 / gv / gw / gi); gv = grad_v's value loop (same BV / BK)
+        prep2=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
+        gv=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
         # gw: BK = 64 / 8 warps 3.81 ms vs 4.39 at BK = 32 / 4 warps (H200, B1 T8K H96, benchmarks/RESULTS.md)
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
         gi=dict(BK=min(K, 32), num_warps=4, num_stages=1),
@@ -75,13 +75,13 @@ def kernel_table(kb=_k):
 
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
                   use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log=None,
-                  dt_bias=None, lower_bound: Optional[float] = -5.0, impl: str = "v2", launch: Optional[dict] = None):
+                  dt_bias=None, lower_bound: Optional[float] = -5.0, impl: str = "v1", launch: Optional[dict] = None):
     """Gradients of chunk_kda's (o, final_state) given do [B,T,H,V] and dht [N,H,K,V] (or None = zero).
 
     Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): token gradients in their inputs' dtypes, dg w.r.t. g
     as given (the raw gate input f when use_gate_in_kernel), dh0 [N,H,K,V] fp32, dA_log [H] / ddt_bias [H*K] fp32
     (None without the gate). Inputs are validated and supported (see the package's `_unsupported`).
-    impl: "v2" (default) or "v1" gradient kernels (package docstring); launch: per-kernel overrides of
+    impl: "v1" (default) or "v2" gradient kernels (package docstring); launch: per-kernel overrides of
     `launch_config` ({kernel name: {param: value}}, for benchmarks)."""
     if impl not in ("v1", "v2"):
         raise ValueError(f"kda_chunk_bwd: impl={impl!r}: known values are 'v1', 'v2'")
@@ -125,33 +125,31 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
                 raise ValueError(f"kda_chunk_bwd: launch override for unknown kernel {name!r} (known: {sorted(lc)})")
             lc[name] = {**lc[name], **over}
         v2 = impl == "v2"
-        cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
-        if v2 and lc["prep2"]["BK"] < K:
+        if v2:  # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq)
+            cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
+            ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
+            aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
             _k.kda_bwd_prep2_kernel[(NC, H)](
-                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ctok, cend, float(scale), lb, Tt,
-                **lc["prep2"], **const)
+                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ws, ks, aqf, ctok, cend, float(scale),
+                lb, Tt, **lc["prep2"], **const)
         else:
             _k.kda_bwd_prep_kernel[(NC, H)](
-                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ctok, cend, float(scale), lb, Tt,
-                STORE_TL=v2, **lc["prep"], **const)
+                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, ctok, cend, float(scale), lb, Tt,
+                **lc["prep"], **const)
         states = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
         dstates = torch.empty_like(states)
-        # v2: u' and du' from the sequential passes (fp32, [H, Ttot, V])
-        uns, dus = ((torch.empty(H, Tt, V, device=dev, dtype=torch.float32) for _ in range(2)) if v2
-                    else (eg, eg))
         BV = lc["states"]["BV"]
         _k.kda_bwd_states_kernel[(N, H, V // BV)](
-            kd, w, u, eg, h0 if h0 is not None else eg, states, uns, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=v2, **lc["states"])
+            kd, w, u, eg, h0 if h0 is not None else eg, states, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, **lc["states"])
         _k.kda_bwd_dstates_kernel[(N, H, V // BV)](
-            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_DU=v2, **lc["dstates"])
-        del qg, kd, aq, eg
+            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
+        del qg, kd, w, u, aq, eg
         if v2:
-            _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, w, u, states, dstates, uns, dus, cmat,
+            _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, states, dstates, cmat,
                     dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const)
         else:
-            del w, u
             _bwd_v1(qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
                     ctok, cend, float(scale), lb, Tt, NC, lc, const)
     dA_log = ddt_bias = None
@@ -167,23 +165,24 @@ def _nonfinite(**tensors) -> None:
         print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items()}, flush=True)
 
 
-def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, w, u, states, dstates, uns, dus, cmat,
+def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, states, dstates, cmat,
             dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const):
-    """The v2 gradient kernels gv, gw, gi (kernels_bwd.py) after the prep and the sequential passes."""
-    _nonfinite(w=w, u=u, T=cmat[:, :, 0], L=cmat[:, :, 1], states=states, dstates=dstates, uns=uns, dus=dus)
+    """The v2 gradient kernels gv, gw, gi (kernels_bwd.py) after prep2 and the sequential passes."""
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
+    _nonfinite(T=cmat[:, :, 0], L=cmat[:, :, 1], ws=ws, ks=ks, aqf=aqf, states=states, dstates=dstates)
     dev = qc.device
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
-    _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, u, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
-                                  H=H, V=V, BT=BT, IEEE=ieee, **lc["gv"])
-    _nonfinite(dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
+    uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=torch.float32) for _ in range(2))
+    _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
+                                  H=H, K=K, V=V, BT=BT, IEEE=ieee, **lc["gv"])
+    _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
     NKW = K // BKW
     x1s, x2s, dgis = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(3))
     nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32)
     dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32)
     _k.kda_bwd_gw_kernel[(NC, H, NKW)](
-        qc, kc, gc, bc, a_log, dtb, doc, w, states, dstates, uns, dus, cmat, x1s, x2s, dgis, nkp, dbp,
+        qc, kc, gc, bc, a_log, dtb, doc, ws, states, dstates, uns, dus, cmat, x1s, x2s, dgis, nkp, dbp,
         ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
         IEEE=ieee, **lc["gw"])
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
