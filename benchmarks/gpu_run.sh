@@ -50,7 +50,7 @@ for stage in "$@"; do case $stage in
       --json "$OUT/prefill_1m.json" ;;
   train) step train 200 python3 benchmarks/gpu_model.py --train --profile --batch 8,4,2 --seq 4096 --steps 5 \
       --compile none,modules ;;
-  trainbf16) step trainbf16 200 python3 benchmarks/gpu_model.py --train --batch 16,8 --seq 4096 --steps 5 \
+  trainbf16) step trainbf16 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params ;;
   profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
