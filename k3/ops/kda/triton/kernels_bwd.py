@@ -505,28 +505,10 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
         dG = (d_qg * eG + dqp) * qs + dxk * (kn * eG * b_b[:, None]) - d_kd * kd + kn * (dkr - dkc)
         d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
         dG += tl.where(row == BT - 1, d_gl[None, :], 0.)
-        dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG  # ... -> dg: g_t enters G_s for all s >= t
         dkn = dxk * (b_b[:, None] * eG) + d_kd * tl.exp(g_last[None, :] - G) + dkr + dkc
         dqn = (d_qg * eG + dqp) * scale
-        if USE_GATE:
-            x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
-            s = tl.sigmoid(x)
-            dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
-            df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
-            d_al += tl.sum(tl.sum(dx * x, 1), 0)
-            tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, tl.sum(df, 0))
-        else:
-            tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
-        if L2NORM:
-            s_q += tl.sum(qn * dqn, 1)
-            s_k += tl.sum(kn * dkn, 1)
-            tl.debug_barrier()  # every thread has read dXk before the pre-norm dk replaces it
-            tl.store(ks + hkb, dqn, mask=m_t[:, None])
-            tl.store(ws + hkb, dkn, mask=m_t[:, None])
-        else:
-            tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
-            tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
+        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, ks, ws, dG, dqn, dkn, qn, kn, pk,
+                                        hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
     if USE_GATE:
         tl.store(dal_part + i_c * H + i_h, d_al)
     tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
@@ -678,34 +660,47 @@ def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x
         x1 = tl.load(x1s + hkb, mask=m_t[:, None], other=0.)
         x2 = tl.load(x2s + hkb, mask=m_t[:, None], other=0.)
         dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.) + dqp * qs + kn * (dkr - dkc)
-        dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG  # g_t enters G_s for all s >= t
         dkn = x2 + dkr + dkc
         dqn = (x1 + dqp) * scale
-        if USE_GATE:
-            x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
-            s = tl.sigmoid(x)
-            dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
-            df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
-            d_al += tl.sum(tl.sum(dx * x, 1), 0)
-            tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, tl.sum(df, 0))
-        else:
-            tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
-        if L2NORM:
-            s_q += tl.sum(qn * dqn, 1)
-            s_k += tl.sum(kn * dkn, 1)
-            tl.debug_barrier()  # every thread has read x1 / x2 before the pre-norm gradients replace them
-            tl.store(x1s + hkb, dqn, mask=m_t[:, None])
-            tl.store(x2s + hkb, dkn, mask=m_t[:, None])
-        else:
-            tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
-            tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
+        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, x1s, x2s, dG, dqn, dkn, qn, kn, pk,
+                                        hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
     if USE_GATE:
         tl.store(dal_part + i_c * H + i_h, d_al)
     tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
     if L2NORM:
         tl.debug_barrier()
         _l2norm_bwd_cols(q, k, dq, dk, x1s, x2s, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+
+
+@triton.jit
+def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dqs, dks, dG, dqn, dkn, qn, kn, pk, hkb, m_t, i_c, i_h,
+                   o_kb, lower_bound, d_al, s_q, s_k, H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr,
+                   L2NORM: tl.constexpr):
+    """The end of one K-column block of a chunk's gradient: dG -> dg by the in-chunk suffix sum (g_t enters G_s for
+    all s >= t), through the gate to df (with this chunk's dA_log / ddt_bias partials), and dq, dk: stored, or with
+    the L2 norm stored pre-norm to dqs / dks (fp32 scratch, which the caller read at hkb before) with the row sums
+    s_q, s_k the norm's backward needs. Returns the updated (d_al, s_q, s_k)."""
+    dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG
+    if USE_GATE:
+        x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
+        s = tl.sigmoid(x)
+        dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
+        df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
+        d_al += tl.sum(tl.sum(dx * x, 1), 0)
+        tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, tl.sum(df, 0))
+    else:
+        tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
+    if L2NORM:
+        s_q += tl.sum(qn * dqn, 1)
+        s_k += tl.sum(kn * dkn, 1)
+        tl.debug_barrier()  # every thread has read the scratch at hkb before the pre-norm gradients replace it
+        tl.store(dqs + hkb, dqn, mask=m_t[:, None])
+        tl.store(dks + hkb, dkn, mask=m_t[:, None])
+    else:
+        tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
+        tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
+    return d_al, s_q, s_k
 
 
 @triton.jit
