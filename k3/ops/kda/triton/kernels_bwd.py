@@ -96,6 +96,22 @@ def _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
 
 
 @triton.jit
+def _chunk_start(chunk_tok, chunk_end, beta, H: tl.constexpr, BT: tl.constexpr):
+    """Prologue of the (chunk, head) kernels: program ids, the chunk's token range [t0, t1), row offsets o_t, token
+    indices tok (int64) and their mask, the [BT, 1] / [1, BT] row and column indices, and beta of the rows (fp32,
+    0 past the end)."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    t0 = tl.load(chunk_tok + i_c)
+    t1 = tl.load(chunk_end + i_c)
+    o_t = tl.arange(0, BT)
+    tok = (t0 + o_t).to(tl.int64)
+    m_t = tok < t1
+    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    return i_c, i_h, t0, t1, o_t, tok, m_t, o_t[:, None], o_t[None, :], b_b
+
+
+@triton.jit
 def _tile_factors(G, r, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr):
     """For row tile r: (in_r [BT,1] rows of the tile, upto [BT,1] rows/cols up to the tile end,
     ef = e^(G - G_m) on the tile's rows (1 elsewhere), cf = e^(G_m - G) up to the tile end (1 elsewhere))."""
@@ -345,16 +361,7 @@ def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
     ws = W, ks = k e^(G_l - G) ([H, Ttot, K], W re-read here in BK-column blocks), uns = u', dus = du'
     ([H, Ttot, V]), cmat = (T, tril_-1 L, tril(dAq), sum_V dXv U^T) per chunk ([NC, H, 4, BT, BT]) and
     cdb = sum_V dXv v ([NC, H, BT]); dv final."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     # Aq and L in BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both)
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
                                         REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
@@ -435,16 +442,7 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
     pass B: d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T, the intra-chunk backward and dG -> dg (or df, dA_log,
     ddt_bias partials), dq, dk, dbeta; with the L2 norm the pre-norm dq, dk go to ks / ws and
     pass C applies the norm's backward (it needs the full-row sums of q dq, k dk)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     ps = (i_c * H + i_h).to(tl.int64) * K * V
     TmT = tl.trans(tl.load(cmat + pc))
@@ -509,13 +507,9 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
         dqn = (d_qg * eG + dqp) * scale
         d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, ks, ws, dG, dqn, dkn, qn, kn, pk,
                                         hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
-    if USE_GATE:
-        tl.store(dal_part + i_c * H + i_h, d_al)
-    tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
-    if L2NORM:
-        # pass C: backward of the L2 norm
-        tl.debug_barrier()
-        _l2norm_bwd_cols(q, k, dq, dk, ks, ws, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+    # pass C: the chunk's dA_log partial, dbeta, and the L2 norm's backward
+    _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, ks, ws, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
+                    H, K, BK, USE_GATE, L2NORM)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -533,16 +527,7 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
                       BK: tl.constexpr, IEEE: tl.constexpr):
     """v2, value side: v1's `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the
     prep (fp32) instead of recomputed. One program = one chunk of one head."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
     _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
@@ -559,17 +544,9 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
     chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
     nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
+    o_kb = tl.program_id(2) * BK + tl.arange(0, BK)
     i_k = tl.program_id(2)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    o_kb = i_k * BK + tl.arange(0, BK)
     ps = (i_c * H + i_h).to(tl.int64) * K * V
     d_w = tl.zeros([BT, BK], dtype=tl.float32)
     d_qg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -594,7 +571,6 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
     b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
     pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
     tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
     rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
     qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
     G = tl.cumsum(b_g, axis=0)
@@ -624,16 +600,7 @@ def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x
     dbeta, dL = diag(beta) dN, then per BK columns the intra-chunk backward of (dAq, dL), dG (with gw's terms) ->
     dg through the suffix sum and the gate, d(q scale), d(kn); with the L2 norm the pre-norm gradients go back to
     x1s / x2s and a last pass applies the norm's backward (it needs full-row sums)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
     d_n = tl.load(cmat + pc + 3 * BT * BT)
@@ -664,12 +631,8 @@ def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x
         dqn = (x1 + dqp) * scale
         d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, x1s, x2s, dG, dqn, dkn, qn, kn, pk,
                                         hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
-    if USE_GATE:
-        tl.store(dal_part + i_c * H + i_h, d_al)
-    tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
-    if L2NORM:
-        tl.debug_barrier()
-        _l2norm_bwd_cols(q, k, dq, dk, x1s, x2s, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+    _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, x1s, x2s, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
+                    H, K, BK, USE_GATE, L2NORM)
 
 
 @triton.jit
@@ -704,6 +667,20 @@ def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dqs, dks, dG, dqn, d
 
 
 @triton.jit
+def _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, dqs, dks, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
+                    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+                    L2NORM: tl.constexpr):
+    """The end of a chunk's gradient after its column blocks (`_grad_cols_out`): the dA_log partial, dbeta, and
+    with the L2 norm dq / dk from the pre-norm gradients in dqs / dks."""
+    if USE_GATE:
+        tl.store(dal_part + i_c * H + i_h, d_al)
+    tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
+    if L2NORM:
+        tl.debug_barrier()
+        _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+
+
+@triton.jit
 def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """Backward of the q/k L2 norm, dx = r (dxn - xn sum_K(xn dxn)), from the pre-norm gradients dqs / dks
@@ -732,16 +709,7 @@ def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
     blocks of the raw q, k (the L2 norm is a row / column scaling of both), then T, and per column block
     q e^G, k e^(G_l - G), W, e^(G_l); per value block U. For the gradient kernels also T and tril_-1(L) (cmat
     slots 0, 1), W and k e^(G_l - G) (ws / ks) and tril(Aq) (aqf), all fp32."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
                                         REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
