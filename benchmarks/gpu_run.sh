@@ -26,9 +26,9 @@ for stage in "$@"; do case $stage in
          step tests 300 python3 -m pytest -q -s --timeout 120 --durations=10 tests/gpu -k "not tiny_model" ;;
   tests-decode) step tests-decode 330 python3 -m pytest -v -s --timeout 150 --durations=5 \
       tests/generation/test_static_decode.py ;;
-  kdafwdlong) step kdafwdlong 200 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
-      --prep-configs '["default"]' --state-configs none --shapes B2_T32K,B1_T128K --json "$OUT/kda_triton_long.json" \
-      --budget-s 170 ;;
+  kdafwdlong) step kdafwdlong 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
+      --prep-configs '["default"]' --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 \
+      --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
   bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 )) python3 benchmarks/kda_bwd_sweep.py \
       --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} ;;

@@ -646,6 +646,12 @@ STATE_SWEEP = [
     ("v2_w4_bv64_pf_late", dict(kernel="v2", bv=64, num_warps=4, prefetch=True, out_late=True), 5.7,
      "BV 64 on 4 warps with prefetch + out_late"),
 ]
+STATE_SWEEP += [  # long sequences (B x H < 2 x SMs): more, smaller value blocks (fourth session; `kdafwdlong`)
+    ("long_bv16_s3", dict(bv=16, num_stages=3), None, "BV 16: 4x the programs of BV 64 at N*H = 192, 2x of BV 32"),
+    ("long_bv16_w2_s3", dict(bv=16, num_warps=2, num_stages=3), None, "BV 16 on 2 warps: more programs per SM"),
+    ("long_bv64_s3", dict(bv=64, num_stages=3), None, "BV 64 (the pick at N*H = 192): control"),
+    ("long_bv32_s3", dict(bv=32, num_stages=3), None, "BV 32 (the pick at N*H = 96): control"),
+]
 STATE_SWEEP += [
     ("base_s3", dict(num_stages=3), 3.3, "base with a 3-stage cp.async pipeline (loads two steps ahead): best of the "
      "static grid"),
