@@ -27,7 +27,10 @@ CONFIGS = [
     ("v2_prep2_bk16", "v2", {"prep2": {"BK": 16}}),
     ("v2_prep2_bk64_w8", "v2", {"prep2": {"BK": 64, "num_warps": 8}}),
     ("v2_gv_bv32", "v2", {"gv": {"BV": 32}}),
-    ("v2_gi_bk16_w8", "v2", {"gi": {"BK": 16, "num_warps": 8}}),
+    ("v2_intra_chunk", "v2", {"intra": {"mode": "chunk"}}),
+    ("v2_gi2_bk64", "v2", {"gi2": {"BK": 64}}),
+    ("v2_gi2_bk16", "v2", {"gi2": {"BK": 16}}),
+    ("v2_gi2_w2", "v2", {"gi2": {"num_warps": 2}}),
     ("v2_gw_bk32_w4", "v2", {"gw": {"BK": 32, "num_warps": 4}}),
     ("v2_states_bv16", "v2", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
 ]

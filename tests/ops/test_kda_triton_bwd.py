@@ -111,6 +111,20 @@ def _checks() -> dict:
     # 7. only some inputs need grads: the others come back as None
     run("subset", 1, 20, 1, 16, 16, gate=True, l2=True, h0=True, dht=True, want=("dv", "dg", "ddt_bias"))
     res["calls.triton_bwd"] = float(calls["n"])
+    # 7b. v2's launch options against v1 on the same inputs (fp32, varlen with an empty and a 1-token sequence):
+    # the intra-chunk backward per chunk ("chunk") or per 16-row tile ("tiles"), other block sizes
+    from k3.ops.kda.triton import ops_bwd as ob
+    B, T, K, V, cu = 1, 168, 64, 32, [0, 1, 71, 71, 104, 168]
+    q, k, v, do = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, V)
+    f, beta = r(B, T, H, K) * 2, torch.rand(B, T, H, generator=gen)
+    kw = dict(initial_state=r(len(cu) - 1, H, K, V), cu_seqlens=torch.tensor(cu), use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, A_log=torch.rand(H, generator=gen), dt_bias=r(H * K) * 0.5)
+    dht = r(len(cu) - 1, H, K, V)
+    ref = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, impl="v1", **kw)
+    for name, launch in (("chunk", {"intra": {"mode": "chunk"}}), ("tiles", {"intra": {"mode": "tiles"}}),
+                         ("tiles_bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}})):
+        got = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, impl="v2", launch=launch, **kw)
+        res[f"v2_launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
     # 8. K3_KDA_TRITON_BWD=torch: the old recompute backward is still reachable and agrees
     prev = os.environ.get("K3_KDA_TRITON_BWD")
     os.environ["K3_KDA_TRITON_BWD"] = "torch"
@@ -161,6 +175,11 @@ def test_fp32_gradients(results, case, grad):
 def test_bf16_gradients(results, case, grad):
     tol = TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
+
+
+def test_v2_launch_options_match_v1(results):
+    for name in ("chunk", "tiles", "tiles_bk16"):
+        assert results[f"v2_launch.{name}"] <= 1e-5, results
 
 
 def test_only_requested_gradients(results):

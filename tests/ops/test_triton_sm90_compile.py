@@ -17,7 +17,8 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32"
              dht="*fp32", dstates="*fp32", dh0="*fp32", A_log="*fp32", dt_bias="*fp32", eg_out="*fp32",
              chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16",
              uns="*fp32", dus="*fp32", cmat="*fp32", cdb="*fp32", x1s="*fp32", x2s="*fp32", dgis="*fp32",
-             nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32", ws="*fp32", ks="*fp32", aqf="*fp32")
+             nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32", ws="*fp32", ks="*fp32", aqf="*fp32",
+             gcs="*fp32", rqk="*fp32")
 
 
 def _cases():
@@ -40,6 +41,10 @@ def _cases():
         "kda_bwd_gw": (kb.kda_bwd_gw_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, BV=32,
                                                    BK=32)),
         "kda_bwd_gi": (kb.kda_bwd_gi_kernel, dict({n: c for n, c in cg.items() if n != "V"}, BK=32, NKW=4)),
+        "kda_bwd_gi2": (kb.kda_bwd_gi2_kernel, dict({n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")},
+                                                    BK=32, NKW=2)),
+        "kda_bwd_gfin": (kb.kda_bwd_gfin_kernel, dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")},
+                                                      BK=32, NKW=2)),
         "situ_fwd": (at._situ_fwd_kernel, dict(BR=2, BC=512)),
         "situ_bwd": (at._situ_bwd_kernel, dict(BR=2, BC=512)),
         "mla_decode_partial C512 R64 H64": (md._partial_kernel, dict(C=512, R=64, BC=512, BR=64, BH=64, BN=32,
@@ -50,7 +55,7 @@ def _cases():
 
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
                                   "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_prep2", "kda_bwd_gv", "kda_bwd_gw",
-                                  "kda_bwd_gi",
+                                  "kda_bwd_gi", "kda_bwd_gi2", "kda_bwd_gfin",
                                   "situ_fwd", "situ_bwd",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):

@@ -57,9 +57,11 @@ Steps 1-5 are "v1" (the default). K3_KDA_TRITON_BWD=v2 selects the split that re
 `kda_bwd_prep2_kernel` (chunk, head) writes step 1's operands plus T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in
 fp32 (Aq / L / T over K-column blocks, no [64, K] fp32 tile); the same sequential passes; then gv (chunk, head:
 grad_v's value loop, `_value_side`: u', du', dv, dAq, value parts of dN / dbeta), gw (chunk, head, K block: dXk,
-the state-side dq / dk / dG terms, a partial dN per K block) and gi (chunk, head: the intra-chunk backward, dg
-through the gate, dq / dk through the L2 norm). Same arithmetic as v1 (same interpreter errors); ~1 KB more fp32
-scratch per token-head. Its first form (u' / du' kept by the sequential passes against the fp32 state) measured
+the state-side dq / dk / dG terms, a partial dN per K block), then the intra-chunk backward: by default gi2
+(chunk, head, 16-row tile, K block: everything landing on the tile's rows from [16, 64] slices of dAq / dL; 109
+registers, 4 programs per SM at sm_90) and gfin (chunk, head: dbeta, dg through the suffix sum and the gate, dq /
+dk through the L2 norm), or with launch option intra="chunk" gi alone (chunk, head). Same arithmetic as v1 (same
+interpreter errors); ~1.5 KB more fp32 scratch per token-head. Its first form (u' / du' kept by the sequential passes against the fp32 state) measured
 1.75x faster than v1 on the H200 but gave non-finite gradients at K3 shapes, so v2 stays opt-in until its current
 form is checked there (benchmarks/RESULTS.md).
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).

@@ -699,7 +699,7 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 
 @triton.jit
 def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
-                         qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat, ws, ks, aqf,
+                         qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat, ws, ks, aqf, gcs, rqk,
                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                          REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
@@ -708,7 +708,8 @@ def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
     is live (the single-pass prep keeps ~1.3 KB of spills per thread at K = 128): Aq and L accumulate over column
     blocks of the raw q, k (the L2 norm is a row / column scaling of both), then T, and per column block
     q e^G, k e^(G_l - G), W, e^(G_l); per value block U. For the gradient kernels also T and tril_-1(L) (cmat
-    slots 0, 1), W and k e^(G_l - G) (ws / ks) and tril(Aq) (aqf), all fp32."""
+    slots 0, 1), W and k e^(G_l - G) (ws / ks) and tril(Aq) (aqf), all fp32; for gi2 the chunk-local cumsum G
+    (gcs, [H, Ttot, K]) and the rows' L2-norm factors rq, rk (rqk, [2, H, Ttot])."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
                                         REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
@@ -718,6 +719,8 @@ def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
     dt = w_out.dtype.element_ty
     tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(dt), mask=m_t[:, None])
     tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
+    tl.store(rqk + i_h * Ttot + tok, rq, mask=m_t)
+    tl.store(rqk + (H + i_h) * Ttot + tok, rk, mask=m_t)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
@@ -734,8 +737,122 @@ def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
         tl.store(ks + hkb, b_kd, mask=m_t[:, None])
         tl.store(ws + hkb, b_w, mask=m_t[:, None])
         tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
+        tl.store(gcs + hkb, G, mask=m_t[:, None])
     for iv in range(0, V // BV):
         o_v = iv * BV + tl.arange(0, BV)
         b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
         tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], _dot(Tm, b_v * b_b[:, None], IEEE).to(dt),
                  mask=m_t[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# v2's intra-chunk backward split finer (launch option gi="tiles"): gi2 per (chunk, head, 16-row tile, K block)
+# computes everything that lands on the tile's rows, reading only [16, BT] slices of dAq / dL; gfin per
+# (chunk, head) does what needs whole chunks (the suffix sum of dG, the gate, dbeta, the L2 norm).
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dl_slice(cmat, nkp, pc0, pp, rows, cols, b_rows, NKW: tl.constexpr, BT: tl.constexpr):
+    """dL = diag(beta) (-tril_-1(dN)) at the index grids rows x cols (any shape), dN = cmat slot 3 + the gw
+    partials; b_rows: beta at `rows`."""
+    d = tl.load(cmat + pc0 + 3 * BT * BT + rows * BT + cols)
+    for j in tl.static_range(NKW):
+        d += tl.load(nkp + (pp + j * BT) * BT + rows * BT + cols)
+    return tl.where(rows > cols, -d, 0.) * b_rows
+
+
+@triton.jit
+def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_tok, chunk_end, scale, Ttot,
+                       H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
+                       BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr):
+    """v2 intra-chunk backward, one program = one chunk, head, TS-row tile r and BK columns. With m = the tile's
+    reference row (decays factored through G_m as in `_intra_bwd`), for the tile's rows R:
+    d(q scale)_R += e^(G_R - G_m) (dAq[R, :] (k e^(G_m - G))_{<= end of R}),   dk_row_R likewise from dL,
+    dk_col_R = e^(G_m - G_R) (dAq[:, R]^T (q scale e^(G - G_m))_{>= start of R} + dL[:, R]^T (k e^(G - G_m))),
+    then adds them to gw's terms in place (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG)."""
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
+    r = tl.program_id(2) % (BT // TS)
+    o_kb = (tl.program_id(2) // (BT // TS)) * BK + tl.arange(0, BK)
+    o_r = r * TS + tl.arange(0, TS)
+    tok_r = t0.to(tl.int64) + o_r
+    m_r = tok_r < t1
+    # the chunk's columns: G (rows past the end hold G of the last token: their g is 0), normalised q, k
+    hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+    G = tl.load(gcs + hkb, mask=m_t[:, None], other=0.)
+    g_end = tl.sum(tl.where(row == tl.minimum(t1 - t0, BT) - 1, G, 0.), 0)
+    G = tl.where(m_t[:, None], G, g_end[None, :])
+    rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
+    rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
+    g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
+    upto = row < r * TS + TS
+    start = row >= r * TS
+    kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)
+    e_from = tl.exp(tl.where(start, G - g_ref[None, :], 0.))
+    qe = tl.where(start, qs * e_from, 0.)
+    ke = tl.where(start, kn * e_from, 0.)
+    # the tile's rows of dAq / dL and their columns (transposed): [TS, BT] slices
+    pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
+    pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
+    rr = o_r[:, None]
+    b_r = tl.load(beta + tok_r * H + i_h, mask=m_r, other=0.).to(tl.float32)
+    daq_r = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + col)
+    daq_c = tl.load(cmat + pc0 + 2 * BT * BT + col * BT + rr)          # [j, t] = dAq[t, r TS + j]
+    dl_r = _dl_slice(cmat, nkp, pc0, pp, rr, col, b_r[:, None], NKW, BT)
+    dl_c = _dl_slice(cmat, nkp, pc0, pp, col, rr, tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)[None, :],
+                     NKW, BT)
+    # rows R
+    hr = (i_h * Ttot + tok_r[:, None]) * K + o_kb[None, :]
+    G_r = tl.load(gcs + hr, mask=m_r[:, None], other=0.)
+    G_r = tl.where(m_r[:, None], G_r, g_end[None, :])
+    ef_r = tl.exp(G_r - g_ref[None, :])
+    cf_r = tl.exp(g_ref[None, :] - G_r)
+    dqp = ef_r * _dot(daq_r, kc, IEEE)
+    dkr = ef_r * _dot(dl_r, kc, IEEE)
+    dkc = cf_r * (_dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE))
+    pkr = (tok_r[:, None] * H + i_h) * K + o_kb[None, :]
+    rq_r = tl.load(rqk + i_h * Ttot + tok_r, mask=m_r, other=0.)
+    rk_r = tl.load(rqk + (H + i_h) * Ttot + tok_r, mask=m_r, other=0.)
+    kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
+    qs_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * (rq_r * scale)[:, None]
+    x1 = tl.load(x1s + hr, mask=m_r[:, None], other=0.)
+    x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.)
+    dg = tl.load(dgis + hr, mask=m_r[:, None], other=0.)
+    tl.store(dgis + hr, dg + dqp * qs_r + kn_r * (dkr - dkc), mask=m_r[:, None])
+    tl.store(x1s + hr, (x1 + dqp) * scale, mask=m_r[:, None])
+    tl.store(x2s + hr, x2 + dkr + dkc, mask=m_r[:, None])
+
+
+@triton.jit
+def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis,
+                        dq, dk, dg, dbeta, dal_part, ddt_part, chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NKW: tl.constexpr,
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
+    """After gi2: per chunk and head, dbeta (value part + gw's partials + sum_i dN_ti L_ti), and per BK columns
+    dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s / x2s."""
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
+    pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
+    pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
+    d_n = _dl_slice(cmat, nkp, pc0, pp, row, col, 1., NKW, BT)
+    d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t) + tl.sum(d_n * tl.load(cmat + pc0 + BT * BT + row * BT
+                                                                                           + col), 1)
+    for j in tl.static_range(NKW):
+        d_b += tl.load(dbp + pp + j * BT + o_t)
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    s_q = tl.zeros([BT], dtype=tl.float32)
+    s_k = tl.zeros([BT], dtype=tl.float32)
+    d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    for kb in range(0, K // BK):
+        o_kb = kb * BK + tl.arange(0, BK)
+        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+        dqn = tl.load(x1s + hkb, mask=m_t[:, None], other=0.)
+        dkn = tl.load(x2s + hkb, mask=m_t[:, None], other=0.)
+        dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.)
+        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, x1s, x2s, dG, dqn, dkn, qn, kn, pk,
+                                        hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
+    _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, x1s, x2s, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
+                    H, K, BK, USE_GATE, L2NORM)

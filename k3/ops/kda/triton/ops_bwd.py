@@ -60,6 +60,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # gw: BK = 64 / 8 warps 3.81 ms vs 4.39 at BK = 32 / 4 warps (H200, B1 T8K H96, benchmarks/RESULTS.md)
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
         gi=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        # v2's intra-chunk backward: "tiles" = gi2 (chunk, head, 16-row tile, K block) + gfin (chunk, head),
+        # "chunk" = gi (chunk, head) alone (measured 10.1 ms at B1 T8K H96 in the first v2; tiles not yet timed)
+        intra=dict(mode="tiles"),
+        gi2=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        gfin=dict(BK=min(K, 32), num_warps=4, num_stages=1),
     )
 
 
@@ -70,7 +75,8 @@ def kernel_table(kb=_k):
             ("dstates", kb.kda_bwd_dstates_kernel, "dstates"), ("grad_v", kb.kda_bwd_grad_v_kernel, "chunk"),
             ("grad_k", kb.kda_bwd_grad_k_kernel, "chunk"), ("gv", kb.kda_bwd_gv_kernel, "chunk"),
             ("gw", kb.kda_bwd_gw_kernel, "chunk"), ("gi", kb.kda_bwd_gi_kernel, "chunk"),
-            ("prep2", kb.kda_bwd_prep2_kernel, "chunk")]
+            ("prep2", kb.kda_bwd_prep2_kernel, "chunk"), ("gi2", kb.kda_bwd_gi2_kernel, "chunk"),
+            ("gfin", kb.kda_bwd_gfin_kernel, "chunk")]
 
 
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
@@ -129,9 +135,11 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
             ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
             aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
+            gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
+            rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
             _k.kda_bwd_prep2_kernel[(NC, H)](
-                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ws, ks, aqf, ctok, cend, float(scale),
-                lb, Tt, **lc["prep2"], **const)
+                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ws, ks, aqf, gcs, rqk, ctok, cend,
+                float(scale), lb, Tt, **lc["prep2"], **const)
         else:
             _k.kda_bwd_prep_kernel[(NC, H)](
                 qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, ctok, cend, float(scale), lb, Tt,
@@ -147,7 +155,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
         del qg, kd, w, u, aq, eg
         if v2:
-            _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, states, dstates, cmat,
+            _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
                     dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const)
         else:
             _bwd_v1(qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
@@ -165,7 +173,7 @@ def _nonfinite(**tensors) -> None:
         print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items()}, flush=True)
 
 
-def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, states, dstates, cmat,
+def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
             dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const):
     """The v2 gradient kernels gv, gw, gi (kernels_bwd.py) after prep2 and the sequential passes."""
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
@@ -186,10 +194,23 @@ def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, states, dstates, c
         ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
         IEEE=ieee, **lc["gw"])
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
-    _k.kda_bwd_gi_kernel[(NC, H)](
-        qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
-        ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW,
-        USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"], IEEE=ieee, **lc["gi"])
+    gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
+    mode = lc["intra"]["mode"]
+    if mode == "chunk":
+        _k.kda_bwd_gi_kernel[(NC, H)](
+            qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
+            ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee,
+            **gate, **lc["gi"])
+    elif mode == "tiles":
+        BKI = lc["gi2"]["BK"]
+        _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"]) * (K // BKI))](
+            qc, kc, bc, cmat, nkp, gcs, rqk, x1s, x2s, dgis, ctok, cend, scale, Tt, H=H, K=K, BT=BT, TS=const["TS"],
+            REF=const["REF"], NKW=NKW, IEEE=ieee, **lc["gi2"])
+        _k.kda_bwd_gfin_kernel[(NC, H)](
+            qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
+            ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, **gate, **lc["gfin"])
+    else:
+        raise ValueError(f"kda_chunk_bwd: launch intra mode {mode!r}: expected 'chunk' or 'tiles'")
 
 
 def _bwd_v1(qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
