@@ -27,6 +27,8 @@ CONFIGS = [
     ("v2_prep2_bk16", "v2", {"prep2": {"BK": 16}}),
     ("v2_prep2_bk64_w8", "v2", {"prep2": {"BK": 64, "num_warps": 8}}),
     ("v2_gv_bv32", "v2", {"gv": {"BV": 32}}),
+    ("v2_prep_split", "v2", {"prep2": {"split": True}}),
+    ("v2_prep_split_bk32", "v2", {"prep2": {"split": True}, "pwu": {"BK": 32, "BV": 32}}),
     ("v2_intra_chunk", "v2", {"intra": {"mode": "chunk"}}),
     ("v2_gi2_bk64", "v2", {"gi2": {"BK": 64}}),
     ("v2_gi2_bk16", "v2", {"gi2": {"BK": 16}}),

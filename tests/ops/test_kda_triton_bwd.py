@@ -122,7 +122,9 @@ def _checks() -> dict:
     dht = r(len(cu) - 1, H, K, V)
     ref = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, impl="v1", **kw)
     for name, launch in (("chunk", {"intra": {"mode": "chunk"}}), ("tiles", {"intra": {"mode": "tiles"}}),
-                         ("tiles_bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}})):
+                         ("tiles_bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}}),
+                         ("prep_split", {"prep2": {"split": True}}),
+                         ("prep_split_bk16", {"prep2": {"split": True}, "pwu": {"BK": 16, "BV": 16}})):
         got = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, impl="v2", launch=launch, **kw)
         res[f"v2_launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
     # 8. K3_KDA_TRITON_BWD=torch: the old recompute backward is still reachable and agrees
@@ -178,7 +180,7 @@ def test_bf16_gradients(results, case, grad):
 
 
 def test_v2_launch_options_match_v1(results):
-    for name in ("chunk", "tiles", "tiles_bk16"):
+    for name in ("chunk", "tiles", "tiles_bk16", "prep_split", "prep_split_bk16"):
         assert results[f"v2_launch.{name}"] <= 1e-5, results
 
 

@@ -41,6 +41,10 @@ def _cases():
         "kda_bwd_gw": (kb.kda_bwd_gw_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, BV=32,
                                                    BK=32)),
         "kda_bwd_gi": (kb.kda_bwd_gi_kernel, dict({n: c for n, c in cg.items() if n != "V"}, BK=32, NKW=4)),
+        "kda_bwd_pmat": (kb.kda_bwd_pmat_kernel, dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2,
+                                                      BK=32)),
+        "kda_bwd_pwu": (kb.kda_bwd_pwu_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")},
+                                                    BV=64, BK=64)),
         "kda_bwd_gi2": (kb.kda_bwd_gi2_kernel, dict({n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")},
                                                     BK=32, NKW=2)),
         "kda_bwd_gfin": (kb.kda_bwd_gfin_kernel, dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")},
@@ -56,6 +60,7 @@ def _cases():
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
                                   "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_prep2", "kda_bwd_gv", "kda_bwd_gw",
                                   "kda_bwd_gi", "kda_bwd_gi2", "kda_bwd_gfin",
+                                  "kda_bwd_pmat", "kda_bwd_pwu",
                                   "situ_fwd", "situ_bwd",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):

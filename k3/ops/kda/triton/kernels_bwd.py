@@ -698,55 +698,113 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 
 
 @triton.jit
+def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
+               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
+               LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
+               L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """v2 prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`), stored as T / tril_-1(L)
+    (cmat slots 0, 1), tril(Aq) (aq_out in the intermediate dtype for dstates, aqf in fp32) and rq, rk (rqk).
+    Returns (T, rq, rk)."""
+    o_t = tl.arange(0, BT)
+    row = o_t[:, None]
+    col = o_t[None, :]
+    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
+                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    tl.store(cmat + pc, Tm)
+    tl.store(cmat + pc + BT * BT, L)
+    tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(aq_out.dtype.element_ty), mask=m_t[:, None])
+    tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
+    tl.store(rqk + i_h * Ttot + tok, rq, mask=m_t)
+    tl.store(rqk + (H + i_h) * Ttot + tok, rk, mask=m_t)
+    return Tm, rq, rk
+
+
+@triton.jit
+def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
+                tok, m_t, o_kb, scale, lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                USE_GATE: tl.constexpr, IEEE: tl.constexpr):
+    """v2 prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; k e^(G_l
+    - G) and W also fp32), e^(G_l) and the cumsum G (fp32)."""
+    row = tl.arange(0, BT)[:, None]
+    dt = w_out.dtype.element_ty
+    qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
+    G = tl.cumsum(b_g, axis=0)
+    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    eG = tl.exp(G)
+    hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+    tl.store(qg_out + hkb, (qn * scale * eG).to(dt), mask=m_t[:, None])
+    b_kd = kn * tl.exp(g_last[None, :] - G)
+    b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
+    tl.store(kd_out + hkb, b_kd.to(dt), mask=m_t[:, None])
+    tl.store(w_out + hkb, b_w.to(dt), mask=m_t[:, None])
+    tl.store(ks + hkb, b_kd, mask=m_t[:, None])
+    tl.store(ws + hkb, b_w, mask=m_t[:, None])
+    tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
+    tl.store(gcs + hkb, G, mask=m_t[:, None])
+
+
+@triton.jit
+def _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, o_v, Ttot, H: tl.constexpr, V: tl.constexpr, IEEE: tl.constexpr):
+    """v2 prep, one value-column block: U = T diag(beta) v (intermediate dtype)."""
+    b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :],
+             _dot(Tm, b_v * b_b[:, None], IEEE).to(u_out.dtype.element_ty), mask=m_t[:, None])
+
+
+@triton.jit
 def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
                          qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat, ws, ks, aqf, gcs, rqk,
                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                          REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
                          BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep: the outputs of `kda_bwd_prep_kernel` in BK-column blocks, so no [BT, K] fp32 tile
-    is live (the single-pass prep keeps ~1.3 KB of spills per thread at K = 128): Aq and L accumulate over column
-    blocks of the raw q, k (the L2 norm is a row / column scaling of both), then T, and per column block
-    q e^G, k e^(G_l - G), W, e^(G_l); per value block U. For the gradient kernels also T and tril_-1(L) (cmat
-    slots 0, 1), W and k e^(G_l - G) (ws / ks) and tril(Aq) (aqf), all fp32; for gi2 the chunk-local cumsum G
-    (gcs, [H, Ttot, K]) and the rows' L2-norm factors rq, rk (rqk, [2, H, Ttot])."""
+    """v2 prep, one program per (chunk, head): the outputs of `kda_bwd_prep_kernel` in BK-column blocks, so no
+    [BT, K] fp32 tile is live (the single-pass prep keeps ~1.3 KB of spills per thread at K = 128), plus for the
+    gradient kernels T, tril_-1(L), tril(Aq), W, k e^(G_l - G), G and rq / rk in fp32 (`_prep_mats`,
+    `_prep_kcols`, `_prep_vcols`)."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
-                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
-    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
-    tl.store(cmat + pc, Tm)
-    tl.store(cmat + pc + BT * BT, L)
-    dt = w_out.dtype.element_ty
-    tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(dt), mask=m_t[:, None])
-    tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
-    tl.store(rqk + i_h * Ttot + tok, rq, mask=m_t)
-    tl.store(rqk + (H + i_h) * Ttot + tok, rk, mask=m_t)
+    Tm, rq, rk = _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale,
+                            lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
     for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                                     H, K, USE_GATE)
-        G = tl.cumsum(b_g, axis=0)
-        g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
-        eG = tl.exp(G)
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        tl.store(qg_out + hkb, (qn * scale * eG).to(dt), mask=m_t[:, None])
-        b_kd = kn * tl.exp(g_last[None, :] - G)
-        b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
-        tl.store(kd_out + hkb, b_kd.to(dt), mask=m_t[:, None])
-        tl.store(w_out + hkb, b_w.to(dt), mask=m_t[:, None])
-        tl.store(ks + hkb, b_kd, mask=m_t[:, None])
-        tl.store(ws + hkb, b_w, mask=m_t[:, None])
-        tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
-        tl.store(gcs + hkb, G, mask=m_t[:, None])
+        _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
+                    tok, m_t, kb * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE)
     for iv in range(0, V // BV):
-        o_v = iv * BV + tl.arange(0, BV)
-        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-        tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], _dot(Tm, b_v * b_b[:, None], IEEE).to(dt),
-                 mask=m_t[:, None])
+        _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, iv * BV + tl.arange(0, BV), Ttot, H, V, IEEE)
+
+
+@triton.jit
+def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, chunk_tok, chunk_end, scale,
+                        lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+                        REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+    """v2 prep split in two (launch option prep="split"), part 1 per (chunk, head): `_prep_mats` only."""
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
+    _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
+               H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
+
+
+@triton.jit
+def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, eg_out, cmat, ws, ks, gcs, rqk,
+                       chunk_tok, chunk_end, scale, lower_bound, Ttot,
+                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                       BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr):
+    """v2 prep split in two, part 2 per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
+    K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk read back from part 1."""
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
+    Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
+    j = tl.program_id(2)
+    if j < K // BK:
+        rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
+        rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+        _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
+                    tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE)
+    else:
+        _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, (j - K // BK) * BV + tl.arange(0, BV), Ttot, H, V, IEEE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# v2's intra-chunk backward split finer (launch option gi="tiles"): gi2 per (chunk, head, 16-row tile, K block)
+# v2's intra-chunk backward split finer (launch option intra="tiles", the default): gi2 per (chunk, head, 16-row tile, K block)
 # computes everything that lands on the tile's rows, reading only [16, BT] slices of dAq / dL; gfin per
 # (chunk, head) does what needs whole chunks (the suffix sum of dG, the gate, dbeta, the L2 norm).
 # ---------------------------------------------------------------------------------------------------------------

@@ -55,7 +55,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         grad_v=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
         grad_k=dict(BV=min(V, 32), BK=16, num_warps=8, num_stages=2),
         # v2 (prep2 / gv / gw / gi); gv = grad_v's value loop (same BV / BK)
-        prep2=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
+        prep2=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, split=False),
+        # prep2 split=True: pmat (chunk, head) + pwu (chunk, head, column block)
+        pmat=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         gv=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
         # gw: BK = 64 / 8 warps 3.81 ms vs 4.39 at BK = 32 / 4 warps (H200, B1 T8K H96, benchmarks/RESULTS.md)
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
@@ -76,7 +79,8 @@ def kernel_table(kb=_k):
             ("grad_k", kb.kda_bwd_grad_k_kernel, "chunk"), ("gv", kb.kda_bwd_gv_kernel, "chunk"),
             ("gw", kb.kda_bwd_gw_kernel, "chunk"), ("gi", kb.kda_bwd_gi_kernel, "chunk"),
             ("prep2", kb.kda_bwd_prep2_kernel, "chunk"), ("gi2", kb.kda_bwd_gi2_kernel, "chunk"),
-            ("gfin", kb.kda_bwd_gfin_kernel, "chunk")]
+            ("gfin", kb.kda_bwd_gfin_kernel, "chunk"), ("pmat", kb.kda_bwd_pmat_kernel, "chunk"),
+            ("pwu", kb.kda_bwd_pwu_kernel, "chunk")]
 
 
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
@@ -137,9 +141,18 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
             gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
             rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
-            _k.kda_bwd_prep2_kernel[(NC, H)](
-                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ws, ks, aqf, gcs, rqk, ctok, cend,
-                float(scale), lb, Tt, **lc["prep2"], **const)
+            if lc["prep2"].get("split", False):
+                _k.kda_bwd_pmat_kernel[(NC, H)](
+                    qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, ctok, cend, float(scale), lb, Tt, **lc["pmat"],
+                    **{n: c for n, c in const.items() if n != "V"})
+                pw = lc["pwu"]
+                _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
+                    qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ks, gcs, rqk, ctok, cend,
+                    float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, **pw)
+            else:
+                _k.kda_bwd_prep2_kernel[(NC, H)](
+                    qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ws, ks, aqf, gcs, rqk, ctok, cend,
+                    float(scale), lb, Tt, **{n: c for n, c in lc["prep2"].items() if n != "split"}, **const)
         else:
             _k.kda_bwd_prep_kernel[(NC, H)](
                 qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, ctok, cend, float(scale), lb, Tt,
