@@ -10,7 +10,6 @@ On CUDA the forward and backward are each one Triton kernel (k3/ops/activations_
 formula under autograd is kept by default: recomputing three transcendentals in backward made fwd+bwd 1.6x slower
 there ([8192, 512] fp32, 1 thread: 97 vs 61 ms), and CPU runs are small; K3_SITU_NODE=1 forces the node on CPU.
 """
-import functools
 import importlib.util
 import os
 
@@ -36,15 +35,15 @@ def _situ_bwd_torch(g, u, dout, b1, b2):
     return dg.to(g.dtype), du.to(u.dtype)
 
 
-@functools.lru_cache(maxsize=1)
-def _have_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
+# whether triton is installed, decided once at import (find_spec does not import it): a plain constant, so
+# torch.compile reads a global instead of tracing through an lru_cache wrapper (Dynamo warned about that on the H200)
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _use_triton(x: torch.Tensor) -> bool:
     if not x.is_cuda or os.environ.get("K3_SITU_TRITON", "1") == "0":
         return False
-    return _have_triton()
+    return _HAVE_TRITON
 
 
 def _fwd(g, u, b1, b2):
