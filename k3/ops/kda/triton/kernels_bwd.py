@@ -681,18 +681,26 @@ def _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, dqs, dks, tok, m_t, i_c, i_h,
 
 
 @triton.jit
+def _norm_cols(q, k, dqs, dks, tok, m_t, i_h, o_kb, rq, rk, Ttot, H: tl.constexpr, K: tl.constexpr):
+    """Columns o_kb of a chunk: token-layout offsets pk, head-major offsets hkb, normalised q and k, and the
+    pre-norm gradients stored in dqs / dks."""
+    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+    hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    dqn = tl.load(dqs + hkb, mask=m_t[:, None], other=0.)
+    dkn = tl.load(dks + hkb, mask=m_t[:, None], other=0.)
+    return pk, hkb, qn, kn, dqn, dkn
+
+
+@triton.jit
 def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot,
                      H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
     """Backward of the q/k L2 norm, dx = r (dxn - xn sum_K(xn dxn)), from the pre-norm gradients dqs / dks
     (head-major fp32 scratch) and the row sums s_q = sum_K qn dqn, s_k likewise; BK columns at a time."""
     for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
-        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
-        dqn = tl.load(dqs + hkb, mask=m_t[:, None], other=0.)
-        dkn = tl.load(dks + hkb, mask=m_t[:, None], other=0.)
+        pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, dqs, dks, tok, m_t, i_h, kb * BK + tl.arange(0, BK), rq, rk,
+                                               Ttot, H, K)
         tl.store(dq + pk, (rq[:, None] * (dqn - qn * s_q[:, None])).to(dq.dtype.element_ty), mask=m_t[:, None])
         tl.store(dk + pk, (rk[:, None] * (dkn - kn * s_k[:, None])).to(dk.dtype.element_ty), mask=m_t[:, None])
 
@@ -903,12 +911,7 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
     d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
-        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
-        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
-        dqn = tl.load(x1s + hkb, mask=m_t[:, None], other=0.)
-        dkn = tl.load(x2s + hkb, mask=m_t[:, None], other=0.)
+        pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, x1s, x2s, tok, m_t, i_h, o_kb, rq, rk, Ttot, H, K)
         dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.)
         d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, x1s, x2s, dG, dqn, dkn, qn, kn, pk,
                                         hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
