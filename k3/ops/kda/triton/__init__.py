@@ -61,7 +61,8 @@ the state-side dq / dk / dG terms, a partial dN per K block), then the intra-chu
 (chunk, head, 16-row tile, K block: everything landing on the tile's rows from [16, 64] slices of dAq / dL; 109
 registers, 4 programs per SM at sm_90) and gfin (chunk, head: dbeta, dg through the suffix sum and the gate, dq /
 dk through the L2 norm), or with launch option intra="chunk" gi alone (chunk, head). Same arithmetic as v1 (same
-interpreter errors); ~1.5 KB more fp32 scratch per token-head. Its first form (u' / du' kept by the sequential passes against the fp32 state) measured
+interpreter errors). Memory: peak ~7.8 KB of fp32 scratch per token-head at K = V = 128 (v1: ~5 KB), i.e. ~49 GB
+at B8 T8K H96 (v1 ~31 GB). Its first form (u' / du' kept by the sequential passes against the fp32 state) measured
 1.75x faster than v1 on the H200 but gave non-finite gradients at K3 shapes, so v2 stays opt-in until its current
 form is checked there (benchmarks/RESULTS.md).
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
