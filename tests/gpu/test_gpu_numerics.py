@@ -3,12 +3,8 @@
 Errors are relative Frobenius norms ||gpu - ref|| / ||ref||; bf16 operands land around 1e-3..1e-2. Each test
 prints its errors (run with -s to see them; benchmarks/RESULTS.md quotes them).
 """
-import math
-import os
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -178,7 +174,7 @@ def test_experts_grouped_mm_bf16_vs_cpu():
     from k3.ops.activations import situ_glu
     from k3.ops.moe import experts_forward, route
     g = torch.Generator().manual_seed(3)
-    N, d, E, k, l, M = 1000, 256, 16, 4, 128, 64
+    N, E, k, l, M = 1000, 16, 4, 128, 64
     x = torch.randn(N, l, generator=g)
     rw = torch.randn(E, l, generator=g) * 0.1
     idx, w, _ = route(x, rw, None, k)
