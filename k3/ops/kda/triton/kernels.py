@@ -779,6 +779,18 @@ def _p16_gate_cumsum(b_f, dtb, a2, lb2, m3, USE_GATE: tl.constexpr):
 
 
 @triton.jit
+def _p16_cols_G(g, dt_bias, th, cols, i_h, a2, lb2, m3, K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr):
+    """K-blocked c16p prep: the addresses pk of columns `cols` of the [C, 16] tiles and their in-tile cumsum G
+    (base-2 log-decay, `_p16_gate_cumsum`)."""
+    pk = th[:, :, None] * K + cols[None, None, :]
+    if USE_GATE:
+        dtb = tl.load(dt_bias + i_h * K + cols).to(tl.float32)
+    else:
+        dtb = tl.zeros([BK], dtype=tl.float32)
+    return pk, _p16_gate_cumsum(tl.load(g + pk, mask=m3, other=0.), dtb, a2, lb2, m3, USE_GATE)
+
+
+@triton.jit
 def _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scale,
                  qg_out, kd_out, w_out, u_out, aqk_out, eg_out, Ttot,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, REF: tl.constexpr, USE_GATE: tl.constexpr,
@@ -801,12 +813,7 @@ def _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scal
     sq_k = tl.zeros([C, 16], dtype=tl.float32)
     for kb in tl.static_range(0, K, BK):
         cols = kb + o_b
-        pk = th[:, :, None] * K + cols[None, None, :]
-        if USE_GATE:
-            dtb = tl.load(dt_bias + i_h * K + cols).to(tl.float32)
-        else:
-            dtb = tl.zeros([BK], dtype=tl.float32)
-        G = _p16_gate_cumsum(tl.load(g + pk, mask=m3, other=0.), dtb, a2, lb2, m3, USE_GATE)
+        pk, G = _p16_cols_G(g, dt_bias, th, cols, i_h, a2, lb2, m3, K, BK, USE_GATE)
         ref = tl.sum(tl.where(r[None, :, None] == REF, G, 0.), axis=1)[:, None, :]
         b_q = tl.load(q + pk, mask=m3, other=0.).to(tl.float32)
         b_k = tl.load(k + pk, mask=m3, other=0.).to(tl.float32)
@@ -839,12 +846,7 @@ def _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scal
     tbk = t * (bf * rk)[:, None, :]                                     # T diag(beta rk): W from unnormalised k
     for kb in tl.static_range(0, K, BK):
         cols = kb + o_b
-        pk = th[:, :, None] * K + cols[None, None, :]
-        if USE_GATE:
-            dtb = tl.load(dt_bias + i_h * K + cols).to(tl.float32)
-        else:
-            dtb = tl.zeros([BK], dtype=tl.float32)
-        G = _p16_gate_cumsum(tl.load(g + pk, mask=m3, other=0.), dtb, a2, lb2, m3, USE_GATE)
+        pk, G = _p16_cols_G(g, dt_bias, th, cols, i_h, a2, lb2, m3, K, BK, USE_GATE)
         last = tl.sum(tl.where(r[None, :, None] == 15, G, 0.), axis=1)  # [C, BK]
         e_g = tl.exp2(G)
         ik = hrow[:, :, None] * K + cols[None, None, :]
