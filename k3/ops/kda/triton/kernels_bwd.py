@@ -304,6 +304,16 @@ def _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_k, rq, rk, lower_bound,
 
 
 @triton.jit
+def _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr):
+    """`_prep_cols` plus the chunk-local cumsum G of the log-decay and its last row G_l: (qn, kn, G, G_l, pk)."""
+    qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
+    G = tl.cumsum(b_g, axis=0)
+    g_last = tl.sum(tl.where(tl.arange(0, BT)[:, None] == BT - 1, G, 0.), 0)
+    return qn, kn, G, g_last, pk
+
+
+@triton.jit
 def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
     """(rq, rk) of `_prep_chunk`, summed over K in BK-column blocks (1 without the L2 norm)."""
     sq = tl.zeros(tok.shape, dtype=tl.float32)
@@ -367,10 +377,8 @@ def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
                                         REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
-        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                                     H, K, USE_GATE)
-        G = tl.cumsum(b_g, axis=0)
-        g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+        qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                                             H, K, BT, USE_GATE)
         hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
         tl.store(ws + hkb, _dot(Tm, kn * tl.exp(G) * b_b[:, None], IEEE), mask=m_t[:, None])
         tl.store(ks + hkb, kn * tl.exp(g_last[None, :] - G), mask=m_t[:, None])
@@ -474,10 +482,8 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
     # pass B: everything per K column block
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
-        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                                     H, K, USE_GATE)
-        G = tl.cumsum(b_g, axis=0)
-        g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+        qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
+                                             H, K, BT, USE_GATE)
         d_qg = tl.zeros([BT, BK], dtype=tl.float32)
         d_kd = tl.zeros([BT, BK], dtype=tl.float32)
         d_gl = tl.zeros([BK], dtype=tl.float32)
@@ -572,9 +578,8 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
     pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
     tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
-    G = tl.cumsum(b_g, axis=0)
-    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
+                                         USE_GATE)
     eG = tl.exp(G)
     ed = tl.exp(g_last[None, :] - G)
     keg = kn * eG
@@ -734,11 +739,9 @@ def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, 
                 USE_GATE: tl.constexpr, IEEE: tl.constexpr):
     """v2 prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; k e^(G_l
     - G) and W also fp32), e^(G_l) and the cumsum G (fp32)."""
-    row = tl.arange(0, BT)[:, None]
     dt = w_out.dtype.element_ty
-    qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
-    G = tl.cumsum(b_g, axis=0)
-    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
+    qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
+                                         USE_GATE)
     eG = tl.exp(G)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
     tl.store(qg_out + hkb, (qn * scale * eG).to(dt), mask=m_t[:, None])
