@@ -245,6 +245,12 @@ def results():
     return run_interpreted(__file__, timeout=300)
 
 
+def _assert_o_and_state(results, key, tol):
+    """Output and final-state relative errors of one checked run both within tol."""
+    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+
+
 FWD_CASES = ["gate_l2_h0", "precomputed_g", "varlen", "gate_at_bound", "gate_at_bound_lb-10", "g_eq_-5",
              "g_mixed_0_-10", "bf16"]
 
@@ -254,8 +260,7 @@ FWD_CASES = ["gate_l2_h0", "precomputed_g", "varlen", "gate_at_bound", "gate_at_
 def test_forward_variant_and_state(results, variant, name):
     tol = results["tol"][name]
     key = f"{variant}.{name}"
-    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
-    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    _assert_o_and_state(results, key, tol)
     assert results[key + ".dtype_ok"] == 1.0
 
 
@@ -266,8 +271,7 @@ def test_prep16p_options(results, option, name):
     key = f"c16p[{option}].{name}"
     if option == "qk_bf16" and tol < TOL_BF16:  # bf16 Aqk/Akk operands: bf16-level error even for fp32 inputs
         tol = 2 * TOL_OUT
-    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
-    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    _assert_o_and_state(results, key, tol)
 
 
 @pytest.mark.parametrize("option", list(STATE_CASES))
@@ -275,8 +279,7 @@ def test_prep16p_options(results, option, name):
 def test_state_options(results, option, name):
     tol = results["tol"][name]
     key = f"state[{option}].{name}"
-    assert results[key + ".o"] <= tol, (key, results[key + ".o"], results[key + ".S"])
-    assert results[key + ".S"] <= tol, (key, results[key + ".o"], results[key + ".S"])
+    _assert_o_and_state(results, key, tol)
 
 
 def test_state_config_validated(results):
