@@ -474,10 +474,7 @@ def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
     d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t) + tl.sum(d_n * tl.load(cmat + pc + BT * BT), 1)
     d_l = d_n * b_b[:, None]
     d_aq = tl.load(cmat + pc + 2 * BT * BT)
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    s_q = tl.zeros([BT], dtype=tl.float32)
-    s_k = tl.zeros([BT], dtype=tl.float32)
-    d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
     tl.debug_barrier()  # dXk stores above -> loads below
     # pass B: everything per K column block
     for kb in range(0, K // BK):
@@ -617,10 +614,7 @@ def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x
     d_b += tl.sum(d_n * tl.load(cmat + pc + BT * BT), 1)
     d_l = d_n * b_b[:, None]
     d_aq = tl.load(cmat + pc + 2 * BT * BT)
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    s_q = tl.zeros([BT], dtype=tl.float32)
-    s_k = tl.zeros([BT], dtype=tl.float32)
-    d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
@@ -638,6 +632,16 @@ def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x
                                         hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
     _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, x1s, x2s, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
                     H, K, BK, USE_GATE, L2NORM)
+
+
+@triton.jit
+def _grad_cols_start(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                     L2NORM: tl.constexpr):
+    """Before a chunk's gradient column blocks (`_grad_cols_out`): the rows' L2-norm factors rq, rk and zeroed
+    accumulators s_q, s_k (row sums for the norm's backward) and d_al (the dA_log partial)."""
+    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    z = tl.zeros([BT], dtype=tl.float32)
+    return rq, rk, z, z, tl.sum(z, 0)
 
 
 @triton.jit
@@ -908,10 +912,7 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
                                                                                            + col), 1)
     for j in tl.static_range(NKW):
         d_b += tl.load(dbp + pp + j * BT + o_t)
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    s_q = tl.zeros([BT], dtype=tl.float32)
-    s_k = tl.zeros([BT], dtype=tl.float32)
-    d_al = tl.sum(tl.zeros([BT], dtype=tl.float32), 0)
+    rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, x1s, x2s, tok, m_t, i_h, o_kb, rq, rk, Ttot, H, K)
