@@ -199,3 +199,16 @@ def test_triton_backward_used_and_torch_fallback_reachable(results):
 
 if __name__ == "__main__":
     print(json.dumps(_checks()))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_bad_impl_and_launch_options_are_refused_by_name():
+    """Checked before any kernel runs (no interpreter needed)."""
+    import torch
+    from k3.ops.kda.triton import ops_bwd
+    x = torch.randn(1, 20, 1, 16)
+    args = (x, x, x, -torch.rand(1, 20, 1, 16), torch.rand(1, 20, 1), x, None, 0.25)
+    with pytest.raises(ValueError, match="impl='v9'"):
+        ops_bwd.kda_chunk_bwd(*args, impl="v9")
+    with pytest.raises(ValueError, match="unknown kernel 'nope'"):
+        ops_bwd.kda_chunk_bwd(*args, impl="v2", launch={"nope": {"BK": 16}})
