@@ -31,7 +31,8 @@ for stage in "$@"; do case $stage in
       --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
   bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 )) python3 benchmarks/kda_bwd_sweep.py \
-      --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} ;;
+      --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} ${BWDSWEEP_FLA:+--fla} ;;
+  bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;
   ops) step ops 200 python3 benchmarks/gpu_ops.py --quick --only kda,moe,attnres,attn --json "$OUT/gpu_ops.json" ;;
@@ -52,7 +53,7 @@ for stage in "$@"; do case $stage in
       --compile none,modules ;;
   trainbf16) step trainbf16 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params ;;
-  profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 ;;
+  profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
   kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g
 print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;

@@ -1,13 +1,14 @@
-"""Time the KDA Triton backward (k3/ops/kda/triton/ops_bwd.py) kernel by kernel on one GPU: v1 against v2 and v2's
-launch options, at a K3 head shape (H=96, D=128, bf16, gate + L2 norm in the kernel, 64-token chunks).
+"""Time the KDA Triton backward (k3/ops/kda/triton/ops_bwd.py) kernel by kernel on one GPU: the default launch
+and one change of it per row, at a K3 head shape (H=96, D=128, bf16, gate + L2 norm in the kernel, 64-token chunks).
 
-    python benchmarks/kda_bwd_sweep.py [--T 8192] [--B 1] [--budget-s 150] [--json PATH]
+    python benchmarks/kda_bwd_sweep.py [--T 8192] [--B 1] [--budget-s 150] [--json PATH] [--fla]
 
 Per configuration: the backward alone (`kda_chunk_bwd`, do_bench median), each kernel's CUDA time (one call under
 torch.profiler), non-finite counts, and each gradient's relative RMSE against the first configuration's (a broken option shows up here; the
 accuracy against the fp32 reference is tests/gpu's selfcheck). Also times our forward (c16p) once, so fwd + bwd
-can be set against fla's fwd+bwd from the same machine (benchmarks/kda_triton.py --bwd). Rows are printed as
-they finish; configurations left when --budget-s runs out are skipped.
+can be set against fla's fwd+bwd; --fla times fla's chunk_kda(safe_gate=True) fwd+bwd on the same inputs after
+the sweep (its first backward at a new shape autotunes for minutes, so it goes last: the sweep's rows are printed
+and saved before). Rows are printed as they finish; configurations left when --budget-s runs out are skipped.
 """
 from __future__ import annotations
 
@@ -19,22 +20,19 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (name, impl, launch overrides {kernel: {param: value}}): v1 (the default, the reference row), v2, then one
-# change from v2's launch defaults per row
+# (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
-    ("v1", "v1", {}),
-    ("v2", "v2", {}),
-    ("v2_intra_chunk", "v2", {"intra": {"mode": "chunk"}}),
-    ("v2_prep_split", "v2", {"prep2": {"split": True}}),
-    ("v2_gi2_bk64", "v2", {"gi2": {"BK": 64}}),
-    ("v2_gi2_bk16", "v2", {"gi2": {"BK": 16}}),
-    ("v2_gv_bv32", "v2", {"gv": {"BV": 32}}),
-    ("v2_prep2_bk16", "v2", {"prep2": {"BK": 16}}),
-    ("v2_prep_split_bk32", "v2", {"prep2": {"split": True}, "pwu": {"BK": 32, "BV": 32}}),
-    ("v2_gi2_w2", "v2", {"gi2": {"num_warps": 2}}),
-    ("v2_prep2_bk64_w8", "v2", {"prep2": {"BK": 64, "num_warps": 8}}),
-    ("v2_gw_bk32_w4", "v2", {"gw": {"BK": 32, "num_warps": 4}}),
-    ("v2_states_bv16", "v2", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
+    ("default", {}),
+    ("gv_bv64", {"gv": {"BV": 64}}),
+    ("gv_bk64", {"gv": {"BK": 64}}),
+    ("gi2_bk128", {"gi2": {"BK": 128}}),
+    ("gi2_bk64_w8", {"gi2": {"num_warps": 8}}),
+    ("gfin_bk64", {"gfin": {"BK": 64}}),
+    ("pmat_bk64", {"pmat": {"BK": 64}}),
+    ("pmat_w8", {"pmat": {"num_warps": 8}}),
+    ("pwu_bk128_bv128", {"pwu": {"BK": 128, "BV": 128}}),
+    ("gw_bv64", {"gw": {"BV": 64}}),
+    ("gv_w8", {"gv": {"num_warps": 8}}),
 ]
 
 
@@ -46,6 +44,7 @@ def main():
     ap.add_argument("--D", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--configs", default=None, help="comma list of names from CONFIGS (default: all)")
+    ap.add_argument("--fla", action="store_true", help="then time fla's fwd+bwd on the same inputs")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bwd_sweep.json"))
     args = ap.parse_args()
     import torch
@@ -71,15 +70,15 @@ def main():
     res["ours_fwd_ms"] = do_bench(fwd, warmup=10, rep=50, return_mode="median")
     print(f"forward (c16p) {res['ours_fwd_ms']:.2f} ms", flush=True)
     ref = None
-    for name, impl, launch in CONFIGS:
+    for name, launch in CONFIGS:
         if names is not None and name not in names:
             continue
-        row = dict(config=name, impl=impl, launch=launch)
+        row = dict(config=name, launch=launch)
         if time.time() - t0 > args.budget_s:
             row["error"] = "skipped: time budget"
             res["rows"].append(row)
             continue
-        bwd = lambda: ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, None, scale, impl=impl, launch=launch, **kw)
+        bwd = lambda: ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, None, scale, launch=launch, **kw)
         try:
             t1 = time.time()
             got = bwd()
@@ -112,9 +111,26 @@ def main():
         for x in ok:
             top = ", ".join(f"{n.replace('kda_bwd_', '').replace('_kernel', '')} {t:.2f}"
                             for n, t in list(x["kernels_ms"].items())[:6])
-            print(f"| {x['config']} | {x['bwd_ms']:.2f} | {x['fwd_bwd_ms']:.2f} | {top} |")
+            print(f"| {x['config']} | {x['bwd_ms']:.2f} | {x['fwd_bwd_ms']:.2f} | {top} |", flush=True)
     with open(args.json, "w") as fh:
         json.dump(res, fh, indent=1)
+    if args.fla and ok:
+        from fla.ops.kda import chunk_kda as fla_chunk
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, f, beta)]
+        fb = lambda: fla_chunk(*leaves, scale=scale, safe_gate=True, **kw)[0].backward(do)
+        t1 = time.time()
+        fb()
+        torch.cuda.synchronize()
+        res["fla_first_call_s"] = round(time.time() - t1, 1)
+        res["fla_fwd_bwd_ms"] = do_bench(fb, warmup=5, rep=30, return_mode="median")
+        best = min(ok, key=lambda x: x["fwd_bwd_ms"])
+        res["speedup_fwd_bwd_default"] = res["fla_fwd_bwd_ms"] / ok[0]["fwd_bwd_ms"]
+        res["speedup_fwd_bwd_best"] = res["fla_fwd_bwd_ms"] / best["fwd_bwd_ms"]
+        print(f"fla fwd+bwd {res['fla_fwd_bwd_ms']:.2f} ms (first call {res['fla_first_call_s']} s); ours "
+              f"{ok[0]['fwd_bwd_ms']:.2f} (default, x{res['speedup_fwd_bwd_default']:.2f}), best {best['config']} "
+              f"{best['fwd_bwd_ms']:.2f} (x{res['speedup_fwd_bwd_best']:.2f})", flush=True)
+        with open(args.json, "w") as fh:
+            json.dump(res, fh, indent=1)
 
 
 if __name__ == "__main__":

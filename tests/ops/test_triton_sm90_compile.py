@@ -21,6 +21,29 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32"
              gcs="*fp32", rqk="*fp32")
 
 
+def _bwd_cases(kb, cb, cg):
+    """The backward kernels at the block sizes, warps and stages of their real launch (ops_bwd.launch_config,
+    bf16, K = V = 128, 8 x 96 (sequence, head) pairs)."""
+    import torch
+    from k3.ops.kda.triton.ops_bwd import launch_config
+    lc = launch_config(128, 128, 8 * 96, torch.bfloat16)
+    gk = {n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")}
+    consts = {
+        "states": dict(cb, HAS_H0=True), "dstates": dict(cb, HAS_DHT=True),
+        "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False),
+        "gw": {n: c for n, c in cg.items() if n not in ("TS", "REF")},
+        "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2),
+        "pwu": {n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")},
+        "gi2": dict(gk, NKW=2), "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")},
+                                             NKW=2)}
+    out = {}
+    for name, c in consts.items():
+        launch = dict(lc[name])
+        opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
+        out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
+    return out
+
+
 def _cases():
     from k3.ops import activations_triton as at, mla_decode_triton as md
     from k3.ops.kda.triton import kernels as kf, kernels_bwd as kb
@@ -34,21 +57,7 @@ def _cases():
         "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64)),
         "kda_recurrent_fwd": (kf.kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
                                                                 L2NORM=True, HAS_H0=True, STORE_HT=True)),
-        "kda_bwd_states": (kb.kda_bwd_states_kernel, dict(cb, HAS_H0=True)),
-        "kda_bwd_dstates": (kb.kda_bwd_dstates_kernel, dict(cb, HAS_DHT=True)),
-        "kda_bwd_gv": (kb.kda_bwd_gv_kernel, dict(H=96, K=128, V=128, BT=64, BV=16, BK=32, IEEE=False)),
-        "kda_bwd_prep2": (kb.kda_bwd_prep2_kernel, dict(cg, V=128, LOG2_TS=4, LOG2_NB=2, BV=32, BK=32)),
-        "kda_bwd_gw": (kb.kda_bwd_gw_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, BV=32,
-                                                   BK=32)),
-        "kda_bwd_gi": (kb.kda_bwd_gi_kernel, dict({n: c for n, c in cg.items() if n != "V"}, BK=32, NKW=4)),
-        "kda_bwd_pmat": (kb.kda_bwd_pmat_kernel, dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2,
-                                                      BK=32)),
-        "kda_bwd_pwu": (kb.kda_bwd_pwu_kernel, dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")},
-                                                    BV=64, BK=64)),
-        "kda_bwd_gi2": (kb.kda_bwd_gi2_kernel, dict({n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")},
-                                                    BK=32, NKW=2)),
-        "kda_bwd_gfin": (kb.kda_bwd_gfin_kernel, dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")},
-                                                      BK=32, NKW=2)),
+        **_bwd_cases(kb, cb, cg),
         "situ_fwd": (at._situ_fwd_kernel, dict(BR=2, BC=512)),
         "situ_bwd": (at._situ_bwd_kernel, dict(BR=2, BC=512)),
         "mla_decode_partial C512 R64 H64": (md._partial_kernel, dict(C=512, R=64, BC=512, BR=64, BH=64, BN=32,
@@ -58,13 +67,13 @@ def _cases():
 
 
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
-                                  "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_prep2", "kda_bwd_gv", "kda_bwd_gw",
-                                  "kda_bwd_gi", "kda_bwd_gi2", "kda_bwd_gfin",
+                                  "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw",
+                                  "kda_bwd_gi2", "kda_bwd_gfin",
                                   "kda_bwd_pmat", "kda_bwd_pwu",
                                   "situ_fwd", "situ_bwd",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):
-    fn, consts = _cases()[name]
-    ck = compile_sm90(fn, consts, TYPES)
+    fn, consts, *opts = _cases()[name]
+    ck = compile_sm90(fn, consts, TYPES, **(opts[0] if opts else {}))
     assert ck.asm.get("cubin"), "no cubin produced"
     assert ck.metadata.shared <= SMEM_LIMIT, f"{name}: {ck.metadata.shared} B of shared memory"

@@ -1,7 +1,7 @@
 """The "triton" backend of `chunk_kda`: our own Triton kernels for K3's bounded-decay KDA.
 
 Forward (prefill / training): five variants of `ops.kda_chunk_fwd`, picked by its `variant=` argument, else
-$K3_KDA_TRITON_FWD, else `ops.DEFAULT_FWD` (still "c16" until the H200 numbers are in: a one-line switch).
+$K3_KDA_TRITON_FWD, else `ops.DEFAULT_FWD` ("c16p", measured fastest on the H200).
 Per chunk with cumsum G of g, T = (I + diag(beta) L)^-1, L_ti = sum_K k_t k_i e^(G_t - G_i) (i < t):
 W = T diag(beta)(k e^G), U = T diag(beta) v, Aqk_ti = sum_K q_t k_i e^(G_t - G_i) (i <= t); then per chunk
 u' = U - W S, o = (q e^G) S + Aqk u', S <- e^(G_last) S + (k e^(G_last - G))^T u' with the fp32 state S.
@@ -38,33 +38,26 @@ optionally in place).
 Backward (ops_bwd.kda_chunk_bwd, kernels in kernels_bwd.py) works on 64-token chunks, WY form with a 64x64
 T = (I + diag(beta) L)^-1 (16-row diagonal blocks inverted by repeated squaring, then a block-level Neumann
 product), every pairwise decay e^(G_t - G_i) factored per 16-row tile through that tile's reference row (the
-same overflow bound as the forward, while a 64-token span may decay by e^-320):
-1. `kda_bwd_prep_kernel` (chunk, head): recompute q e^G, k e^(G_l - G), W, U, tril(Aq), e^(G_l).
-2. `kda_bwd_states_kernel` (sequence, head, V block), sequential: the fp32 state at every chunk start.
-3. `kda_bwd_dstates_kernel` (sequence, head, V block), reverse sequential from dht: the fp32 state gradient at
+same overflow bound as the forward, while a 64-token span may decay by e^-320). Nothing is recomputed:
+1. `kda_bwd_pmat_kernel` (chunk, head): tril(Aq), tril_-1(L) over K-column blocks (no [64, K] fp32 tile), T and
+   the L2-norm factors, in fp32 (Aq also in the input dtype for step 4).
+2. `kda_bwd_pwu_kernel` (chunk, head, column block): q e^G, k e^(G_l - G), W, U, e^(G_l) for the sequential passes
+   (input dtype), and W, k e^(G_l - G), the cumsum G in fp32 for the gradient kernels.
+3. `kda_bwd_states_kernel` (sequence, head, V block), sequential: the fp32 state at every chunk start.
+4. `kda_bwd_dstates_kernel` (sequence, head, V block), reverse sequential from dht: the fp32 state gradient at
    every chunk end, du' = Aq^T do + (k e^(G_l - G)) dS, dS <- e^(G_l) dS + (q e^G)^T do - W^T du'; ends with dh0.
-4. `kda_bwd_grad_v_kernel` (chunk, head): recomputes the chunk in fp32 from the raw inputs (Aq, L over K-column
-   blocks, T, W, k e^(G_l - G)) and, per value block with the stored states, u', du' and dv; writes u', du', W,
-   k e^(G_l - G) and the per-chunk T, L, dAq, value part of dN / dbeta to an fp32 scratch.
-5. `kda_bwd_grad_k_kernel` (chunk, head): from that scratch and the states, in K-column blocks (no [64, K] fp32
-   tile live across a loop; sm_90 spills 600 B / 184 B per thread instead of 4.9 KB in the former single grad
-   kernel, benchmarks/kda_bwd_static.py): dXk and the rest of dN, then dq, dk, dbeta, dg (or df through the
-   gate, with per-chunk partials of dA_log/ddt_bias that torch sums), through the L2 norm and the q scale.
-Memory beyond inputs/grads: two fp32 K x V states per 64 tokens and head (2*K*V*4/64 B per token-head, 2 KiB at
-K = V = 128) plus the operands of steps 1-3 (3K + V + 64 values per token-head in the input dtype, freed before
-step 4), then the fp32 scratch of steps 4-5 (2K + 2V + 4*64 + 1 values, 3 KiB per token-head at K = V = 128).
-Steps 1-5 are "v1" (the default). K3_KDA_TRITON_BWD=v2 selects the split that recomputes nothing (`_bwd_v2`):
-`kda_bwd_prep2_kernel` (chunk, head) writes step 1's operands plus T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in
-fp32 (Aq / L / T over K-column blocks, no [64, K] fp32 tile); the same sequential passes; then gv (chunk, head:
-grad_v's value loop, `_value_side`: u', du', dv, dAq, value parts of dN / dbeta), gw (chunk, head, K block: dXk,
-the state-side dq / dk / dG terms, a partial dN per K block), then the intra-chunk backward: by default gi2
-(chunk, head, 16-row tile, K block: everything landing on the tile's rows from [16, 64] slices of dAq / dL; 109
-registers, 4 programs per SM at sm_90) and gfin (chunk, head: dbeta, dg through the suffix sum and the gate, dq /
-dk through the L2 norm), or with launch option intra="chunk" gi alone (chunk, head). Same arithmetic as v1 (same
-interpreter errors). Memory: peak ~7.8 KB of fp32 scratch per token-head at K = V = 128 (v1: ~5 KB), i.e. ~49 GB
-at B8 T8K H96 (v1 ~31 GB). Its first form (u' / du' kept by the sequential passes against the fp32 state) measured
-1.75x faster than v1 on the H200 but gave non-finite gradients at K3 shapes, so v2 stays opt-in until its current
-form is checked there (benchmarks/RESULTS.md).
+5. `kda_bwd_gv_kernel` (chunk, head): value side per value block with the stored states: u', du', dv, dAq and the
+   value parts of dN / dbeta.
+6. `kda_bwd_gw_kernel` (chunk, head, K block): dXk, the state-side dq / dk / dG terms, a partial dN per K block.
+7. `kda_bwd_gi2_kernel` (chunk, head, 16-row tile, K block): the intra-chunk backward of everything landing on
+   the tile's rows, from [16, 64] slices of dAq / dL.
+8. `kda_bwd_gfin_kernel` (chunk, head): dbeta, dg through the suffix sum and the gate (per-chunk partials of
+   dA_log / ddt_bias that torch sums), dq / dk through the L2 norm and the q scale.
+Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K = V = 128) plus ~7.8 KB of fp32
+scratch per token-head at K = V = 128 (~49 GB at B8 T8K H96). Measured on the H200 at B1 T8K H96 D128 (sixth
+session, benchmarks/RESULTS.md): ~20 ms; the earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and
+was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5) and the one-kernel prep (6.8 ms vs
+5.9 for pmat + pwu). Its numbers stay in benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
@@ -141,17 +134,13 @@ def _fallback(reason, *args, **kw):
     return chunk_kda_torch(*args, **kw)
 
 
-BWD_IMPLS = ("v1", "v2", "torch")
-# v1 until v2 is re-checked on the H200: v2's first form (u' / du' kept by the sequential passes) measured 1.75x
-# faster but gave non-finite gradients at K3 shapes (benchmarks/RESULTS.md, fourth session); the current v2 keeps
-# v1's arithmetic everywhere (same interpreter errors) and has not run on a GPU yet.
-DEFAULT_BWD = "v1"
+BWD_IMPLS = ("triton", "torch")
+DEFAULT_BWD = "triton"
 
 
 def _bwd_mode() -> str:
-    """The backward: $K3_KDA_TRITON_BWD, else DEFAULT_BWD. "v2" / "v1": Triton kernels (ops_bwd; v1 = the third
-    session's two fp32-recompute gradient kernels, v2 = the leaner split that reuses the sequential passes' u' and
-    du'); "torch": recompute through the torch path + autograd."""
+    """The backward: $K3_KDA_TRITON_BWD, else DEFAULT_BWD. "triton": the Triton kernels (ops_bwd); "torch":
+    recompute through the torch path + autograd."""
     mode = os.environ.get("K3_KDA_TRITON_BWD", "").strip().lower() or DEFAULT_BWD
     if mode not in BWD_IMPLS:
         raise ValueError(f"K3_KDA_TRITON_BWD={mode!r}: known values are {', '.join(BWD_IMPLS)}")
@@ -188,7 +177,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         dq, dk, dv, dg, db, dh0, dal, ddt = _ops_bwd().kda_chunk_bwd(
             q, k, v, g, beta, do, dht, scale=cfg["scale"], initial_state=h0, cu_seqlens=cfg["cu_seqlens"],
             use_qk_l2norm_in_kernel=cfg["use_qk_l2norm_in_kernel"], use_gate_in_kernel=cfg["use_gate_in_kernel"],
-            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"], impl=mode)
+            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"])
         res = [dq, dk, dv, dg, db,
                None if h0 is None else dh0.to(h0.dtype),
                None if A_log is None else dal.to(A_log.dtype).view_as(A_log),

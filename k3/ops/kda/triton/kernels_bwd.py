@@ -56,43 +56,12 @@ def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _gate_x(g, A_log, dt_bias, pk, m_t, i_h, K: tl.constexpr):
-    """Gate pre-activation x = exp(A_log[h]) (f + dt_bias[h]) of a chunk's rows (zero rows past the end)."""
-    return _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, tl.arange(0, K), K)
-
-
-@triton.jit
 def _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_k, K: tl.constexpr):
-    """`_gate_x` at the columns o_k (pk addresses the same columns)."""
+    """Gate pre-activation x = exp(A_log[h]) (f + dt_bias[h]) of a chunk's rows at the columns o_k (pk: their
+    addresses; zero rows past the end)."""
     b_f = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
     dtb = tl.load(dt_bias + i_h * K + o_k).to(tl.float32)
     return tl.exp(tl.load(A_log + i_h).to(tl.float32)) * (b_f + dtb[None, :])
-
-
-@triton.jit
-def _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
-                H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
-    """Load one chunk of one head (rows past the sequence end are zero) and apply the in-kernel preprocessing.
-
-    Returns (qn, kn, rq, rk, gl, b):  qn = q rq, kn = k rk with r = (sum_K x^2 + 1e-6)^-1/2 (r = 1 without L2),
-    gl = lb sigmoid(exp(A_log) (f + dt_bias)) (or the given log-decay; 0 on padding rows), b = beta."""
-    o_k = tl.arange(0, K)
-    pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-    b_q = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_k = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_b = tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)
-    if USE_GATE:
-        b_g = lower_bound * tl.sigmoid(_gate_x(g, A_log, dt_bias, pk, m_t, i_h, K))
-    else:
-        b_g = tl.load(g + pk, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_g = tl.where(m_t[:, None], b_g, 0.)
-    if L2NORM:
-        rq = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
-        rk = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-    else:
-        rq = b_b * 0. + 1.
-        rk = b_b * 0. + 1.
-    return b_q * rq[:, None], b_k * rk[:, None], rq, rk, b_g, b_b
 
 
 @triton.jit
@@ -139,29 +108,6 @@ def _intra_fwd(qs, kn, G, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
 
 
 @triton.jit
-def _intra_bwd(qs, kn, G, dAq, dL, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr, IEEE: tl.constexpr):
-    """Backward of `_intra_fwd` for masked dAq, dL [BT, BT] (zero where i > t, resp. i >= t).
-
-    Returns (dqs, dk_row, dk_col): dqs_tc = sum_i dAq_ti kn_ic e^(G_tc - G_ic), dk_row likewise from dL (kn as
-    row operand), dk_col_ic = sum_t (dAq_ti qs_tc + dL_ti kn_tc) e^(G_tc - G_ic) (kn as column operand);
-    dG = qs dqs + kn dk_row - kn dk_col."""
-    dqs = tl.zeros(qs.shape, dtype=tl.float32)
-    dkr = tl.zeros(qs.shape, dtype=tl.float32)
-    dkc = tl.zeros(qs.shape, dtype=tl.float32)
-    dAqT = tl.trans(dAq)
-    dLT = tl.trans(dL)
-    for r in tl.static_range(BT // TS):
-        in_r, upto, ef, cf = _tile_factors(G, r, BT, TS, REF)
-        kc = tl.where(upto, kn * cf, 0.)
-        efr = tl.where(in_r, ef, 0.)
-        dqs += efr * _dot(dAq, kc, IEEE)
-        dkr += efr * _dot(dL, kc, IEEE)
-        col = _dot(dAqT, tl.where(in_r, qs * ef, 0.), IEEE) + _dot(dLT, tl.where(in_r, kn * ef, 0.), IEEE)
-        dkc += tl.where(upto, cf, 0.) * col
-    return dqs, dkr, dkc
-
-
-@triton.jit
 def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr):
     """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32; 3-pass tf32 tensor-core products, ~fp32 accurate: the
     former exact-fp32 FMA dots held whole 64-wide operand rows in registers, 255 registers and kilobytes of spills
@@ -187,49 +133,6 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
         pw = tl.dot(pw, pw, input_precision="tf32x3")
         t = t + tl.dot(t, pw, input_precision="tf32x3")
     return tl.dot(t, p, input_precision="tf32x3")
-
-
-@triton.jit
-def kda_bwd_prep_kernel(q, k, v, g, beta, A_log, dt_bias,
-                        qg_out, kd_out, w_out, u_out, aq_out, eg_out,
-                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
-                        REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """One program = one BT-token chunk of one head (v1): recompute the operands of the two sequential passes,
-    q e^G, k e^(G_l - G), W, U, tril(Aq) (head-major, in the intermediate dtype) and e^(G_l) (fp32)."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    t0 = tl.load(chunk_tok + i_c)
-    t1 = tl.load(chunk_end + i_c)
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, K)
-    tok = (t0 + o_t).to(tl.int64)
-    m_t = tok < t1
-    row = o_t[:, None]
-    col = o_t[None, :]
-    qn, kn, rq, rk, b_g, b_b = _prep_chunk(q, k, g, beta, A_log, dt_bias, tok, m_t, i_h, lower_bound,
-                                           H, K, USE_GATE, L2NORM)
-    qs = qn * scale
-    G = tl.cumsum(b_g, axis=0)
-    g_last = tl.sum(tl.where(row == BT - 1, G, 0.), 0)
-    Aq, L = _intra_fwd(qs, kn, G, BT, TS, REF, IEEE)
-    Aq = tl.where(row >= col, Aq, 0.)
-    Tm = _unit_lower_inv(tl.where(row > col, b_b[:, None] * L, 0.), BT, TS, LOG2_TS, LOG2_NB)
-    eG = tl.exp(G)
-    b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
-    dt = w_out.dtype.element_ty
-    hk = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
-    tl.store(qg_out + hk, (qs * eG).to(dt), mask=m_t[:, None])
-    tl.store(kd_out + hk, (kn * tl.exp(g_last[None, :] - G)).to(dt), mask=m_t[:, None])
-    tl.store(w_out + hk, b_w.to(dt), mask=m_t[:, None])
-    tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(dt), mask=m_t[:, None])
-    tl.store(eg_out + (i_c * H + i_h) * K + o_k, tl.exp(g_last))
-    for iv in range(0, V // BV):
-        o_v = iv * BV + tl.arange(0, BV)
-        b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
-        b_u = _dot(Tm, b_v * b_b[:, None], IEEE)
-        tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_u.to(dt), mask=m_t[:, None])
 
 
 @triton.jit
@@ -291,7 +194,9 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chu
 @triton.jit
 def _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_k, rq, rk, lower_bound,
                H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr):
-    """The columns o_k of `_prep_chunk`, given its row factors rq, rk: (qn, kn, gl, pk) with pk their addresses."""
+    """Columns o_k of one chunk of one head (rows past the sequence end are zero) with the in-kernel preprocessing,
+    given the L2-norm row factors rq, rk: (qn, kn, gl, pk), qn = q rq, kn = k rk, gl = lb sigmoid(exp(A_log)
+    (f + dt_bias)) (or the given log-decay; 0 on padding rows), pk the columns' addresses."""
     pk = (tok[:, None] * H + i_h) * K + o_k[None, :]
     b_q = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32)
     b_k = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32)
@@ -315,7 +220,8 @@ def _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bou
 
 @triton.jit
 def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
-    """(rq, rk) of `_prep_chunk`, summed over K in BK-column blocks (1 without the L2 norm)."""
+    """L2-norm row factors (rq, rk), r = (sum_K x^2 + 1e-6)^-1/2 summed over K in BK-column blocks (1 without the
+    L2 norm)."""
     sq = tl.zeros(tok.shape, dtype=tl.float32)
     sk = tl.zeros(tok.shape, dtype=tl.float32)
     if L2NORM:
@@ -356,40 +262,6 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bo
     L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
     Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
     return Aq, L, Tm, rq, rk
-
-
-@triton.jit
-def kda_bwd_grad_v_kernel(q, k, v, g, beta, A_log, dt_bias, do, states, dstates,
-                          dv, ws, ks, uns, dus, cmat, cdb,
-                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
-                          REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
-                          BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """Gradient kernel, part 1 of 2. One program = one BT-token chunk of one head, given the chunk's start state
-    S0 and end-state gradient dS: recompute (fp32) L, Aq, T, W, k e^(G_l - G), then per value block u', du', dv
-    and the value-side sums, without any [BT, K] accumulator. Writes (fp32 scratch, read by part 2):
-    ws = W, ks = k e^(G_l - G) ([H, Ttot, K], W re-read here in BK-column blocks), uns = u', dus = du'
-    ([H, Ttot, V]), cmat = (T, tril_-1 L, tril(dAq), sum_V dXv U^T) per chunk ([NC, H, 4, BT, BT]) and
-    cdb = sum_V dXv v ([NC, H, BT]); dv final."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    # Aq and L in BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both)
-    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
-                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
-    for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                                             H, K, BT, USE_GATE)
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        tl.store(ws + hkb, _dot(Tm, kn * tl.exp(G) * b_b[:, None], IEEE), mask=m_t[:, None])
-        tl.store(ks + hkb, kn * tl.exp(g_last[None, :] - G), mask=m_t[:, None])
-    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
-    tl.store(cmat + pc, Tm)
-    tl.store(cmat + pc + BT * BT, L)
-    tl.debug_barrier()  # ws / ks are read back below in other threads' layouts
-
-    AqT = tl.trans(Aq)
-    _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
-                H, K, V, BT, BV, BK, IEEE)
 
 
 @triton.jit
@@ -436,100 +308,21 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
     tl.store(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, d_b)
 
 
-@triton.jit
-def kda_bwd_grad_k_kernel(q, k, g, beta, A_log, dt_bias, do, states, dstates,
-                          ws, ks, uns, dus, cmat, cdb,
-                          dq, dk, dg, dbeta, dal_part, ddt_part,
-                          chunk_tok, chunk_end, scale, lower_bound, Ttot,
-                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
-                          REF: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                          USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """Gradient kernel, part 2 of 2. One program = one chunk of one head, in BK-column blocks of K, reading
-    part 1's scratch (u', du', W, the per-chunk BT x BT matrices) and the stored states again per block:
-    pass A: dW = -du' S0^T, dXk = T^T dW (kept in ws over W), dN = -tril_-1(sum_V dXv U^T + dXk W^T);
-    pass B: d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T, the intra-chunk backward and dG -> dg (or df, dA_log,
-    ddt_bias partials), dq, dk, dbeta; with the L2 norm the pre-norm dq, dk go to ks / ws and
-    pass C applies the norm's backward (it needs the full-row sums of q dq, k dk)."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
-    ps = (i_c * H + i_h).to(tl.int64) * K * V
-    TmT = tl.trans(tl.load(cmat + pc))
-    d_n = tl.load(cmat + pc + 3 * BT * BT)
-    # pass A: the W side of dN (needs all of K before the intra-chunk backward)
-    for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        d_w = tl.zeros([BT, BK], dtype=tl.float32)
-        for iv in range(0, V // BV):
-            o_v = iv * BV + tl.arange(0, BV)
-            b_du = tl.load(dus + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
-            S0 = tl.load(states + ps + o_kb[:, None] * V + o_v[None, :])
-            d_w -= _dot(b_du, tl.trans(S0), IEEE)
-        dxk = _dot(TmT, d_w, IEEE)
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
-        d_n += _dot(dxk, tl.trans(b_w), IEEE)
-        tl.debug_barrier()  # every thread has read W before dXk replaces it
-        tl.store(ws + hkb, dxk, mask=m_t[:, None])
-    d_n = tl.where(row > col, -d_n, 0.)
-    d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t) + tl.sum(d_n * tl.load(cmat + pc + BT * BT), 1)
-    d_l = d_n * b_b[:, None]
-    d_aq = tl.load(cmat + pc + 2 * BT * BT)
-    rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
-    tl.debug_barrier()  # dXk stores above -> loads below
-    # pass B: everything per K column block
-    for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                                             H, K, BT, USE_GATE)
-        d_qg = tl.zeros([BT, BK], dtype=tl.float32)
-        d_kd = tl.zeros([BT, BK], dtype=tl.float32)
-        d_gl = tl.zeros([BK], dtype=tl.float32)
-        for iv in range(0, V // BV):
-            o_v = iv * BV + tl.arange(0, BV)
-            b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None],
-                           other=0.).to(tl.float32)
-            b_un = tl.load(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
-            kv = ps + o_kb[:, None] * V + o_v[None, :]
-            S0 = tl.load(states + kv)
-            dS = tl.load(dstates + kv)
-            d_qg += _dot(b_do, tl.trans(S0), IEEE)
-            d_kd += _dot(b_un, tl.trans(dS), IEEE)
-            d_gl += tl.sum(S0 * dS, 1)
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        dxk = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
-        eG = tl.exp(G)
-        d_b += tl.sum(dxk * kn * eG, 1)
-        qs = qn * scale
-        dqp, dkr, dkc = _intra_bwd(qs, kn, G, d_aq, d_l, BT, TS, REF, IEEE)
-        # q e^G, k e^(G_l - G), X_k = diag(beta) k e^G and the pairwise matrices -> dG (inclusive cumsum) ...
-        kd = kn * tl.exp(g_last[None, :] - G)
-        dG = (d_qg * eG + dqp) * qs + dxk * (kn * eG * b_b[:, None]) - d_kd * kd + kn * (dkr - dkc)
-        d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
-        dG += tl.where(row == BT - 1, d_gl[None, :], 0.)
-        dkn = dxk * (b_b[:, None] * eG) + d_kd * tl.exp(g_last[None, :] - G) + dkr + dkc
-        dqn = (d_qg * eG + dqp) * scale
-        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, ks, ws, dG, dqn, dkn, qn, kn, pk,
-                                        hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
-    # pass C: the chunk's dA_log partial, dbeta, and the L2 norm's backward
-    _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, ks, ws, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
-                    H, K, BK, USE_GATE, L2NORM)
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# v2 gradient kernels. The prep (prep2) keeps T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in fp32, so no chunk
-# is recomputed; the work is split so that each kernel holds few tiles (more programs per SM than the v1 pair):
-#   gv (chunk, head)           value side (v1's `_value_side`): u', du', dv, dAq, the value part of dN and dbeta
+# Gradient kernels. The prep (pmat + pwu) keeps T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in fp32, so no chunk
+# is recomputed; the work is split so that each kernel holds few tiles (several programs per SM):
+#   gv (chunk, head)           value side (`_value_side`): u', du', dv, dAq, the value part of dN and dbeta
 #   gw (chunk, head, K block)  the state side per K block: dW -> dXk, d(q e^G), d(k e^(G_l - G)), their dG terms,
 #                              partial dN (dXk W^T) and dbeta per K block
-#   gi (chunk, head)           the intra-chunk backward from dAq and dL = diag(beta) dN, dG -> dg (gate), dq, dk
-#                              through the L2 norm
+#   gi2 (chunk, head, tile, K block) + gfin (chunk, head): the intra-chunk backward from dAq and dL = diag(beta) dN,
+#                              dG -> dg (gate), dq, dk through the L2 norm
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, IEEE: tl.constexpr):
-    """v2, value side: v1's `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the
-    prep (fp32) instead of recomputed. One program = one chunk of one head."""
+    """Value side: `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the prep
+    (fp32). One program = one chunk of one head."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
@@ -542,7 +335,7 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """v2, state side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
+    """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
     chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
@@ -590,48 +383,6 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
     tl.store(x1s + hkb, x1, mask=m_t[:, None])
     tl.store(x2s + hkb, dxk * (b_b[:, None] * eG) + d_kd * ed, mask=m_t[:, None])
     tl.store(dgis + hkb, dgi, mask=m_t[:, None])
-
-
-@triton.jit
-def kda_bwd_gi_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis,
-                      dq, dk, dg, dbeta, dal_part, ddt_part, chunk_tok, chunk_end, scale, lower_bound, Ttot,
-                      H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
-                      BK: tl.constexpr, NKW: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
-                      IEEE: tl.constexpr):
-    """v2, intra-chunk side. One program = one chunk of one head: dN = -tril_-1(dN_v + sum of gw's partials),
-    dbeta, dL = diag(beta) dN, then per BK columns the intra-chunk backward of (dAq, dL), dG (with gw's terms) ->
-    dg through the suffix sum and the gate, d(q scale), d(kn); with the L2 norm the pre-norm gradients go back to
-    x1s / x2s and a last pass applies the norm's backward (it needs full-row sums)."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
-    pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
-    d_n = tl.load(cmat + pc + 3 * BT * BT)
-    d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t)
-    for j in tl.static_range(NKW):
-        d_n += tl.load(nkp + (pp + j * BT) * BT + row * BT + col)
-        d_b += tl.load(dbp + pp + j * BT + o_t)
-    d_n = tl.where(row > col, -d_n, 0.)
-    d_b += tl.sum(d_n * tl.load(cmat + pc + BT * BT), 1)
-    d_l = d_n * b_b[:, None]
-    d_aq = tl.load(cmat + pc + 2 * BT * BT)
-    rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
-    for kb in range(0, K // BK):
-        o_kb = kb * BK + tl.arange(0, BK)
-        qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                                     H, K, USE_GATE)
-        G = tl.cumsum(b_g, axis=0)
-        qs = qn * scale
-        dqp, dkr, dkc = _intra_bwd(qs, kn, G, d_aq, d_l, BT, TS, REF, IEEE)
-        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-        x1 = tl.load(x1s + hkb, mask=m_t[:, None], other=0.)
-        x2 = tl.load(x2s + hkb, mask=m_t[:, None], other=0.)
-        dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.) + dqp * qs + kn * (dkr - dkc)
-        dkn = x2 + dkr + dkc
-        dqn = (x1 + dqp) * scale
-        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, x1s, x2s, dG, dqn, dkn, qn, kn, pk,
-                                        hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
-    _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, x1s, x2s, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
-                    H, K, BK, USE_GATE, L2NORM)
 
 
 @triton.jit
@@ -719,7 +470,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
                L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`), stored as T / tril_-1(L)
+    """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`), stored as T / tril_-1(L)
     (cmat slots 0, 1), tril(Aq) (aq_out in the intermediate dtype for dstates, aqf in fp32) and rq, rk (rqk).
     Returns (T, rq, rk)."""
     o_t = tl.arange(0, BT)
@@ -741,7 +492,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m
 def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
                 tok, m_t, o_kb, scale, lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                 USE_GATE: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; k e^(G_l
+    """Prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; k e^(G_l
     - G) and W also fp32), e^(G_l) and the cumsum G (fp32)."""
     dt = w_out.dtype.element_ty
     qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
@@ -761,31 +512,10 @@ def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, 
 
 @triton.jit
 def _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, o_v, Ttot, H: tl.constexpr, V: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep, one value-column block: U = T diag(beta) v (intermediate dtype)."""
+    """Prep, one value-column block: U = T diag(beta) v (intermediate dtype)."""
     b_v = tl.load(v + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
     tl.store(u_out + (i_h * Ttot + tok[:, None]) * V + o_v[None, :],
              _dot(Tm, b_v * b_b[:, None], IEEE).to(u_out.dtype.element_ty), mask=m_t[:, None])
-
-
-@triton.jit
-def kda_bwd_prep2_kernel(q, k, v, g, beta, A_log, dt_bias,
-                         qg_out, kd_out, w_out, u_out, aq_out, eg_out, cmat, ws, ks, aqf, gcs, rqk,
-                         chunk_tok, chunk_end, scale, lower_bound, Ttot,
-                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
-                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BV: tl.constexpr,
-                         BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep, one program per (chunk, head): the outputs of `kda_bwd_prep_kernel` in BK-column blocks, so no
-    [BT, K] fp32 tile is live (the single-pass prep keeps ~1.3 KB of spills per thread at K = 128), plus for the
-    gradient kernels T, tril_-1(L), tril(Aq), W, k e^(G_l - G), G and rq / rk in fp32 (`_prep_mats`,
-    `_prep_kcols`, `_prep_vcols`)."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    Tm, rq, rk = _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale,
-                            lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
-    for kb in range(0, K // BK):
-        _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
-                    tok, m_t, kb * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE)
-    for iv in range(0, V // BV):
-        _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, iv * BV + tl.arange(0, BV), Ttot, H, V, IEEE)
 
 
 @triton.jit
@@ -793,7 +523,7 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, c
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                         USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep split in two (launch option prep="split"), part 1 per (chunk, head): `_prep_mats` only."""
+    """Prep part 1 (pmat), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
                H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
@@ -804,7 +534,7 @@ def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, 
                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr):
-    """v2 prep split in two, part 2 per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
+    """Prep part 2 (pwu), per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
     K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk read back from part 1."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
@@ -819,7 +549,7 @@ def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# v2's intra-chunk backward split finer (launch option intra="tiles", the default): gi2 per (chunk, head, 16-row tile, K block)
+# The intra-chunk backward per tile: gi2 per (chunk, head, 16-row tile, K block)
 # computes everything that lands on the tile's rows, reading only [16, BT] slices of dAq / dL; gfin per
 # (chunk, head) does what needs whole chunks (the suffix sum of dG, the gate, dbeta, the L2 norm).
 # ---------------------------------------------------------------------------------------------------------------
@@ -837,7 +567,7 @@ def _dl_slice(cmat, nkp, pc0, pp, rows, cols, b_rows, NKW: tl.constexpr, BT: tl.
 def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_tok, chunk_end, scale, Ttot,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                        BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr):
-    """v2 intra-chunk backward, one program = one chunk, head, TS-row tile r and BK columns. With m = the tile's
+    """Intra-chunk backward, one program = one chunk, head, TS-row tile r and BK columns. With m = the tile's
     reference row (decays factored through G_m as in `_intra_bwd`), for the tile's rows R:
     d(q scale)_R += e^(G_R - G_m) (dAq[R, :] (k e^(G_m - G))_{<= end of R}),   dk_row_R likewise from dL,
     dk_col_R = e^(G_m - G_R) (dAq[:, R]^T (q scale e^(G - G_m))_{>= start of R} + dL[:, R]^T (k e^(G - G_m))),

@@ -1,11 +1,15 @@
 """Python side of the KDA chunk backward kernels (needs triton; imported lazily by the package __init__).
 
-`kda_chunk_bwd` runs five kernels (see kernels_bwd.py for the math):
-1. kda_bwd_prep_kernel    (chunk, head)              operands of the sequential passes (intermediate dtype)
-2. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32)
-3. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), and dh0
-4. kda_bwd_grad_v_kernel  (chunk, head)              recompute the chunk in fp32: u', du', dv, the BT x BT parts
-5. kda_bwd_grad_k_kernel  (chunk, head)              dq, dk, dg, dbeta in K-column blocks from 4.'s fp32 scratch
+`kda_chunk_bwd` runs eight kernels (see kernels_bwd.py for the math):
+1. kda_bwd_pmat_kernel    (chunk, head)              T, tril_-1(L), tril(Aq) (fp32 and intermediate dtype), norms
+2. kda_bwd_pwu_kernel     (chunk, head, col. block)  q e^G, k e^(G_l - G), W, U (sequential passes' operands) and
+                                                     W, k e^(G_l - G), G in fp32
+3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32)
+4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), and dh0
+5. kda_bwd_gv_kernel      (chunk, head)              value side: u', du', dv, dAq, value parts of dN / dbeta
+6. kda_bwd_gw_kernel      (chunk, head, K block)     state side: dXk, the state terms of dq / dk / dG, partial dN
+7. kda_bwd_gi2_kernel     (chunk, head, tile, K blk) intra-chunk backward of each 16-row tile
+8. kda_bwd_gfin_kernel    (chunk, head)              dbeta, dg (suffix sum, gate), dq / dk through the L2 norm
 then sums the per-chunk partials of dA_log / ddt_bias in torch. `gpu_selfcheck()` compares against the torch
 path on a CUDA device at K3 head shapes.
 """
@@ -39,62 +43,49 @@ def _pick_bv(V: int, nprog: int) -> int:
 
 
 def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
-    """Per-kernel launch parameters {kernel name: dict(BV=, num_warps=, num_stages=)} at head dims K, V with
-    nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py."""
+    """Per-kernel launch parameters {kernel name: dict(BV=, BK=, num_warps=, num_stages=)} at head dims K, V with
+    nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py.
+    Block sizes: the H200 sweep at B1 T8K H96 D128 (benchmarks/kda_bwd_sweep.py, benchmarks/RESULTS.md)."""
     lowp = dtype in (torch.bfloat16, torch.float16)
     BV = _pick_bv(V, nprog)
     # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
     # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
     seq_stages = 2 if lowp else 1
     return dict(
-        # 8 warps: the prep's [BT, K] fp32 tiles at K = 128 spill less spread over 256 threads (sm_90 AOT)
-        prep=dict(BV=min(V, 64), num_warps=8, num_stages=2),
-        states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
-        dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
-        # the gradient in two kernels (value side, then K-column blocks): no [BT, K] fp32 accumulator stays live
-        grad_v=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
-        grad_k=dict(BV=min(V, 32), BK=16, num_warps=8, num_stages=2),
-        # v2 (prep2 / gv / gw / gi); gv = grad_v's value loop (same BV / BK)
-        prep2=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, split=False),
-        # prep2 split=True: pmat (chunk, head) + pwu (chunk, head, column block)
+        # prep in two kernels: 4.12 + 1.83 ms vs 6.78 ms as one (chunk, head) kernel (removed, sixth session)
         pmat=dict(BK=min(K, 32), num_warps=4, num_stages=1),
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
-        gv=dict(BV=min(V, 16), BK=min(K, 32), num_warps=4, num_stages=1),
-        # gw: BK = 64 / 8 warps 3.81 ms vs 4.39 at BK = 32 / 4 warps (H200, B1 T8K H96, benchmarks/RESULTS.md)
+        # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
+        states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
+        dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
+        # gv: BV 32 2.98 ms vs 4.19 at BV 16
+        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
+        # gw: BK 64 / 8 warps 3.78 ms vs 4.33 at BK 32 / 4 warps
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
-        gi=dict(BK=min(K, 32), num_warps=4, num_stages=1),
-        # v2's intra-chunk backward: "tiles" = gi2 (chunk, head, 16-row tile, K block) + gfin (chunk, head),
-        # "chunk" = gi (chunk, head) alone (measured 10.1 ms at B1 T8K H96 in the first v2; tiles not yet timed)
-        intra=dict(mode="tiles"),
-        gi2=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1),
         gfin=dict(BK=min(K, 32), num_warps=4, num_stages=1),
     )
 
 
 def kernel_table(kb=_k):
-    """(launch_config key, kernel, kind) of the backward kernels in launch order (v1: grad_v, grad_k; v2: gv, gw,
-    gi); kind: "chunk" (per chunk and head, the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
-    return [("prep", kb.kda_bwd_prep_kernel, "chunk"), ("states", kb.kda_bwd_states_kernel, "states"),
-            ("dstates", kb.kda_bwd_dstates_kernel, "dstates"), ("grad_v", kb.kda_bwd_grad_v_kernel, "chunk"),
-            ("grad_k", kb.kda_bwd_grad_k_kernel, "chunk"), ("gv", kb.kda_bwd_gv_kernel, "chunk"),
-            ("gw", kb.kda_bwd_gw_kernel, "chunk"), ("gi", kb.kda_bwd_gi_kernel, "chunk"),
-            ("prep2", kb.kda_bwd_prep2_kernel, "chunk"), ("gi2", kb.kda_bwd_gi2_kernel, "chunk"),
-            ("gfin", kb.kda_bwd_gfin_kernel, "chunk"), ("pmat", kb.kda_bwd_pmat_kernel, "chunk"),
-            ("pwu", kb.kda_bwd_pwu_kernel, "chunk")]
+    """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head,
+    the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
+    return [("pmat", kb.kda_bwd_pmat_kernel, "chunk"), ("pwu", kb.kda_bwd_pwu_kernel, "chunk"),
+            ("states", kb.kda_bwd_states_kernel, "states"), ("dstates", kb.kda_bwd_dstates_kernel, "dstates"),
+            ("gv", kb.kda_bwd_gv_kernel, "chunk"), ("gw", kb.kda_bwd_gw_kernel, "chunk"),
+            ("gi2", kb.kda_bwd_gi2_kernel, "chunk"), ("gfin", kb.kda_bwd_gfin_kernel, "chunk")]
 
 
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
                   use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log=None,
-                  dt_bias=None, lower_bound: Optional[float] = -5.0, impl: str = "v1", launch: Optional[dict] = None):
+                  dt_bias=None, lower_bound: Optional[float] = -5.0, launch: Optional[dict] = None):
     """Gradients of chunk_kda's (o, final_state) given do [B,T,H,V] and dht [N,H,K,V] (or None = zero).
 
     Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): token gradients in their inputs' dtypes, dg w.r.t. g
     as given (the raw gate input f when use_gate_in_kernel), dh0 [N,H,K,V] fp32, dA_log [H] / ddt_bias [H*K] fp32
     (None without the gate). Inputs are validated and supported (see the package's `_unsupported`).
-    impl: "v1" (default) or "v2" gradient kernels (package docstring); launch: per-kernel overrides of
-    `launch_config` ({kernel name: {param: value}}, for benchmarks)."""
-    if impl not in ("v1", "v2"):
-        raise ValueError(f"kda_chunk_bwd: impl={impl!r}: known values are 'v1', 'v2'")
+    launch: per-kernel overrides of `launch_config` ({kernel name: {param: value}}, for benchmarks)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
@@ -134,29 +125,19 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             if name not in lc:
                 raise ValueError(f"kda_chunk_bwd: launch override for unknown kernel {name!r} (known: {sorted(lc)})")
             lc[name] = {**lc[name], **over}
-        v2 = impl == "v2"
-        if v2:  # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq)
-            cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
-            ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
-            aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
-            gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
-            rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
-            if lc["prep2"].get("split", False):
-                _k.kda_bwd_pmat_kernel[(NC, H)](
-                    qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, ctok, cend, float(scale), lb, Tt, **lc["pmat"],
-                    **{n: c for n, c in const.items() if n != "V"})
-                pw = lc["pwu"]
-                _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
-                    qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ks, gcs, rqk, ctok, cend,
-                    float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, **pw)
-            else:
-                _k.kda_bwd_prep2_kernel[(NC, H)](
-                    qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, cmat, ws, ks, aqf, gcs, rqk, ctok, cend,
-                    float(scale), lb, Tt, **{n: c for n, c in lc["prep2"].items() if n != "split"}, **const)
-        else:
-            _k.kda_bwd_prep_kernel[(NC, H)](
-                qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, aq, eg, ctok, cend, float(scale), lb, Tt,
-                **lc["prep"], **const)
+        # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq), G, norms
+        cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
+        ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
+        aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
+        gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
+        rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
+        _k.kda_bwd_pmat_kernel[(NC, H)](
+            qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, ctok, cend, float(scale), lb, Tt, **lc["pmat"],
+            **{n: c for n, c in const.items() if n != "V"})
+        pw = lc["pwu"]
+        _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
+            qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ks, gcs, rqk, ctok, cend,
+            float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, **pw)
         states = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
         dstates = torch.empty_like(states)
         BV = lc["states"]["BV"]
@@ -167,12 +148,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
         del qg, kd, w, u, aq, eg
-        if v2:
-            _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
-                    dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const)
-        else:
-            _bwd_v1(qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
-                    ctok, cend, float(scale), lb, Tt, NC, lc, const)
+        _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
+               dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const)
     dA_log = ddt_bias = None
     if gate:
         dA_log = dal_part.sum(0)
@@ -186,9 +163,9 @@ def _nonfinite(**tensors) -> None:
         print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items()}, flush=True)
 
 
-def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
-            dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const):
-    """The v2 gradient kernels gv, gw, gi (kernels_bwd.py) after prep2 and the sequential passes."""
+def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
+           dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const):
+    """The gradient kernels gv, gw, gi2, gfin (kernels_bwd.py) after the prep and the sequential passes."""
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
     _nonfinite(T=cmat[:, :, 0], L=cmat[:, :, 1], ws=ws, ks=ks, aqf=aqf, states=states, dstates=dstates)
     dev = qc.device
@@ -208,42 +185,13 @@ def _bwd_v2(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, 
         IEEE=ieee, **lc["gw"])
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
-    mode = lc["intra"]["mode"]
-    if mode == "chunk":
-        _k.kda_bwd_gi_kernel[(NC, H)](
-            qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
-            ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee,
-            **gate, **lc["gi"])
-    elif mode == "tiles":
-        BKI = lc["gi2"]["BK"]
-        _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"]) * (K // BKI))](
-            qc, kc, bc, cmat, nkp, gcs, rqk, x1s, x2s, dgis, ctok, cend, scale, Tt, H=H, K=K, BT=BT, TS=const["TS"],
-            REF=const["REF"], NKW=NKW, IEEE=ieee, **lc["gi2"])
-        _k.kda_bwd_gfin_kernel[(NC, H)](
-            qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
-            ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, **gate, **lc["gfin"])
-    else:
-        raise ValueError(f"kda_chunk_bwd: launch intra mode {mode!r}: expected 'chunk' or 'tiles'")
-
-
-def _bwd_v1(qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dq, dk, dv, dg, dbeta, dal_part, ddt_part,
-            ctok, cend, scale, lb, Tt, NC, lc, const):
-    """The v1 gradient kernels grad_v, grad_k (kernels_bwd.py): recompute each chunk in fp32 from the inputs."""
-    H, K, V, BT = const["H"], const["K"], const["V"], const["BT"]
-    dev = qc.device
-    # fp32 scratch of the two gradient kernels: W / dXk / pre-norm dk, k e^(G_l - G) / pre-norm dq, u', du',
-    # per chunk (T, L, dAq, dN) and the value part of dbeta (3 KiB per token-head at K = V = 128, BT = 64)
-    ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
-    uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=torch.float32) for _ in range(2))
-    cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
-    cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
-    _k.kda_bwd_grad_v_kernel[(NC, H)](
-        qc, kc, vc, gc, bc, a_log, dtb, doc, states, dstates, dv, ws, ks, uns, dus, cmat, cdb,
-        ctok, cend, scale, lb, Tt, **lc["grad_v"], **const)
-    kconst = {n: c for n, c in const.items() if n not in ("LOG2_TS", "LOG2_NB")}
-    _k.kda_bwd_grad_k_kernel[(NC, H)](
-        qc, kc, gc, bc, a_log, dtb, doc, states, dstates, ws, ks, uns, dus, cmat, cdb,
-        dq, dk, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, **lc["grad_k"], **kconst)
+    BKI = lc["gi2"]["BK"]
+    _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"]) * (K // BKI))](
+        qc, kc, bc, cmat, nkp, gcs, rqk, x1s, x2s, dgis, ctok, cend, scale, Tt, H=H, K=K, BT=BT, TS=const["TS"],
+        REF=const["REF"], NKW=NKW, IEEE=ieee, **lc["gi2"])
+    _k.kda_bwd_gfin_kernel[(NC, H)](
+        qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
+        ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, **gate, **lc["gfin"])
 
 
 def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda",
