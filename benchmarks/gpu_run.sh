@@ -30,8 +30,10 @@ for stage in "$@"; do case $stage in
       --prep-configs '["default"]' --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 \
       --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
-  bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 )) python3 benchmarks/kda_bwd_sweep.py \
-      --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} ${BWDSWEEP_FLA:+--fla} ;;
+  # BWDSWEEP_FLA=SECONDS: then fla's fwd+bwd on the same inputs, with that much more time (its first backward autotunes)
+  bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 + ${BWDSWEEP_FLA:-0} )) python3 benchmarks/kda_bwd_sweep.py \
+      --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} \
+      $( [ "${BWDSWEEP_FLA:-0}" != 0 ] && echo --fla ) ;;
   bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;
