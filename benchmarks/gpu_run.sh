@@ -30,6 +30,8 @@ for stage in "$@"; do case $stage in
       --prep-configs '["default"]' --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 \
       --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
   tests-bwd) step tests-bwd 200 python3 -m pytest -q -s --timeout 150 tests/gpu -k "kda_triton_backward" ;;
+  kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
+      --state-configs none --shapes B8_T8K,varlen,B2_T32K,B1_T128K --json "$OUT/kda_triton_fwd4.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
   # BWDSWEEP_FLA=SECONDS: then fla's fwd+bwd on the same inputs, with that much more time (its first backward autotunes)
   bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 + ${BWDSWEEP_FLA:-0} )) python3 benchmarks/kda_bwd_sweep.py \

@@ -4,7 +4,9 @@ route: fp32 sigmoid scores; selection = top-k of (scores + bias); weights = sele
 (the bias never enters the weights). experts_forward: tokens sorted by expert, then one grouped GEMM per
 projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a padded batched GEMM fallback when the
 shapes are not 16-byte aligned; no Python loop over experts. Combine: each expert output (in the activation
-dtype) times its fp32 weight, summed in fp32 (index_add), cast back.
+dtype) times its fp32 weight, summed in fp32, cast back. Permute and unpermute are row gathers whose backward is
+the gather by the inverse permutation (`_dispatch_rows`, `_permute_rows`): no index_add / atomics, deterministic,
+and the k copies of a token's gradient are summed in fp32.
 """
 from __future__ import annotations
 
@@ -64,6 +66,39 @@ def _gmm(x_AI, w_EIO, offs_E, counts_E, backend: str):
     return torch.bmm(xp, w_EIO).view(E * cap, -1).index_select(0, flat)
 
 
+class _DispatchRows(torch.autograd.Function):
+    """x_Al = x_Nl[order // k] (each token's row once per selected expert, in expert order). Backward: the k
+    gradient rows of token n sit at inv[n*k : n*k + k]; gathered and summed in fp32 (index_select's own backward
+    is an atomic index_add, in the activation dtype)."""
+
+    @staticmethod
+    def forward(ctx, x_Nl, tok_of_a, inv_A, k: int):
+        ctx.save_for_backward(inv_A)
+        ctx.k = k
+        return x_Nl.index_select(0, tok_of_a)
+
+    @staticmethod
+    def backward(ctx, g_Al):
+        (inv_A,) = ctx.saved_tensors
+        g = g_Al.index_select(0, inv_A).view(-1, ctx.k, g_Al.shape[-1])
+        return f32(g).sum(1).to(g_Al.dtype), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """y[idx] for a permutation idx; backward: the gather by its inverse inv (index_select's own backward is an
+    index_add)."""
+
+    @staticmethod
+    def forward(ctx, y, idx, inv):
+        ctx.save_for_backward(inv)
+        return y.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv), None, None
+
+
 def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
                     gate_up_El2M: torch.Tensor, down_EMl: torch.Tensor, glu: Callable,
                     backend: Optional[str] = None) -> torch.Tensor:
@@ -86,13 +121,15 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     else:  # CPU eager: bincount is much faster than scatter_add_ here, and there is no device sync to avoid
         counts_E = torch.bincount(flat_e, minlength=E)
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    x_Al = x_Nl.index_select(0, tok_of_a)
+    # inverse permutation: slot n*k + j of the token-major layout sits at row inv_A[n*k + j] of the expert order
+    inv_A = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    x_Al = _DispatchRows.apply(x_Nl, tok_of_a, inv_A, k)
     h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)
     g, u = h_A2M.chunk(2, dim=-1)
     y_Al = _gmm(glu(g, u).contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
-    # unpermute (inverse permutation, a gather) and combine the k outputs of each token in a fixed order, in fp32
-    inv_A = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    y_Nkl = y_Al.index_select(0, inv_A).view(N, k, l)
+    # unpermute (a gather; its backward gathers by `order`) and combine the k outputs of each token in a fixed
+    # order, in fp32
+    y_Nkl = _PermuteRows.apply(y_Al, inv_A, order).view(N, k, l)
     out = (f32(y_Nkl) * f32(topk_w_Nk).unsqueeze(-1)).sum(1)
     return out.to(x_Nl.dtype)
 
