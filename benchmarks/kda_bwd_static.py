@@ -11,7 +11,7 @@ body (total, HMMA, MUFU; loop bodies are counted once, not per iteration).
 N is the number of sequences: with H it sets N*H, which picks the value block of the sequential passes.
 
 The record below is of the third-to-fifth sessions' kernels; prep, grad_v and grad_k ("v1") were removed in the
-sixth session when the non-recomputing split (pmat, pwu, gv, gw, gi2, gfin) measured 2x faster on the H200
+fifth session when the non-recomputing split (pmat, pwu, gv, gw, gi2, gfin) measured 2x faster on the H200
 (benchmarks/RESULTS.md). Running the script reports the current kernels.
 
 Numbers (triton 3.9.0, sm_90, bf16, K = V = 128, N = 8; ~70 s for all kernels on 2 cores). H = 96 and H = 8 give

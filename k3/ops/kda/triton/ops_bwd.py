@@ -52,7 +52,7 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
     # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
     seq_stages = 2 if lowp else 1
     return dict(
-        # prep in two kernels: 4.12 + 1.83 ms vs 6.78 ms as one (chunk, head) kernel (removed, sixth session)
+        # prep in two kernels: 4.12 + 1.83 ms vs 6.78 ms as one (chunk, head) kernel (removed, fifth session)
         pmat=dict(BK=min(K, 32), num_warps=4, num_stages=1),
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
