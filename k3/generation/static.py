@@ -196,8 +196,11 @@ class _MLA:
         q = q.view(N, H, self.qd)
         c_lat, k_pe = parts[1].split([C, self.rope], -1)
         new = torch.cat([self.kv_norm(c_lat), k_pe], -1).to(self.lc.dtype)      # what the cache stores
+        # the write goes to the whole buffer, not to the window view: under torch.compile an index_put_ into a slice
+        # is functionalized into a copy of the whole window per layer (1.2 GB per MLA layer at 1M); into the graph
+        # input itself it stays in place (tests/generation/test_static_decode.py checks the compiled code)
+        self.lc.buf.index_put_((self.rows, self.lens), new)
         buf = self.lc.buf[:, :self.window]                                      # [N, W, C + R], fixed address
-        buf.index_put_((self.rows, self.lens), new)
         q_nope, q_pe = q.to(cd).split([self.nope, self.rope], -1)
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.W_UK).transpose(0, 1)    # [N, H, C]
         qf = torch.cat([q_lat, q_pe], -1) * self.scale                          # [N, H, C + R]

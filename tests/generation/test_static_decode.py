@@ -178,3 +178,19 @@ def test_static_compiled_equals_cached(model32):
         assert float((out - ref).abs().max()) <= 1e-4
         tok = ref.argmax(-1, keepdim=True)
     assert ref_c.lengths == st_c.lengths
+
+
+def test_static_compiled_writes_cache_in_place(model32):
+    """Under compile=True the new latent row goes into the cache buffer in place: the generated code allocates no
+    copy of the MLA window (an index_put_ into the window *view* was functionalized into one copy per MLA layer and
+    step: 1.2 GB per layer at 1M tokens on the H200, benchmarks/RESULTS.md, fifth session)."""
+    from torch._inductor.utils import run_and_get_code
+    prompts = _prompts(3)
+    st_c = _prefilled(model32, prompts)                       # capacity 64 tokens per row
+    W = 41                                                    # window < capacity: the buffer is sliced
+    dec = StaticDecoder(model32, st_c, 3, max_length=W, compile=True)
+    tok = torch.tensor([[5], [6], [7]])
+    _, code = run_and_get_code(dec.step, tok)
+    src = "\n".join(code)
+    assert "index_put" in src or "scatter" in src or "store" in src  # the step was compiled and captured
+    assert f"empty_strided_cpu((3, {W}, " not in src, [ln for ln in src.splitlines() if f"(3, {W}, " in ln][:3]
