@@ -58,6 +58,9 @@ for stage in "$@"; do case $stage in
       --compile none,modules ;;
   trainbf16) step trainbf16 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params ;;
+  # the same step with the opt-in hardware tanh in the SiTU kernels (k3/ops/activations_triton.py)
+  trainbf16-approx) step trainbf16-approx 300 env K3_SITU_TANH=approx python3 benchmarks/gpu_model.py --train \
+      --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
   kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g

@@ -2,14 +2,26 @@
 
 Each reads g and u (and dout) once in their dtype, does the fp32 math of k3.ops.activations in registers and writes
 the result(s) once: 3 (forward) / 5 (backward) tensor passes instead of the ~10 / ~15 of the eager formula.
-Inputs may be strided views (e.g. the two halves of a fused gate/up projection): rows of stride `sg`/`su`."""
+Inputs may be strided views (e.g. the two halves of a fused gate/up projection): rows of stride `sg`/`su`.
+
+Opt-in K3_SITU_TANH=approx (16-bit inputs only): tanh and the sigmoid (0.5 + 0.5 tanh(x/2)) as the hardware
+`tanh.approx.f32` (one MUFU op, max relative error 2^-10.99, below bf16's 2^-8 rounding) instead of exp + reciprocal
+pairs. sm_90 SASS per element: forward 76 -> 32 instructions (6.25 -> 3.25 MUFU), backward 91 -> 48 (static counts,
+benchmarks/situ_static.py): the exact kernels are issue-bound on an H200 (~1.8x / ~1.3x their bandwidth time), the
+approx ones bandwidth-bound. Off by default until timed and checked on a GPU (tests/gpu has the numerics test)."""
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 BLOCK = 1024
+# read once at import: a plain constant under torch.compile
+APPROX_TANH = os.environ.get("K3_SITU_TANH", "exact").strip().lower()
+if APPROX_TANH not in ("exact", "approx"):
+    raise ValueError(f"K3_SITU_TANH={APPROX_TANH!r}: known values are 'exact', 'approx'")
 
 
 @triton.jit
@@ -21,28 +33,44 @@ def _tanh(x):
 
 
 @triton.jit
-def _situ_fwd_kernel(g, u, o, R, C, sg, su, so, b1, b2, BR: tl.constexpr, BC: tl.constexpr):
+def _tanh_hw(x):
+    """tanh.approx.f32: one MUFU op (sm_75+), max relative error 2^-10.99."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _tanh_sig(x, y, b1, b2, APPROX: tl.constexpr):
+    """(tanh(x / b1), sigmoid(x), tanh(y / b2)) in fp32."""
+    if APPROX:  # scalar reciprocals once: a per-element fp32 division is a multi-instruction sequence
+        return _tanh_hw(x * (1.0 / b1)), 0.5 + 0.5 * _tanh_hw(0.5 * x), _tanh_hw(y * (1.0 / b2))
+    else:
+        return _tanh(x / b1), tl.sigmoid(x), _tanh(y / b2)
+
+
+@triton.jit
+def _situ_fwd_kernel(g, u, o, R, C, sg, su, so, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
+                     APPROX: tl.constexpr = False):
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
     m = (rows < R) & (cols < C)
     x = tl.load(g + rows * sg + cols, mask=m, other=0.).to(tl.float32)
     y = tl.load(u + rows * su + cols, mask=m, other=0.).to(tl.float32)
-    a = b1 * _tanh(x / b1) * tl.sigmoid(x)
-    b = b2 * _tanh(y / b2)
+    tg, s, tu = _tanh_sig(x, y, b1, b2, APPROX)
+    a = b1 * tg * s
+    b = b2 * tu
     tl.store(o + rows * so + cols, (a * b).to(o.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _situ_bwd_kernel(g, u, do, dg, du, R, C, sg, su, sd, b1, b2, BR: tl.constexpr, BC: tl.constexpr):
+def _situ_bwd_kernel(g, u, do, dg, du, R, C, sg, su, sd, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
+                     APPROX: tl.constexpr = False):
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
     m = (rows < R) & (cols < C)
     x = tl.load(g + rows * sg + cols, mask=m, other=0.).to(tl.float32)
     y = tl.load(u + rows * su + cols, mask=m, other=0.).to(tl.float32)
     d = tl.load(do + rows * sd + cols, mask=m, other=0.).to(tl.float32)
-    tg = _tanh(x / b1)
-    s = tl.sigmoid(x)
-    tu = _tanh(y / b2)
+    tg, s, tu = _tanh_sig(x, y, b1, b2, APPROX)
     da = (1.0 - tg * tg) * s + b1 * tg * s * (1.0 - s)
     tl.store(dg + rows * C + cols, (d * (b2 * tu) * da).to(dg.dtype.element_ty), mask=m)
     tl.store(du + rows * C + cols, (d * (b1 * tg * s) * (1.0 - tu * tu)).to(du.dtype.element_ty), mask=m)
@@ -63,6 +91,11 @@ def _rows(x: torch.Tensor):
     return x2, x2.stride(0)
 
 
+def _approx(x: torch.Tensor) -> bool:
+    """The hardware tanh path: opted in, 16-bit inputs, a real GPU (the interpreter has no inline PTX)."""
+    return APPROX_TANH == "approx" and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+
+
 def situ_fwd(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
     g2, sg = _rows(g)
     u2, su = _rows(u)
@@ -70,7 +103,7 @@ def situ_fwd(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Te
     o = torch.empty(R, C, device=g.device, dtype=g.dtype)
     if o.numel():
         bc, br, grid = _tiles(R, C)
-        _situ_fwd_kernel[grid](g2, u2, o, R, C, sg, su, C, b1, b2, BR=br, BC=bc, num_warps=4)
+        _situ_fwd_kernel[grid](g2, u2, o, R, C, sg, su, C, b1, b2, BR=br, BC=bc, APPROX=_approx(g), num_warps=4)
     return o.view(g.shape)
 
 
@@ -83,5 +116,6 @@ def situ_bwd(g, u, dout, b1: float, b2: float):
     du = torch.empty(R, C, device=u.device, dtype=u.dtype)
     if dg.numel():
         bc, br, grid = _tiles(R, C)
-        _situ_bwd_kernel[grid](g2, u2, d2, dg, du, R, C, sg, su, sd, b1, b2, BR=br, BC=bc, num_warps=4)
+        _situ_bwd_kernel[grid](g2, u2, d2, dg, du, R, C, sg, su, sd, b1, b2, BR=br, BC=bc, APPROX=_approx(g),
+                               num_warps=4)
     return dg.view(g.shape), du.view(u.shape)

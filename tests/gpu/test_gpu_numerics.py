@@ -261,20 +261,29 @@ def test_tiny_model_cuda_vs_cpu(packed, mode, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- our Triton kernels
-def test_situ_triton_kernels_vs_fp32_reference():
+def test_situ_triton_kernels_vs_fp32_reference(monkeypatch):
+    """Both tanh paths of the SiTU kernels (exact, and the opt-in hardware tanh.approx) against the fp32 reference;
+    the approx path must actually run (outputs differ from the exact path's) and stay within 1.5x its error."""
+    from k3.ops import activations_triton as at
     from k3.ops.activations import situ_glu, situ_glu_reference
     g = torch.Generator().manual_seed(3)
     gu = torch.randn(4096, 1024, generator=g) * 4
     do = torch.randn(4096, 512, generator=g)
     ref_g, ref_u = gu[:, :512].clone().requires_grad_(), gu[:, 512:].clone().requires_grad_()
     situ_glu_reference(ref_g, ref_u).backward(do)
-    gub = gu.to(DEV, BF).requires_grad_()
-    out = situ_glu(*gub.chunk(2, -1))          # strided halves, the MoE's layout
-    out.backward(do.to(DEV, BF))
-    errs = dict(o=rel(out, situ_glu_reference(gu[:, :512], gu[:, 512:])), dg=rel(gub.grad[:, :512], ref_g.grad),
-                du=rel(gub.grad[:, 512:], ref_u.grad))
-    report("situ triton", **errs)
-    assert all(v < 1e-2 for v in errs.values()), errs
+    ref_o = situ_glu_reference(gu[:, :512], gu[:, 512:])
+    errs, outs = {}, {}
+    for mode in ("exact", "approx"):
+        monkeypatch.setattr(at, "APPROX_TANH", mode)
+        gub = gu.to(DEV, BF).requires_grad_()
+        out = situ_glu(*gub.chunk(2, -1))          # strided halves, the MoE's layout
+        out.backward(do.to(DEV, BF))
+        outs[mode] = (out.detach(), gub.grad)
+        errs[mode] = dict(o=rel(out, ref_o), dg=rel(gub.grad[:, :512], ref_g.grad), du=rel(gub.grad[:, 512:], ref_u.grad))
+        report(f"situ triton {mode}", **errs[mode])
+    assert all(v < 1e-2 for e in errs.values() for v in e.values()), errs
+    assert not torch.equal(outs["exact"][0], outs["approx"][0]) and not torch.equal(outs["exact"][1], outs["approx"][1])
+    assert all(errs["approx"][k] <= 1.5 * errs["exact"][k] + 5e-4 for k in errs["exact"]), errs
 
 
 @pytest.mark.parametrize("H,C,R", [(8, 256, 32), (64, 512, 64)])

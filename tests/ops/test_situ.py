@@ -85,3 +85,18 @@ def test_situ_triton_kernels_interpreted():
     for name, errs in res.items():
         tol = 1e-6 if "float32" in name else 1e-2
         assert max(errs) < tol, (name, errs)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_situ_tanh_option_named_and_exact_off_gpu():
+    """K3_SITU_TANH=approx (hardware tanh, inline PTX) applies to 16-bit CUDA tensors only: under the interpreter
+    the kernels keep the exact path (same tolerances as above); an unknown value is refused by name at import."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT, K3_SITU_TANH="approx")
+    out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, errs in json.loads(out.stdout.strip().splitlines()[-1]).items():
+        assert max(errs) < (1e-6 if "float32" in name else 1e-2), (name, errs)
+    env["K3_SITU_TANH"] = "fast"
+    bad = subprocess.run([sys.executable, "-c", "import k3.ops.activations_triton"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "K3_SITU_TANH='fast'" in bad.stderr and "approx" in bad.stderr

@@ -60,6 +60,8 @@ def _cases():
         **_bwd_cases(kb, cb, cg),
         "situ_fwd": (at._situ_fwd_kernel, dict(BR=2, BC=512)),
         "situ_bwd": (at._situ_bwd_kernel, dict(BR=2, BC=512)),
+        "situ_fwd approx": (at._situ_fwd_kernel, dict(BR=2, BC=512, APPROX=True)),
+        "situ_bwd approx": (at._situ_bwd_kernel, dict(BR=2, BC=512, APPROX=True)),
         "mla_decode_partial C512 R64 H64": (md._partial_kernel, dict(C=512, R=64, BC=512, BR=64, BH=64, BN=32,
                                                                       NHB=1, PREC="tf32")),
         "mla_decode_combine": (md._combine_kernel, dict(C=512, BS=16, BCC=64)),
@@ -70,7 +72,7 @@ def _cases():
                                   "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw",
                                   "kda_bwd_gi2", "kda_bwd_gfin",
                                   "kda_bwd_pmat", "kda_bwd_pwu",
-                                  "situ_fwd", "situ_bwd",
+                                  "situ_fwd", "situ_bwd", "situ_fwd approx", "situ_bwd approx",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine"])
 def test_kernel_compiles_for_sm90(name):
     fn, consts, *opts = _cases()[name]
