@@ -208,12 +208,13 @@ def main(argv=None):
             if device.type == "cuda":
                 row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
             results[r.name].append(row)
-            print(f"  [{r.name}] ctx {L:>8}  {ms:8.2f} ms/token  cache {row['cache_bytes'] / 2**20:9.2f} MiB  "
+            print(f"  [{r.name}] ctx {L:>8}  {ms:8.2f} ms/step ({ms / a.batch:.2f} per output token)  cache {row['cache_bytes'] / 2**20:9.2f} MiB  "
                   f"({kind} {fill_s:.1f}s)", flush=True)
 
     print()
-    hdr = f"{'context':>9} | {'hybrid ms/tok':>13} | {'all-MLA ms/tok':>14} | {'ratio':>6} | " \
-          f"{'hybrid cache':>14} | {'all-MLA cache':>14} | fill"
+    # ms per decode step (one token for each of the batch rows); per output token = step / batch
+    hdr = f"{'context':>9} | {'hybrid ms/step':>14} | {'all-MLA ms/step':>15} | {'ratio':>6} | " \
+          f"{'hybrid ms/out-tok':>17} | {'all-MLA ms/out-tok':>18} | {'hybrid cache':>14} | {'all-MLA cache':>14} | fill"
     mode = "cuda-graph" if a.cuda_graph else ("static" if a.static else "eager")
     mode += "+compile" if a.compile_step else ""
     print(f"preset {a.preset}, {device.type}, {str(dtype).replace('torch.', '')}, batch {a.batch} (ms per step; per output token = step / batch), {mode}, "
@@ -227,7 +228,8 @@ def main(argv=None):
         ratio = (m["ms_per_token"] / h["ms_per_token"]) if h and m else float("nan")
         fmt = lambda r, k: f"{r[k]:.2f}" if r else "-"
         mib = lambda r: f"{r['cache_bytes'] / 2**20:.2f} MiB" if r else "-"
-        print(f"{ctx:>9} | {fmt(h, 'ms_per_token'):>13} | {fmt(m, 'ms_per_token'):>14} | {ratio:>6.2f} | "
+        print(f"{ctx:>9} | {fmt(h, 'ms_per_token'):>14} | {fmt(m, 'ms_per_token'):>15} | {ratio:>6.2f} | "
+              f"{fmt(h, 'per_output_token_ms'):>17} | {fmt(m, 'per_output_token_ms'):>18} | "
               f"{mib(h):>14} | {mib(m):>14} | {(h or m)['fill']}")
         rows.append(dict(context=ctx, hybrid=h, all_mla=m, all_mla_over_hybrid=ratio))
     if a.json:
