@@ -10,10 +10,13 @@ bytes per element is bandwidth-bound below ~7.0 * B SASS instructions and ~0.87 
 (B = 6: bf16 g, u in, o out) ~42 instructions / ~5.2 MUFU; backward (B = 10) ~70 / ~8.7.
 
 Result (triton 3.9.0, 2026-11-30), per element: exact forward 76 instructions / 6.25 MUFU, approx 32 / 3.25;
-exact backward 91 / 6.25, approx 48 / 3.25. So the exact forward is issue-bound at ~1.8x its bandwidth time (76 /
-42) and the exact backward at ~1.3x (91 / 70); both approx kernels are under the bandwidth bound. Measured on the
-H200 (fifth session, benchmarks/RESULTS.md): the exact kernels took ~0.80 ms (forward) / ~0.87 ms (backward) per
-call in the `small` training step. Prediction for the approx path, unmeasured: ~0.45 ms / ~0.65 ms per call.
+exact backward 91 / 6.25, approx 48 / 3.25. So by this model the exact forward is issue-bound at ~1.8x its
+bandwidth time (76 / 42) and the exact backward at ~1.3x (91 / 70); both approx kernels are under the bound.
+But in the compiled `small` step on the H200 (fifth session, benchmarks/RESULTS.md) the exact kernels averaged
+~0.80 ms (forward) / ~0.87 ms (backward) per call over calls of ~85M elements on average (routed [262144, 512],
+shared [32768, 1024], dense [32768, 4096]): 4-7x the ~0.11 / ~0.19 ms these bounds give. So the instruction
+count is not the whole story; benchmarks/situ_gpu.py times the kernels alone (next device session) before the
+approx path is judged.
 """
 from __future__ import annotations
 
