@@ -49,6 +49,12 @@ for stage in "$@"; do case $stage in
       --json "$OUT/decode_h200_graph_compiled.json" ;;
   decodeb) step decodeb 150 python3 benchmarks/decode.py --device cuda --preset small --contexts 131072,1048576 \
       --batch 4 --steps 10 --cuda-graph --json "$OUT/decode_h200_graph_b4.json" ;;
+  # per output token at 1M with (about) the largest batch each model's cache fits next to its weights on one H200:
+  # hybrid 3.4 GB per row -> 28 rows (97 GB), all-MLA 13.5 GB per row -> 8 rows (110 GB); one model at a time
+  decodemax) step decodemax-hybrid 150 python3 benchmarks/decode.py --device cuda --preset small --contexts 1048576 \
+      --models hybrid --batch ${DECODEMAX_HYBRID:-28} --steps 10 --cuda-graph --json "$OUT/decode_h200_max_hybrid.json"
+    step decodemax-mla 150 python3 benchmarks/decode.py --device cuda --preset small --contexts 1048576 \
+      --models all-mla --batch ${DECODEMAX_MLA:-8} --steps 10 --cuda-graph --json "$OUT/decode_h200_max_mla.json" ;;
   decodetri) step decodetri 120 env K3_MLA_DECODE=triton python3 benchmarks/decode.py --device cuda --preset small \
       --min-context 4096 --max-context 1048576 --steps 10 --real-prefill-max 4096 --prefill-chunk 4096 --cuda-graph \
       --json "$OUT/decode_h200_graph_mlatriton.json" ;;
