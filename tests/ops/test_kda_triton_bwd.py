@@ -25,7 +25,8 @@ GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}, "gv": {"BK": 16, "BV": 16}}),
                   ("gi2_bk32_w2", {"gi2": {"BK": 32, "num_warps": 2}}),
                   ("prep_bk16", {"pmat": {"BK": 16}, "pwu": {"BK": 16, "BV": 16}}),
-                  ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}))
+                  ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
+                  ("dstates_bv32_only", {"dstates": {"BV": 32}}))  # grid from its own BV
 
 
 def _rr(a, b) -> float:

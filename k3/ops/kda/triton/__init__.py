@@ -54,8 +54,8 @@ same overflow bound as the forward, while a 64-token span may decay by e^-320). 
 8. `kda_bwd_gfin_kernel` (chunk, head): dbeta, dg through the suffix sum and the gate (per-chunk partials of
    dA_log / ddt_bias that torch sums), dq / dk through the L2 norm and the q scale.
 Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K = V = 128) plus ~7.8 KB of fp32
-scratch per token-head at K = V = 128 (~49 GB at B8 T8K H96). Measured on the H200 at B1 T8K H96 D128 (sixth
-session, benchmarks/RESULTS.md): ~20 ms; the earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and
+scratch per token-head at K = V = 128 (~49 GB at B8 T8K H96). Measured on the H200 at B1 T8K H96 D128 (fifth
+session, benchmarks/RESULTS.md): 19.5 ms; the earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and
 was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5) and the one-kernel prep (6.8 ms vs
 5.9 for pmat + pwu). Its numbers stay in benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).

@@ -140,11 +140,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, **pw)
         states = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
         dstates = torch.empty_like(states)
-        BV = lc["states"]["BV"]
-        _k.kda_bwd_states_kernel[(N, H, V // BV)](
+        _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
             kd, w, u, eg, h0 if h0 is not None else eg, states, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, **lc["states"])
-        _k.kda_bwd_dstates_kernel[(N, H, V // BV)](
+        _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
         del qg, kd, w, u, aq, eg
