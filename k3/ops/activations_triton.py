@@ -6,7 +6,7 @@ Inputs may be strided views (e.g. the two halves of a fused gate/up projection):
 
 Opt-in K3_SITU_TANH=approx (16-bit inputs only): tanh and the sigmoid (0.5 + 0.5 tanh(x/2)) as the hardware
 `tanh.approx.f32` (one MUFU op, max relative error 2^-10.99, below bf16's 2^-8 rounding) instead of exp + reciprocal
-pairs. sm_90 SASS per element: forward 76 -> 32 instructions (6.25 -> 3.25 MUFU), backward 91 -> 48 (static counts,
+pairs. sm_90 SASS per element: forward 66 -> 26 instructions (6.25 -> 3.25 MUFU), backward 78 -> 39 (static counts,
 benchmarks/situ_static.py). Off by default until timed and checked on a GPU (tests/gpu has the numerics test,
 benchmarks/situ_gpu.py the timing: in the compiled `small` step the exact kernels took several times what either
 instruction issue or bandwidth predicts, so the gain is not known)."""

@@ -23,14 +23,16 @@ def signature(fn, consts: Mapping, types: Mapping[str, str], default: str = "*bf
 
 
 def compile_sm90(fn, consts: Mapping, types: Mapping[str, str], num_warps: int = 4, num_stages: int = 2,
-                 default: str = "*bf16", **options):
-    """Compile the @triton.jit `fn` for sm_90 (pointers assumed 16-byte aligned). Extra options (e.g. maxnreg) go to
-    triton.compile."""
+                 default: str = "*bf16", divisible: tuple = (), **options):
+    """Compile the @triton.jit `fn` for sm_90 (pointers assumed 16-byte aligned; the integer arguments named in
+    `divisible` assumed multiples of 16, as the JIT specializes them at launch when they are, e.g. row strides).
+    Extra options (e.g. maxnreg) go to triton.compile."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = signature(fn, consts, types, default)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t.startswith("*")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, t) in enumerate(sig.items())
+             if t.startswith("*") or n in divisible}
     return triton.compile(ASTSource(fn, sig, dict(consts), attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, **options))
 
