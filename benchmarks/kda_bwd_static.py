@@ -12,7 +12,19 @@ N is the number of sequences: with H it sets N*H, which picks the value block of
 
 The record below is of the third-to-fifth sessions' kernels; prep, grad_v and grad_k ("v1") were removed in the
 fifth session when the non-recomputing split (pmat, pwu, gv, gw, gi2, gfin) measured 2x faster on the H200
-(benchmarks/RESULTS.md). Running the script reports the current kernels.
+(benchmarks/RESULTS.md). Running the script reports the current kernels; at the end of the fifth session
+(triton 3.9.0, H = 96, N = 8, bf16; H200 time per kernel at B1 T8K in brackets):
+
+| kernel | BV | warps | stages | regs | stack B | smem KB | CTA/SM | SASS | MMA | MUFU | H200 ms |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+| pmat | - | 4 | 1 | 255 | 512 | 64 | 2 | 9744 | 272 | 117 | 3.92 |
+| pwu | 64 | 4 | 1 | 192 | 0 | 32 | 2 | 2984 | 16 | 137 | 1.83 |
+| states | 64 | 4 | 2 | 166 | 0 | 88 | 2 | 1120 | 16 | 0 | ~0.65 |
+| dstates | 64 | 4 | 2 | 227 | 0 | 144 | 1 | 1448 | 28 | 0 | ~1.0 |
+| gv | 32 | 4 | 1 | 255 | 208 | 64 | 2 | 1832 | 64 | 0 | 3.03 |
+| gw | 32 | 8 | 2 | 255 | 40 | 68 | 1 | 3568 | 72 | 77 | 3.79 |
+| gi2 | - | 4 | 1 | 180 | 0 | 66 | 2 | 2344 | 64 | 80 | 3.55 |
+| gfin | - | 4 | 1 | 255 | 8 | 4 | 2 | 2288 | 0 | 37 | 1.67 |
 
 Numbers (triton 3.9.0, sm_90, bf16, K = V = 128, N = 8; ~70 s for all kernels on 2 cores). H = 96 and H = 8 give
 the same prep/grad numbers (H only enters strides); the sequential passes differ through BV (64 at H = 96,
