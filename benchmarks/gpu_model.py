@@ -4,7 +4,8 @@ a per-component time breakdown, torch.compile graph breaks, and the longest sequ
 FLOPs per token (printed): 6 * active params (k3.info.count_params: matmul weights incl. lm_head, routed experts
 counted top_k/E, embedding excluded) + attention terms: MLA causal softmax attention 3 * 2*H*(Dqk+Dv)*T/2 per
 layer, KDA (chunk C=64) 3 * H*(2*C*(K+V) + 6*K*V) per layer. MFU = FLOPs/token * tokens/s / 685e12 (bf16 GEMM
-rate measured on this H200, benchmarks/RESULTS.md). Params fp32 + bf16 autocast (or --bf16-params), fused AdamW.
+rate measured on this H200, benchmarks/RESULTS.md). Params fp32 + bf16 autocast (or --bf16-params), fused AdamW (or --optimizer k3: the trainer's Muon + AdamW, with
+fp32 master weights when the parameters are bf16, i.e. `k3 train --param-dtype bf16`).
 Random token ids (never zeros). Sections: --train, --breakdown, --explain, --profile, --longest-train,
 --longest-prefill (each one is optional; --all runs them all).
 Usage: python benchmarks/gpu_model.py --all [--preset small --batch 8 --seq 4096 --compile none|modules]
@@ -59,6 +60,15 @@ def make_model(cfg, bf16_params):
     return m
 
 
+def make_optimizer(model, a):
+    """fused torch AdamW (the anchor's), or with --optimizer k3 the trainer's MuonAdamW (fp32 masters for bf16
+    parameters)."""
+    if getattr(a, "optimizer", "adamw") == "k3":
+        from k3.train.optim import build_optimizer
+        return build_optimizer(model, lr=1e-4, master_weights=a.bf16_params)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+
 def amp(bf16_params):
     return contextlib.nullcontext() if bf16_params else torch.autocast("cuda", dtype=torch.bfloat16)
 
@@ -94,7 +104,7 @@ def sec_train(a, cfg):
                 if mode != "none":
                     from k3.compile import compile_model
                     compile_model(model, mode=mode)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+                opt = make_optimizer(model, a)
                 ids, labels = batch(cfg, B, a.seq)
                 torch.cuda.reset_peak_memory_stats()
                 t0 = time.time()
@@ -113,7 +123,8 @@ def sec_train(a, cfg):
                 continue
             dt = (time.perf_counter() - t0) / a.steps
             tok_s = B * a.seq / dt
-            r = dict(section="train", compile=mode, B=B, T=a.seq, bf16_params=a.bf16_params, step_ms=dt * 1e3,
+            r = dict(section="train", compile=mode, B=B, T=a.seq, bf16_params=a.bf16_params,
+                     optimizer=getattr(a, "optimizer", "adamw"), step_ms=dt * 1e3,
                      tokens_per_s=tok_s, mfu=fl["total"] * tok_s / PEAK, mfu_6N_only=fl["dense"] * tok_s / PEAK,
                      peak_mem_GiB=torch.cuda.max_memory_allocated() / 2 ** 30, warmup_s=warm_s, loss=loss.item())
             log(**r)
@@ -316,6 +327,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", default="none", help="comma list of none,modules,layers,model")
     ap.add_argument("--bf16-params", action="store_true")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "k3"],
+                    help="fused torch AdamW, or the trainer's Muon + AdamW (fp32 masters with --bf16-params)")
     ap.add_argument("--profile-compile", default="none", help="--profile: compile mode of the profiled model "
                     "(none = eager; modules/layers/model as in --compile)")
     ap.add_argument("--loss-chunk", type=int, default=4096)

@@ -15,7 +15,8 @@ _FIELDS = {
     "activation_checkpointing", "stages": "stages", "keep": "keep", "eval_every": "eval_every",
     "warmup": "warmup_steps", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "stop_at": "stop_at",
     "max_bad_steps": "max_bad_steps", "val_tokens": "val_tokens", "split_sections": "split_sections",
-    "threads": "threads", "compile": "compile", "no_progress": "progress", "no_tensorboard": "tensorboard", "no_samples": "samples",
+    "threads": "threads", "compile": "compile", "param_dtype": "param_dtype", "no_progress": "progress",
+    "no_tensorboard": "tensorboard", "no_samples": "samples",
 }
 _NEGATED = {"no_progress", "no_tensorboard", "no_samples"}
 
@@ -53,6 +54,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--device", default=None, help="auto | cpu | cuda[:N] [auto]")
     a("--threads", type=int, default=None, help="torch CPU threads [torch default]")
     a("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
+    a("--param-dtype", default=None, choices=["fp32", "bf16"],
+      help="parameter storage: fp32 (bf16 autocast on GPU) or bf16 with fp32 master weights in the optimizer "
+           "[fp32]")
     a("--compile", default=None, choices=["auto", "none", "modules", "layers", "model"],
       help="torch.compile the model [auto: modules on CUDA, none on CPU]")
     a("--eval-every", type=int, default=None, help="evaluate every N steps; 0 = before and after only [steps/4]")

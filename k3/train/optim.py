@@ -200,18 +200,55 @@ def classify_parameters(model: nn.Module) -> list[ParamRoute]:
 class MuonAdamW(torch.optim.Optimizer):
     """One optimizer for both kinds of parameters. Each param group has `use_muon` (bool), `ortho` (block mode,
     Muon groups), `lr`, `weight_decay`, and `momentum`/`nesterov`/`ns_steps` (Muon) or `betas`/`eps` (AdamW).
-    Works with any LR scheduler (e.g. LambdaLR) since every group has its own `lr`."""
+    Works with any LR scheduler (e.g. LambdaLR) since every group has its own `lr`.
+
+    master_weights: for parameters stored below fp32 (a bf16 model), keep an fp32 master copy in the state
+    ("master"); updates (and weight decay) apply to the master and the parameter becomes its rounding, so updates
+    smaller than the parameter's resolution are not lost. Momenta are fp32 either way. State tensors keep their
+    saved dtype on `load_state_dict` (torch's default would cast them to the parameter's dtype)."""
 
     def __init__(self, param_groups: list[dict], lr: float = 2e-2, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 betas: tuple = (0.9, 0.95), eps: float = 1e-8, ns_dtype: Optional[torch.dtype] = None):
+                 betas: tuple = (0.9, 0.95), eps: float = 1e-8, ns_dtype: Optional[torch.dtype] = None,
+                 master_weights: bool = False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         betas=tuple(betas), eps=eps, use_muon=False, ortho="")
         self.ns_dtype = ns_dtype
+        self.master_weights = bool(master_weights)
         super().__init__(param_groups, defaults)
         for g in self.param_groups:
             if g["use_muon"] and not g["ortho"]:
                 g["ortho"] = "plain"
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load casts floating state to each parameter's dtype; the fp32 momenta and masters of bf16
+        parameters are put back at their saved dtype."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for k, v in saved.get(i, {}).items():
+                if torch.is_tensor(v) and k != "step" and v.dtype != self.state[p][k].dtype:
+                    self.state[p][k] = v.to(device=p.device, copy=True)
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor updates go to: p's fp32 master (created from p on first use) when master weights are on and
+        p is stored below fp32, else p itself."""
+        if not self.master_weights or p.dtype in (torch.float32, torch.float64):
+            return p
+        st = self.state[p]
+        if "master" not in st:
+            st["master"] = p.detach().float().clone()
+        return st["master"]
+
+    def _apply(self, p: torch.Tensor, upd: torch.Tensor, lr: float, wd: float) -> None:
+        w = self.master(p)
+        if wd:
+            w.mul_(1.0 - lr * wd)
+        w.add_(upd.to(w.dtype), alpha=-lr)
+        if w is not p:
+            p.copy_(w)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -238,10 +275,7 @@ class MuonAdamW(torch.optim.Optimizer):
             buf = st["momentum_buffer"]
             buf.mul_(mu).add_(g)
             u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            o = orthogonalize(u, group["ortho"], steps=group["ns_steps"], dtype=self.ns_dtype)
-            if wd:
-                p.mul_(1.0 - lr * wd)
-            p.add_(o.to(p.dtype), alpha=-lr)
+            self._apply(p, orthogonalize(u, group["ortho"], steps=group["ns_steps"], dtype=self.ns_dtype), lr, wd)
 
     def _adamw_group(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -261,21 +295,20 @@ class MuonAdamW(torch.optim.Optimizer):
             m.lerp_(g, 1.0 - b1)
             v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
             denom = (v / (1.0 - b2 ** t)).sqrt_().add_(eps)
-            upd = (m / (1.0 - b1 ** t)).div_(denom)
-            if wd:
-                p.mul_(1.0 - lr * wd)
-            p.add_(upd.to(p.dtype), alpha=-lr)
+            self._apply(p, (m / (1.0 - b1 ** t)).div_(denom), lr, wd)
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple = (0.9, 0.95),
                     adamw_lr: Optional[float] = None, momentum: float = 0.95, nesterov: bool = True,
                     ns_steps: int = 5, eps: float = 1e-8, adamw_weight_decay: Optional[float] = None,
-                    ns_dtype: Optional[torch.dtype] = None, per_head: bool = True) -> MuonAdamW:
+                    ns_dtype: Optional[torch.dtype] = None, per_head: bool = True,
+                    master_weights: bool = False) -> MuonAdamW:
     """MuonAdamW over `model`'s trainable parameters. Groups (empty ones omitted), each with `param_names`:
       muon[:<ortho>]   Muon, weight decay `weight_decay`, lr `lr`
       adamw            AdamW with decay `adamw_weight_decay` (default `weight_decay`), lr `adamw_lr` (default lr)
       adamw_no_decay   AdamW without decay
-    `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation)."""
+    `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation). `master_weights`: fp32 master
+    copies of parameters stored below fp32 (see MuonAdamW)."""
     adamw_lr = lr if adamw_lr is None else adamw_lr
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     params = dict(model.named_parameters())
@@ -300,19 +333,20 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
     if not groups:
         raise K3ConfigError("build_optimizer: the model has no trainable parameters")
     return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                     ns_steps=ns_steps, betas=betas, eps=eps, ns_dtype=ns_dtype)
+                     ns_steps=ns_steps, betas=betas, eps=eps, ns_dtype=ns_dtype, master_weights=master_weights)
 
 
 # ---------------------------------------------------------------------------------------------------- QK-clip
 
 @torch.no_grad()
-def qk_clip(model: nn.Module, tau: float = 100.0, sync: bool = True) -> int:
+def qk_clip(model: nn.Module, tau: float = 100.0, sync: bool = True, optimizer: Optional["MuonAdamW"] = None) -> int:
     """K2 MuonClip for MLA. For every module with a non-None `last_max_logit` (fp32 [H], per-head max
     pre-softmax logit incl. the softmax scale, recorded by its forward when `track_max_logit` is True) and each
     head h with S_h > tau, gamma = tau / S_h: q_nope rows of head h in q_b_proj *= sqrt(gamma), its q_pe rows
     *= gamma, its k_nope rows in kv_b_proj *= sqrt(gamma); v rows and the shared k_pe are untouched, so every
     logit of head h is scaled by gamma. `last_max_logit` is rebound to the post-clip value min(S, tau).
-    With `sync` and an initialised process group, S is max-reduced over ranks first.
+    With `sync` and an initialised process group, S is max-reduced over ranks first. With `optimizer` (master
+    weights on), the fp32 master of each weight is scaled and the weight set to its rounding.
     Returns the number of clipped heads."""
     import torch.distributed as dist
     clipped = 0
@@ -348,6 +382,9 @@ def qk_clip(model: nn.Module, tau: float = 100.0, sync: bool = True) -> int:
             if W.shape[0] != H * width:
                 raise K3ConfigError(f"{type(mod).__name__}: weight rows {W.shape[0]} != {H}*{width}")
             s = scale.reshape(H * width, *([1] * (W.ndim - 1))).to(W.device)
-            W.copy_((W.float() * s).to(W.dtype))
+            M = optimizer.master(W) if optimizer is not None and hasattr(optimizer, "master") else W
+            M.copy_((M.float() * s).to(M.dtype))
+            if M is not W:
+                W.copy_(M)
         mod.last_max_logit = torch.minimum(S, torch.full_like(S, tau))
     return clipped

@@ -124,6 +124,11 @@ class TrainConfig:
     threads: Optional[int] = None           # torch CPU threads; None on CPU: the cores not busy (load average)
     activation_checkpointing: bool = False
     compile: str = "auto"                   # auto (= "modules" on CUDA, "none" on CPU) | none | modules | layers | model
+    # parameter storage: "fp32" (fp32 weights, bf16 autocast on GPU) or "bf16" (bf16 weights and activations, fp32
+    # master weights and moments in the optimizer; the MoE routing bias stays fp32). bf16 removes autocast's
+    # per-use weight casts and fp32 activations (benchmarks/RESULTS.md, fifth session); gradients are bf16, so
+    # with --grad-accum > 1 the micro-batch sum is rounded to bf16.
+    param_dtype: str = "fp32"
     resume: bool = False
     stop_at: Optional[int] = None           # stop (with a checkpoint) after this step; the schedule still uses `steps`
     # data
@@ -185,6 +190,8 @@ class TrainConfig:
             if rows < self.grad_accum:
                 raise K3ConfigError(f"stage seq_len {seq}: {rows} rows per step cannot be split into "
                                     f"--grad-accum {self.grad_accum} micro-batches")
+        if self.param_dtype not in ("fp32", "bf16"):
+            raise K3ConfigError(f"--param-dtype must be fp32 or bf16, got {self.param_dtype!r}")
         if self.max_bad_steps < 0 or self.keep < 1:
             raise K3ConfigError("--max-bad-steps must be >= 0 and --keep >= 1")
 
@@ -447,7 +454,13 @@ class Trainer:
         from k3.model import K3ForCausalLM
         with torch.device(self.device):
             self.model = K3ForCausalLM(mcfg)
-        self.model.float()  # master weights in fp32 (bf16 autocast on GPU)
+        self.model.float()  # fp32 weights (bf16 autocast on GPU), or bf16 weights with fp32 masters in the optimizer
+        if cfg.param_dtype == "bf16":
+            self.model.to(torch.bfloat16)
+            for m in self.model.modules():  # the balancers' routing bias keeps fp32 resolution
+                b = getattr(m, "e_score_correction_bias", None)
+                if isinstance(b, torch.Tensor):
+                    b.data = b.data.float()
         self.model.train()
         if cfg.activation_checkpointing:
             self.model.set_gradient_checkpointing(True)
@@ -465,7 +478,7 @@ class Trainer:
         from k3.train.optim import build_optimizer
         from k3.train.schedule import ContextSchedule, cosine_with_warmup
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         adamw_lr=cfg.adamw_lr)
+                                         adamw_lr=cfg.adamw_lr, master_weights=cfg.param_dtype != "fp32")
         self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * cfg.steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(self.warmup_steps, cfg.steps, cfg.min_lr_ratio))
@@ -616,7 +629,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _autocast(self):
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.cfg.param_dtype == "fp32":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
@@ -768,7 +781,7 @@ class Trainer:
             from k3.train.optim import qk_clip
             max_logit = [float(m.last_max_logit.max()) for m in self.model.modules()
                          if getattr(m, "last_max_logit", None) is not None]
-            clipped = qk_clip(self.model, tau=cfg.qk_clip_tau) if cfg.qk_clip_tau > 0 else 0
+            clipped = qk_clip(self.model, tau=cfg.qk_clip_tau, optimizer=self.optimizer) if cfg.qk_clip_tau > 0 else 0
             if self.balancer is not None:
                 self.balancer.step()
             self.bad_streak = 0

@@ -330,3 +330,78 @@ def test_qk_clip_rescales_only_heads_over_threshold():
     assert qk_clip(model, tau=tau) == 0
     mla.last_max_logit = None
     assert qk_clip(model, tau=tau) == 0
+
+
+def test_master_weights_keep_updates_below_bf16_resolution():
+    """bf16 parameters with fp32 masters follow the fp32-parameter run exactly (same gradients); without masters
+    updates smaller than bf16's resolution are lost."""
+    from k3.train.optim import MuonAdamW
+    torch.manual_seed(0)
+    w0 = torch.ones(8, 16) + torch.randn(8, 16) * 0.01
+    grads = [torch.randn(8, 16).bfloat16().float() for _ in range(40)]  # representable in both dtypes
+    runs = {}
+    for name, dt, master in (("fp32", torch.float32, False), ("bf16_master", torch.bfloat16, True),
+                             ("bf16_plain", torch.bfloat16, False)):
+        for use_muon in (False, True):
+            p = nn.Parameter(w0.bfloat16().to(dt))
+            opt = MuonAdamW([{"params": [p], "use_muon": use_muon, "lr": 1e-4, "weight_decay": 0.1}],
+                            master_weights=master)
+            for g in grads:
+                p.grad = g.to(dt)
+                opt.step()
+            runs[name, use_muon] = (p.detach().clone(), opt.master(p).detach().clone(), opt)
+    for use_muon in (False, True):
+        ref = runs["fp32", use_muon][0]
+        p, m, _ = runs["bf16_master", use_muon]
+        assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
+        torch.testing.assert_close(m, ref, rtol=0, atol=2e-6)            # the master is the fp32 trajectory
+        assert torch.equal(p, m.bfloat16())                               # the weight is its rounding
+        plain = runs["bf16_plain", use_muon][0]
+        assert (plain.float() - ref).abs().mean() > 100 * (m - ref).abs().mean().clamp_min(1e-7)  # lost updates
+
+
+def test_master_weights_state_dict_keeps_fp32():
+    """Masters and moments of bf16 parameters stay fp32 through state_dict / load_state_dict (torch's default would
+    cast them to bf16), and a resumed optimizer continues bitwise."""
+    from k3.train.optim import MuonAdamW
+    torch.manual_seed(1)
+    mk = lambda: nn.Parameter(torch.randn(4, 8).bfloat16())
+    p = mk()
+    opt = MuonAdamW([{"params": [p], "use_muon": False, "lr": 1e-3}], master_weights=True)
+    gs = [torch.randn(4, 8).bfloat16() for _ in range(4)]
+    for g in gs[:2]:
+        p.grad = g
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())  # as a checkpoint round trip (state_dict() shares tensors)
+    q = nn.Parameter(p.detach().clone())
+    opt2 = MuonAdamW([{"params": [q], "use_muon": False, "lr": 1e-3}], master_weights=True)
+    opt2.load_state_dict(sd)
+    st = opt2.state[q]
+    assert st["master"].dtype == st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.float32
+    for g in gs[2:]:
+        p.grad, q.grad = g, g.clone()
+        opt.step()
+        opt2.step()
+    assert torch.equal(p, q) and torch.equal(opt.master(p), opt2.master(q))
+
+
+@torch.no_grad()
+def test_qk_clip_scales_the_master_weights():
+    """With master weights, QK-clip scales the fp32 masters and sets the bf16 weights to their rounding (scaling
+    only the bf16 weight would be undone by the next step's copy from the master)."""
+    from k3.train.optim import MuonAdamW
+    torch.manual_seed(5)
+    model = FakeK3().to(torch.bfloat16)
+    mla = model.model.layers[1].self_attn
+    opt = MuonAdamW([{"params": list(model.parameters()), "use_muon": False, "lr": 1e-3}], master_weights=True)
+    m_q0 = opt.master(mla.q_b_proj.weight).clone()
+    S = torch.full((H,), 10.0)
+    S[2] = 400.0
+    mla.last_max_logit = S
+    assert qk_clip(model, tau=100.0, optimizer=opt) == 1
+    mq = opt.master(mla.q_b_proj.weight)
+    g = torch.tensor(100.0 / 400.0)
+    torch.testing.assert_close(mq.view(H, -1, QL)[2, :NOPE], m_q0.view(H, -1, QL)[2, :NOPE] * g.sqrt())
+    torch.testing.assert_close(mq.view(H, -1, QL)[2, NOPE:], m_q0.view(H, -1, QL)[2, NOPE:] * g)
+    assert torch.equal(mq.view(H, -1, QL)[0], m_q0.view(H, -1, QL)[0])
+    assert torch.equal(mla.q_b_proj.weight, mq.bfloat16())
