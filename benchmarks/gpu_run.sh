@@ -23,12 +23,13 @@ step() {  # step NAME SECONDS CMD...
 for stage in "$@"; do case $stage in
   warm) step warm 330 python3 benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 --pack "$OUT/autotune.tgz" ;;
   tests) step warm-tests 150 python3 benchmarks/fla_warmup.py --shapes 8x128 --attnres "" --T 1024
-         step tests 300 python3 -m pytest -q -s --timeout 120 --durations=10 tests/gpu -k "not tiny_model" ;;
+         step tests 300 python3 -m pytest -q -s --timeout 120 --durations=10 tests/gpu -k "not tiny_model and not bf16_params_train" ;;
   tests-decode) step tests-decode 330 python3 -m pytest -v -s --timeout 150 --durations=5 \
       tests/generation/test_static_decode.py ;;
   kdafwdlong) step kdafwdlong 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
       --prep-configs '["default"]' --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 \
       --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
+  tests-train) step tests-train 200 python3 -m pytest -q -s --timeout 180 tests/gpu/test_gpu_train.py ;;
   tests-bwd) step tests-bwd 200 python3 -m pytest -q -s --timeout 150 tests/gpu -k "kda_triton_backward" ;;
   kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
       --state-configs none --shapes B8_T8K,varlen,B2_T32K,B1_T128K --json "$OUT/kda_triton_fwd4.json" --budget-s 230 ;;
