@@ -12,34 +12,17 @@ from k3.errors import K3ConfigError
 from k3.train.trainer import (Callback, Trainer, TrainConfig, TrainingError, find_checkpoints, latest_checkpoint,
                               parse_stages, recall_batch)
 
-MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=768, eos_token_id=770,
-             pad_token_id=1023, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
-             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-             num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
-             routed_expert_hidden_size=32, kda_gate_low_rank=16, attn_res_block_size=2,
-             **{"linear_attn_config.num_heads": 2, "linear_attn_config.head_dim": 16,
-                "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
-
-
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A 60-document slice of the built-in corpus as a .jsonl file + a shared tokenizer cache."""
-    from k3.train.data import load_corpus
-    d = tmp_path_factory.mktemp("corpus")
-    train, val = load_corpus()
-    docs = train[:60] + val[:6]
-    p = d / "docs.jsonl"
-    with open(p, "w") as f:
-        for i, t in enumerate(docs):
-            f.write(json.dumps({"name": f"d{i}", "text": t[:3000]}) + "\n")
-    return {"data": [str(p)], "cache": str(d / "cache")}
+def corpus(micro_corpus, micro_model_overrides):
+    """The shared micro corpus (tests/conftest.py) and, under "model", the micro model's overrides."""
+    return dict(micro_corpus, model=micro_model_overrides)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_cfg(corpus, out, **kw):
-    base = dict(out_dir=str(out), preset="tiny", model_overrides=dict(MICRO), steps=8, tokens_per_step=256,
+    base = dict(out_dir=str(out), preset="tiny", model_overrides=dict(corpus["model"]), steps=8, tokens_per_step=256,
                 stages=[(64, 0.5), (128, 0.5)], data=corpus["data"], cache_dir=corpus["cache"], lr=1e-2,
                 val_tokens=512, recall_examples=4, recall_pairs=4, progress=False, tensorboard=False,
                 samples=False, plot=False, seed=0, device="cpu", eval_every=0)
@@ -216,7 +199,7 @@ def test_cli_end_to_end(corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("K3_CACHE", corpus["cache"])
     out = tmp_path / "cli"
     cfg = tmp_path / "micro.json"
-    K3Config.from_preset("tiny", **MICRO).save_json(str(cfg))
+    K3Config.from_preset("tiny", **corpus["model"]).save_json(str(cfg))
     args = ["train", "--config", str(cfg), "--steps", "2", "--batch-tokens", "128", "--stages", "64:1",
             "--out", str(out), "--data", *corpus["data"], "--no-progress", "--no-tensorboard", "--no-samples",
             "--val-tokens", "128", "--balancer", "sign", "--grad-accum", "2", "--lr", "0.01"]
