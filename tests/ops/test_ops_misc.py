@@ -174,8 +174,7 @@ def test_experts_dispatch_backward_gradcheck(backend):
     w = torch.rand(N, k, dtype=dt, requires_grad=True)
     glu = lambda g, u: torch.nn.functional.silu(g) * u
     if dt == torch.float64:
-        assert torch.autograd.gradcheck(lambda *a: experts_forward(*a[:2], a[2], a[3], a[4], glu, backend=backend),
-                                        (x, idx, w, gu, dn))
+        assert torch.autograd.gradcheck(lambda *ins: experts_forward(*ins, glu, backend=backend), (x, idx, w, gu, dn))
     else:
         out = experts_forward(x, idx, w, gu, dn, glu, backend=backend)
         ref = experts_forward_reference(x, idx, w, gu, dn, glu)
