@@ -29,7 +29,9 @@ for stage in "$@"; do case $stage in
   kdafwdlong) step kdafwdlong 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
       --prep-configs '["default"]' --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 \
       --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
-  tests-train) step tests-train 200 python3 -m pytest -q -s --timeout 180 tests/gpu/test_gpu_train.py ;;
+  tests-train) step tests-train 330 python3 -m pytest -q -s -o faulthandler_timeout=280 --timeout 310 \
+      tests/gpu/test_gpu_train.py ;;
+  situtest) step situtest 120 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k situ ;;
   tests-bwd) step tests-bwd 200 python3 -m pytest -q -s --timeout 150 tests/gpu -k "kda_triton_backward" ;;
   kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
       --state-configs none --shapes B8_T8K,varlen,B2_T32K,B1_T128K --json "$OUT/kda_triton_fwd4.json" --budget-s 230 ;;

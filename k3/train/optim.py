@@ -28,8 +28,8 @@ import torch.nn as nn
 
 from k3.errors import K3ConfigError
 
-__all__ = ["NS_COEFFS", "newton_schulz", "orthogonalize", "ParamRoute", "classify_parameters", "MuonAdamW",
-           "build_optimizer", "qk_clip"]
+__all__ = ["NS_COEFFS", "newton_schulz", "orthogonalize", "orthogonalize_many", "ParamRoute", "classify_parameters",
+           "MuonAdamW", "build_optimizer", "qk_clip"]
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 MUON_RMS = 0.2
@@ -68,34 +68,67 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
     return X.mT if transpose else X
 
 
-def orthogonalize(u: torch.Tensor, ortho: str, steps: int = 5, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The scaled Muon direction 0.2*sqrt(max(block dims))*NS5(block) for every block of `u` (see module doc).
-    Returns fp32 with u's shape."""
+def _blocks(u: torch.Tensor, ortho: str):
+    """The Muon blocks of `u` under block mode `ortho` (see module doc) as [n, rows, cols], and the inverse map
+    from a [n, rows, cols] result back to u's shape."""
     shape = u.shape
-    if ortho == "plain":
-        blocks = u.reshape(1, shape[-2], shape[-1]) if u.ndim == 2 else u.reshape(-1, shape[-2], shape[-1])
-        inv = lambda o: o.reshape(shape)  # noqa: E731
-    elif ortho == "experts":
-        blocks = u.reshape(-1, shape[-2], shape[-1])
-        inv = lambda o: o.reshape(shape)  # noqa: E731
-    elif ortho == "gate_up":
+    if ortho in ("plain", "experts"):
+        if ortho == "plain" and u.ndim == 2:
+            return u.reshape(1, shape[-2], shape[-1]), lambda o: o.reshape(shape)
+        return u.reshape(-1, shape[-2], shape[-1]), lambda o: o.reshape(shape)
+    if ortho == "gate_up":
         if shape[-1] % 2:
             raise K3ConfigError(f"gate_up tensor {tuple(shape)}: last dim must be even")
         m = shape[-1] // 2
         lead = shape[:-1]
         blocks = u.reshape(-1, shape[-2], 2, m).permute(0, 2, 1, 3).reshape(-1, shape[-2], m)
-        inv = lambda o: o.reshape(-1, 2, shape[-2], m).permute(0, 2, 1, 3).reshape(*lead, 2 * m)  # noqa: E731
-    elif ortho.startswith("rows:"):
+        return blocks, lambda o: o.reshape(-1, 2, shape[-2], m).permute(0, 2, 1, 3).reshape(*lead, 2 * m)
+    if ortho.startswith("rows:"):
         k = int(ortho[5:])
         if u.ndim != 2 or shape[0] % k:
             raise K3ConfigError(f"per-head Muon: tensor {tuple(shape)} rows are not a multiple of {k}")
-        blocks = u.reshape(shape[0] // k, k, shape[1])
-        inv = lambda o: o.reshape(shape)  # noqa: E731
-    else:
-        raise K3ConfigError(f"unknown Muon block mode {ortho!r}")
-    o = newton_schulz(blocks, steps=steps, dtype=dtype).float()
-    o.mul_(MUON_RMS * math.sqrt(max(blocks.shape[-2], blocks.shape[-1])))
-    return inv(o)
+        return u.reshape(shape[0] // k, k, shape[1]), lambda o: o.reshape(shape)
+    raise K3ConfigError(f"unknown Muon block mode {ortho!r}")
+
+
+# elements of one batched Newton-Schulz call at most (bounds its work tensors; a tensor's blocks stay together)
+NS_BATCH_ELEMS = 1 << 28
+
+
+def orthogonalize_many(us: list, orthos: list, steps: int = 5, dtype: Optional[torch.dtype] = None) -> list:
+    """orthogonalize() of every tensor in `us` (block mode `orthos[i]`), with the blocks of one shape from all
+    tensors stacked into one batched Newton-Schulz: a step over hundreds of small matrices is bound by kernel
+    launches (5 x 3 matmuls per tensor), not by FLOPs. Same math per block. Returns fp32 tensors, us' shapes."""
+    split = [_blocks(u, o) for u, o in zip(us, orthos)]
+    by_shape: dict[tuple, list] = {}
+    for i, (b, _) in enumerate(split):
+        by_shape.setdefault((b.device, tuple(b.shape[1:])), []).append(i)
+    outs: list = [None] * len(us)
+    for (dev, (r, c)), idx in by_shape.items():
+        dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        chunks, n = [[]], 0
+        for i in idx:
+            ne = split[i][0].numel()
+            if chunks[-1] and n + ne > NS_BATCH_ELEMS:
+                chunks.append([])
+                n = 0
+            chunks[-1].append(i)
+            n += ne
+        for chunk in chunks:
+            sizes = [split[i][0].shape[0] for i in chunk]
+            stack = torch.empty((sum(sizes), r, c), dtype=dt, device=dev)
+            torch.cat([split[i][0] for i in chunk], out=stack)  # casts to the NS dtype on the way
+            o = newton_schulz(stack, steps=steps, dtype=dt).float()
+            o.mul_(MUON_RMS * math.sqrt(max(r, c)))
+            for i, part in zip(chunk, torch.split(o, sizes)):
+                outs[i] = split[i][1](part)
+    return outs
+
+
+def orthogonalize(u: torch.Tensor, ortho: str, steps: int = 5, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The scaled Muon direction 0.2*sqrt(max(block dims))*NS5(block) for every block of `u` (see module doc).
+    Returns fp32 with u's shape."""
+    return orthogonalize_many([u], [ortho], steps=steps, dtype=dtype)[0]
 
 
 # ------------------------------------------------------------------------------------------ classification
@@ -242,60 +275,87 @@ class MuonAdamW(torch.optim.Optimizer):
             st["master"] = p.detach().float().clone()
         return st["master"]
 
-    def _apply(self, p: torch.Tensor, upd: torch.Tensor, lr: float, wd: float) -> None:
-        w = self.master(p)
+    def _apply(self, ps: list, upds: list, lr: float, wd: float) -> None:
+        """w <- w*(1 - lr*wd) - lr*upd for the update targets w (masters or the parameters), one foreach op per
+        stage; parameters with masters become their rounding."""
+        ws = [self.master(p) for p in ps]
+        upds = [u if u.dtype == w.dtype else u.to(w.dtype) for u, w in zip(upds, ws)]
         if wd:
-            w.mul_(1.0 - lr * wd)
-        w.add_(upd.to(w.dtype), alpha=-lr)
-        if w is not p:
-            p.copy_(w)
+            torch._foreach_mul_(ws, 1.0 - lr * wd)
+        torch._foreach_add_(ws, upds, alpha=-lr)
+        low = [(p, w) for p, w in zip(ps, ws) if w is not p]
+        if low:
+            torch._foreach_copy_([p for p, _ in low], [w for _, w in low])
+
+    @staticmethod
+    def _grads(group: dict) -> tuple[list, list]:
+        ps = [p for p in group["params"] if p.grad is not None]
+        return ps, [p.grad if p.grad.dtype == torch.float32 else p.grad.float() for p in ps]
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One step: Muon groups first (their Newton-Schulz batched across groups by block shape), then AdamW
+        groups; elementwise work as foreach ops over each group's parameters."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._muon_groups([g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
-            if group["use_muon"]:
-                self._muon_group(group)
-            else:
+            if not group["use_muon"]:
                 self._adamw_group(group)
         return loss
 
-    def _muon_group(self, group: dict) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
+    def _muon_groups(self, groups: list) -> None:
+        todo = []   # (group, params, u) per group
+        for group in groups:
+            ps, gs = self._grads(group)
+            if not ps:
                 continue
-            g = p.grad.float()
-            st = self.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(g)
-            buf = st["momentum_buffer"]
-            buf.mul_(mu).add_(g)
-            u = g.add(buf, alpha=mu) if group["nesterov"] else buf
-            self._apply(p, orthogonalize(u, group["ortho"], steps=group["ns_steps"], dtype=self.ns_dtype), lr, wd)
+            mu = group["momentum"]
+            bufs = []
+            for p, g in zip(ps, gs):
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(g)
+                bufs.append(st["momentum_buffer"])
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, gs)
+            todo.append((group, ps, torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs))
+        for steps in {g["ns_steps"] for g, _, _ in todo}:
+            part = [t for t in todo if t[0]["ns_steps"] == steps]
+            dirs = iter(orthogonalize_many([u for _, _, us in part for u in us],
+                                           [g["ortho"] for g, ps, _ in part for _ in ps], steps=steps,
+                                           dtype=self.ns_dtype))
+            for group, ps, _ in part:
+                self._apply(ps, [next(dirs) for _ in ps], group["lr"], group["weight_decay"])
 
     def _adamw_group(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         b1, b2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            g = p.grad.float()
+        ps, gs = self._grads(group)
+        by_t: dict[float, list] = {}
+        for p, g in zip(ps, gs):
             st = self.state[p]
             if "step" not in st:
                 st["step"] = torch.zeros((), dtype=torch.float32)
                 st["exp_avg"] = torch.zeros_like(g)
                 st["exp_avg_sq"] = torch.zeros_like(g)
             st["step"] += 1
-            t = float(st["step"])
-            m, v = st["exp_avg"], st["exp_avg_sq"]
-            m.lerp_(g, 1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            denom = (v / (1.0 - b2 ** t)).sqrt_().add_(eps)
-            self._apply(p, (m / (1.0 - b1 ** t)).div_(denom), lr, wd)
+            by_t.setdefault(float(st["step"]), []).append((p, g))
+        for t, pg in by_t.items():  # one bias correction per step count (normally one)
+            ps_t, gs_t = [p for p, _ in pg], [g for _, g in pg]
+            ms = [self.state[p]["exp_avg"] for p in ps_t]
+            vs = [self.state[p]["exp_avg_sq"] for p in ps_t]
+            torch._foreach_lerp_(ms, gs_t, 1.0 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, gs_t, gs_t, value=1.0 - b2)
+            denom = torch._foreach_div(vs, 1.0 - b2 ** t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, eps)
+            upd = torch._foreach_div(ms, 1.0 - b1 ** t)
+            torch._foreach_div_(upd, denom)
+            self._apply(ps_t, upd, lr, wd)
 
 
 def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, betas: tuple = (0.9, 0.95),

@@ -3,6 +3,7 @@ against the default fp32-weight autocast run on the same data, a few steps of a 
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -20,8 +21,11 @@ def test_bf16_params_train_like_fp32_on_cuda(tmp_path, micro_corpus, micro_model
                           val_tokens=512, recall_examples=4, recall_pairs=4, progress=False, tensorboard=False,
                           samples=False, plot=False, seed=0, device="cuda", eval_every=0, compile="none",
                           param_dtype=dt)
+        t0 = time.time()
         t = Trainer(cfg)
+        print(f"[gpu-train] {dt}: trainer built in {time.time() - t0:.1f} s", flush=True)
         t.train()
+        print(f"[gpu-train] {dt}: trained in {time.time() - t0:.1f} s", flush=True)
         with open(os.path.join(out, "metrics.jsonl")) as fh:
             losses[dt] = [r["loss"] for r in map(json.loads, fh) if r["type"] == "train"]
         if dt == "bf16":

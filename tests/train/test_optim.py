@@ -405,3 +405,30 @@ def test_qk_clip_scales_the_master_weights():
     torch.testing.assert_close(mq.view(H, -1, QL)[2, NOPE:], m_q0.view(H, -1, QL)[2, NOPE:] * g)
     assert torch.equal(mq.view(H, -1, QL)[0], m_q0.view(H, -1, QL)[0])
     assert torch.equal(mla.q_b_proj.weight, mq.bfloat16())
+
+
+def test_orthogonalize_many_batches_blocks_of_one_shape(monkeypatch):
+    """The optimizer's batched Newton-Schulz (blocks of one shape from many tensors stacked, in chunks) gives each
+    tensor the fp64 per-block direction, whatever the chunking."""
+    from k3.train import optim
+    torch.manual_seed(4)
+    us = [torch.randn(24, 10), torch.randn(3, 10, 12), torch.randn(2, 10, 24), torch.randn(10, 12),
+          torch.randn(16, 10)]
+    orthos = ["rows:8", "experts", "gate_up", "plain", "rows:8"]
+
+    def ref(u, o):
+        if o.startswith("rows:"):
+            return muon_dir_ref(u, int(o[5:]))
+        if o == "plain":
+            return muon_dir_ref(u)
+        if o == "experts":
+            return torch.stack([muon_dir_ref(x) for x in u])
+        m = u.shape[-1] // 2
+        return torch.stack([torch.cat([muon_dir_ref(x[:, :m]), muon_dir_ref(x[:, m:])], -1) for x in u])
+
+    for cap in (1 << 28, 300):   # one stack per shape; then a tensor per chunk (8x10x10 blocks need >300)
+        monkeypatch.setattr(optim, "NS_BATCH_ELEMS", cap)
+        outs = optim.orthogonalize_many(us, orthos)
+        for u, o, out in zip(us, orthos, outs):
+            assert out.shape == u.shape and out.dtype == torch.float32
+            torch.testing.assert_close(out.double(), ref(u, o), atol=2e-5, rtol=1e-4, msg=o)
