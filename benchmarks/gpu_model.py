@@ -219,7 +219,7 @@ def sec_profile(a, cfg):
     if mode != "none":  # Inductor kernels keep their fused op names (triton_poi_fused_mul_to_copy_...)
         from k3.compile import compile_model
         compile_model(model, mode=mode)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = make_optimizer(model, a)
     B = a.fit.get(mode, a.batch)  # the batch that fitted in this mode in --train (else the smallest --batch)
     ids, labels = batch(cfg, B, a.seq)
     log(section="profile", B=B, T=a.seq, compile=mode, bf16_params=a.bf16_params)
@@ -243,16 +243,24 @@ def sec_profile(a, cfg):
               "reductions/elementwise": ("elementwise", "reduce", "vectorized", "unrolled", "triton_")}
     tot = {}
     all_t = 0.0
+    kernels = []
     for e in ka:
         dt = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if not dt or getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
             continue
         all_t += dt
+        kernels.append((dt / 2 / 1e3, e.count // 2, e.key))
         nm = e.key.lower()
         g = next((k for k, pats in groups.items() if any(p in nm for p in pats)), "other")
         tot[g] = tot.get(g, 0.0) + dt
     for g, v in sorted(tot.items(), key=lambda kv: -kv[1]):
         log(section="profile", group=g, ms_per_step=v / 2 / 1e3, share=v / max(all_t, 1))
+    # every kernel by device time: ms per step, calls per step, name (what the groups above hide)
+    kernels.sort(reverse=True)
+    with open(os.path.join(OUT, f"kernels_{a.preset}_{mode}_{getattr(a, 'optimizer', 'adamw')}.txt"), "w") as fh:
+        fh.writelines(f"{ms:9.3f} ms {n:6d} x  {k[:200]}\n" for ms, n, k in kernels)
+    for ms, n, k in kernels[:45]:
+        print(f"[kernel] {ms:8.3f} ms/step {n:5d} calls  {k[:110]}")
     print(table[:6000])
     del model, opt
 

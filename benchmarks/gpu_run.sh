@@ -74,6 +74,7 @@ for stage in "$@"; do case $stage in
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
   trainbf16-approx) step trainbf16-approx 300 env K3_SITU_TANH=approx python3 benchmarks/gpu_model.py --train \
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
+  profk3) step profk3 260 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params --optimizer k3 ;;
   profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
   kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g
