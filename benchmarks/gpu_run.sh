@@ -71,6 +71,7 @@ for stage in "$@"; do case $stage in
   trainmaster) step trainmaster 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params --optimizer k3 ;;
   # the same step with the opt-in hardware tanh in the SiTU kernels (k3/ops/activations_triton.py)
+  optim) step optim 120 python3 benchmarks/optim_gpu.py --json "$OUT/optim_gpu.json" ;;
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
   trainbf16-approx) step trainbf16-approx 300 env K3_SITU_TANH=approx python3 benchmarks/gpu_model.py --train \
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;

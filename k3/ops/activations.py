@@ -6,7 +6,8 @@ intermediates in backward: plain autograd over the formula kept six fp32 tensors
 call (~96 KB per token per MoE layer at top-8, latent 512), which is what ran `small` out of memory at 32K tokens
 per step on an H200. Derivatives, with tg = tanh(g/b1), s = sigmoid(g), tu = tanh(u/b2):
   d out/d g = b2*tu * ((1 - tg^2)*s + b1*tg*s*(1 - s)),   d out/d u = b1*tg*s * (1 - tu^2).
-On CUDA the forward and backward are each one Triton kernel (k3/ops/activations_triton.py). On CPU the plain
+On CUDA the forward and backward are each one Triton kernel (k3/ops/activations_triton.py), called as the opaque
+custom ops torch.ops.k3.situ_fwd / situ_bwd. On CPU the plain
 formula under autograd is kept by default: recomputing three transcendentals in backward made fwd+bwd 1.6x slower
 there ([8192, 512] fp32, 1 thread: 97 vs 61 ms), and CPU runs are small; K3_SITU_NODE=1 forces the node on CPU.
 """
@@ -48,15 +49,15 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 def _fwd(g, u, b1, b2):
     if _use_triton(g) and g.shape == u.shape:
-        from k3.ops import activations_triton
-        return activations_triton.situ_fwd(g, u, b1, b2)
+        from k3.ops import activations_triton  # noqa: F401  (registers torch.ops.k3.situ_*)
+        return torch.ops.k3.situ_fwd(g, u, b1, b2)
     return _situ_fwd_torch(g, u, b1, b2)
 
 
 def _bwd(g, u, dout, b1, b2):
     if _use_triton(g) and g.shape == u.shape == dout.shape:
-        from k3.ops import activations_triton
-        return activations_triton.situ_bwd(g, u, dout, b1, b2)
+        from k3.ops import activations_triton  # noqa: F401
+        return torch.ops.k3.situ_bwd(g, u, dout, b1, b2)
     return _situ_bwd_torch(g, u, dout, b1, b2)
 
 

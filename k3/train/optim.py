@@ -306,22 +306,25 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._adamw_group(group)
         return loss
 
+    def _momentum(self, group: dict) -> tuple[list, list]:
+        """Muon momentum of one group: buf <- mu*buf + g; returns (params with a grad, directions u)."""
+        ps, gs = self._grads(group)
+        if not ps:
+            return ps, []
+        mu = group["momentum"]
+        bufs = []
+        for p, g in zip(ps, gs):
+            st = self.state[p]
+            if "momentum_buffer" not in st:
+                st["momentum_buffer"] = torch.zeros_like(g)
+            bufs.append(st["momentum_buffer"])
+        torch._foreach_mul_(bufs, mu)
+        torch._foreach_add_(bufs, gs)
+        return ps, (torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs)
+
     def _muon_groups(self, groups: list) -> None:
-        todo = []   # (group, params, u) per group
-        for group in groups:
-            ps, gs = self._grads(group)
-            if not ps:
-                continue
-            mu = group["momentum"]
-            bufs = []
-            for p, g in zip(ps, gs):
-                st = self.state[p]
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.zeros_like(g)
-                bufs.append(st["momentum_buffer"])
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, gs)
-            todo.append((group, ps, torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs))
+        todo = [(g, *self._momentum(g)) for g in groups]   # (group, params, u)
+        todo = [t for t in todo if t[1]]
         for steps in {g["ns_steps"] for g, _, _ in todo}:
             part = [t for t in todo if t[0]["ns_steps"] == steps]
             dirs = iter(orthogonalize_many([u for _, _, us in part for u in us],

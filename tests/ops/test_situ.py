@@ -72,6 +72,12 @@ for R, C, dt in ((5, 48, torch.float32), (33, 512, torch.float32), (3, 1536, tor
     dg_ref, du_ref = _situ_bwd_torch(g, u, do, 4.0, 25.0)
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
     res[f"{R}x{C}.{dt}"] = [rel(o, o_ref), rel(dg, dg_ref), rel(du, du_ref)]
+    # the custom ops torch.compile sees: same results, and schema / fake tensors / compile checked by opcheck
+    assert torch.equal(torch.ops.k3.situ_fwd(g, u, 4.0, 25.0), o)
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.k3.situ_bwd(g, u, do, 4.0, 25.0), (dg, du)))
+    if R == 5:
+        torch.library.opcheck(torch.ops.k3.situ_fwd.default, (g, u, 4.0, 25.0))
+        torch.library.opcheck(torch.ops.k3.situ_bwd.default, (g, u, do, 4.0, 25.0))
 print(json.dumps(res))
 """
 
