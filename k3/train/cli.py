@@ -54,9 +54,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--device", default=None, help="auto | cpu | cuda[:N] [auto]")
     a("--threads", type=int, default=None, help="torch CPU threads [torch default]")
     a("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
-    a("--param-dtype", default=None, choices=["fp32", "bf16"],
+    a("--param-dtype", default=None, choices=["auto", "fp32", "bf16"],
       help="parameter storage: fp32 (bf16 autocast on GPU) or bf16 with fp32 master weights in the optimizer "
-           "[fp32]")
+           "[auto: bf16 on CUDA, fp32 on CPU]")
     a("--compile", default=None, choices=["auto", "none", "modules", "layers", "model"],
       help="torch.compile the model [auto: modules on CUDA, none on CPU]")
     a("--eval-every", type=int, default=None, help="evaluate every N steps; 0 = before and after only [steps/4]")

@@ -107,6 +107,17 @@ def resolve_compile(mode: str, device) -> str:
     return mode
 
 
+def resolve_param_dtype(dtype: str, device) -> str:
+    """'auto' -> bf16 weights (fp32 masters in the optimizer) on CUDA, fp32 on CPU. H200, `small` B8 T4096
+    compiled, the trainer's MuonAdamW: bf16 weights 24.6% MFU vs 16.8% or less for fp32 weights under autocast
+    (benchmarks/RESULTS.md, sixth session); on CPU bf16 matmuls are slower and autocast is off."""
+    if dtype not in ("auto", "fp32", "bf16"):
+        raise K3ConfigError(f"--param-dtype must be auto, fp32 or bf16, got {dtype!r}")
+    if dtype == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return dtype
+
+
 @dataclass
 class TrainConfig:
     # model
@@ -125,10 +136,10 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: str = "auto"                   # auto (= "modules" on CUDA, "none" on CPU) | none | modules | layers | model
     # parameter storage: "fp32" (fp32 weights, bf16 autocast on GPU) or "bf16" (bf16 weights and activations, fp32
-    # master weights and moments in the optimizer; the MoE routing bias stays fp32). bf16 removes autocast's
-    # per-use weight casts and fp32 activations (benchmarks/RESULTS.md, fifth session); gradients are bf16, so
-    # with --grad-accum > 1 the micro-batch sum is rounded to bf16.
-    param_dtype: str = "fp32"
+    # master weights and moments in the optimizer; the MoE routing bias stays fp32), "auto" = bf16 on CUDA, fp32 on
+    # CPU. bf16 removes autocast's per-use weight casts and fp32 activations (benchmarks/RESULTS.md, fifth and sixth
+    # sessions); gradients are bf16, so with --grad-accum > 1 the micro-batch sum is rounded to bf16.
+    param_dtype: str = "auto"
     resume: bool = False
     stop_at: Optional[int] = None           # stop (with a checkpoint) after this step; the schedule still uses `steps`
     # data
@@ -190,8 +201,8 @@ class TrainConfig:
             if rows < self.grad_accum:
                 raise K3ConfigError(f"stage seq_len {seq}: {rows} rows per step cannot be split into "
                                     f"--grad-accum {self.grad_accum} micro-batches")
-        if self.param_dtype not in ("fp32", "bf16"):
-            raise K3ConfigError(f"--param-dtype must be fp32 or bf16, got {self.param_dtype!r}")
+        if self.param_dtype not in ("auto", "fp32", "bf16"):
+            raise K3ConfigError(f"--param-dtype must be auto, fp32 or bf16, got {self.param_dtype!r}")
         if self.max_bad_steps < 0 or self.keep < 1:
             raise K3ConfigError("--max-bad-steps must be >= 0 and --keep >= 1")
 
@@ -455,7 +466,8 @@ class Trainer:
         with torch.device(self.device):
             self.model = K3ForCausalLM(mcfg)
         self.model.float()  # fp32 weights (bf16 autocast on GPU), or bf16 weights with fp32 masters in the optimizer
-        if cfg.param_dtype == "bf16":
+        self.param_dtype = resolve_param_dtype(cfg.param_dtype, self.device)
+        if self.param_dtype == "bf16":
             self.model.to(torch.bfloat16)
             for m in self.model.modules():  # the balancers' routing bias keeps fp32 resolution
                 b = getattr(m, "e_score_correction_bias", None)
@@ -478,7 +490,7 @@ class Trainer:
         from k3.train.optim import build_optimizer
         from k3.train.schedule import ContextSchedule, cosine_with_warmup
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                         adamw_lr=cfg.adamw_lr, master_weights=cfg.param_dtype != "fp32")
+                                         adamw_lr=cfg.adamw_lr, master_weights=self.param_dtype != "fp32")
         self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * cfg.steps))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(self.warmup_steps, cfg.steps, cfg.min_lr_ratio))
@@ -629,7 +641,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ evaluation
     def _autocast(self):
-        if self.device.type == "cuda" and self.cfg.param_dtype == "fp32":
+        if self.device.type == "cuda" and self.param_dtype == "fp32":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 

@@ -240,3 +240,13 @@ def test_bf16_params_with_fp32_masters(corpus, tmp_path):
     assert masters and all(m.dtype == torch.float32 for m in masters)
     with pytest.raises(K3ConfigError, match="--param-dtype"):
         make_cfg(corpus, tmp_path / "c", param_dtype="fp16").validate()
+
+
+def test_param_dtype_auto_is_bf16_on_cuda_only():
+    from k3.train.trainer import resolve_param_dtype, TrainConfig
+    assert TrainConfig().param_dtype == "auto"
+    assert resolve_param_dtype("auto", "cpu") == "fp32"
+    assert resolve_param_dtype("auto", torch.device("cuda", 0)) == "bf16"
+    assert resolve_param_dtype("fp32", "cuda") == "fp32" and resolve_param_dtype("bf16", "cpu") == "bf16"
+    with pytest.raises(K3ConfigError, match="auto, fp32 or bf16"):
+        resolve_param_dtype("half", "cpu")
