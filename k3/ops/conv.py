@@ -7,15 +7,30 @@ inputs, [N, C, K-1], oldest first.
 Packed sequences (`cu_seqlens`, B=1) are handled without a Python loop over documents: each document gets its own
 K-1-slot prefix (its initial state) in an extended buffer, one depthwise conv runs over the buffer, and the token
 outputs are gathered back.
+
+Backends (k3.ops.dispatch, op family "conv"): "torch" (this file; the default) and "triton" (k3/ops/conv_triton.py:
+one forward and one backward kernel, for calls without carried state, e.g. training; CUDA or Triton's interpreter),
+chosen with `backend=` or `K3_BACKEND=conv:triton`.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Optional
 
 import torch
-
-from k3.ops import f32
 import torch.nn.functional as F
+
+from k3.ops import dispatch, f32
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+dispatch.register("conv", "torch", lambda: True, priority=0)
+dispatch.register("conv", "triton", _triton_available, priority=-1)  # opt-in until timed on a GPU
 
 
 def _act(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
@@ -39,9 +54,10 @@ def _dwconv(ext_BLC: torch.Tensor, W_CK: torch.Tensor) -> torch.Tensor:
 
 def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Optional[torch.Tensor] = None,
                   cu_seqlens: Optional[torch.Tensor] = None, activation: Optional[str] = "silu",
-                  output_final_state: bool = False):
+                  output_final_state: bool = False, backend: Optional[str] = None):
     """x [B,T,C]; weight [C,1,K] or [C,K]; initial_state [N,C,K-1]. Returns (y [B,T,C] in x.dtype, state|None).
-    Math in fp32 (weights are fp32 in the release)."""
+    Math in fp32 (weights are fp32 in the release). `backend`: "torch" | "triton" (calls without state only;
+    others take the torch path)."""
     W_CK = weight.reshape(weight.shape[0], -1)
     C, K = W_CK.shape
     B, T, Cx = x_BTC.shape
@@ -56,6 +72,10 @@ def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Opti
         N = B
     if initial_state is not None and tuple(initial_state.shape) != (N, C, K - 1):
         raise ValueError(f"causal_conv1d: initial_state must be [{N},{C},{K - 1}], got {tuple(initial_state.shape)}")
+    if initial_state is None and not output_final_state and activation in (None, "silu", "swish") \
+            and dispatch.resolve("conv", backend, x_BTC.device.type) == "triton":
+        from k3.ops.conv_triton import causal_conv1d_triton
+        return causal_conv1d_triton(x_BTC, W_CK, cu_seqlens, activation), None
     x32 = f32(x_BTC)
     if cu_seqlens is None:
         hist = f32(initial_state).transpose(1, 2) if initial_state is not None else x32.new_zeros(B, K - 1, C)

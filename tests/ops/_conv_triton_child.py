@@ -1,0 +1,83 @@
+"""Run under TRITON_INTERPRET=1 by test_conv_triton.py; prints one JSON object."""
+import json
+
+import torch
+
+from k3.ops import conv_triton as ct
+from k3.ops.conv import causal_conv1d, causal_conv1d_reference
+
+torch.manual_seed(0)
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def ref_grads(x, w, act, cu=None):
+    """fp64: the token-loop definition per document."""
+    xd = x.detach().double().requires_grad_()
+    wd = w.detach().double().requires_grad_()
+    if cu is None:
+        y = causal_conv1d_reference(xd, wd, activation=act)[0]
+    else:
+        ys = [causal_conv1d_reference(xd[:, a:b], wd, activation=act)[0] if b > a else xd[:, a:b] * 0
+              for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+        y = torch.cat(ys, 1)
+    return y, xd, wd
+
+
+def check(x, w, act, cu=None):
+    y_ref, xd, wd = ref_grads(x, w, act, cu)
+    dy = torch.randn_like(y_ref)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (xd, wd), dy)
+    starts = ct.token_starts(cu, x.shape[1]) if cu is not None else None
+    y = ct.conv1d_fwd(x, w, starts, act is not None)
+    dx, dw = ct.conv1d_bwd(x, w, dy.to(x.dtype), starts, act is not None)
+    return {"y": rel(y, y_ref), "dx": rel(dx, dx_ref), "dw": rel(dw, dw_ref)}
+
+
+out = {"dense": {}, "varlen": {}}
+for act in ("silu", None):
+    x = torch.randn(2, 150, 200) * 2
+    w = torch.randn(200, 4) * 0.5
+    out["dense"][f"B2 T150 C200 {act}"] = check(x, w, act)
+cu = torch.tensor([0, 1, 1, 71, 76, 156], dtype=torch.int32)
+x = torch.randn(1, 156, 130) * 2
+w = torch.randn(130, 4) * 0.5
+out["varlen"]["docs 1,0,70,5,80"] = check(x, w, "silu", cu)
+y_no_reset = ct.conv1d_fwd(x, w, None, True)
+out["varlen_would_leak"] = rel(y_no_reset, ref_grads(x, w, "silu", cu)[0])
+xb, wb = (torch.randn(2, 100, 256) * 2).bfloat16(), torch.randn(256, 4) * 0.5
+out["bf16"] = check(xb, wb, "silu")
+# the dispatch path with autograd (custom ops + autograd.Function) against the torch path
+x = (torch.randn(1, 90, 160) * 2).requires_grad_()
+wc = (torch.randn(160, 1, 4) * 0.5).requires_grad_()
+cu = torch.tensor([0, 30, 90], dtype=torch.int32)
+calls = []
+orig = ct.conv1d_fwd
+
+
+def spy(*a):
+    calls.append(1)
+    return orig(*a)
+
+
+ct.conv1d_fwd = spy
+y_t, st = causal_conv1d(x, wc, cu_seqlens=cu, backend="triton")
+ct.conv1d_fwd = orig
+y_r, _ = causal_conv1d(x, wc, cu_seqlens=cu, backend="torch")
+dy = torch.randn_like(y_r)
+g_t = torch.autograd.grad(y_t, (x, wc), dy)
+g_r = torch.autograd.grad(y_r, (x, wc), dy)
+out["dispatch_took_triton"] = bool(calls) and st is None
+out["dispatch"] = {"y": rel(y_t, y_r), "dx": rel(g_t[0], g_r[0]), "dw": rel(g_t[1], g_r[1])}
+s = ct.token_starts(cu, 90)
+torch.library.opcheck(torch.ops.k3.conv1d_fwd.default, (x.detach(), wc.detach().reshape(160, 4), s, True))
+torch.library.opcheck(torch.ops.k3.conv1d_bwd.default, (x.detach(), wc.detach().reshape(160, 4), dy, s, True))
+out["opcheck"] = "ok"
+# torch.compile(fullgraph=True) through the dispatch, the custom ops and the autograd.Function: no graph break
+f = torch.compile(lambda a, b, c: causal_conv1d(a, b, cu_seqlens=c, backend="triton")[0], fullgraph=True)
+y_c = f(x, wc, cu)
+g_c = torch.autograd.grad(y_c, (x, wc), dy)
+out["compiled"] = {"y": rel(y_c, y_r), "dx": rel(g_c[0], g_r[0]), "dw": rel(g_c[1], g_r[1])}
+print(json.dumps(out))
