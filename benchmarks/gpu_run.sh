@@ -73,9 +73,11 @@ for stage in "$@"; do case $stage in
   # the same step with the opt-in hardware tanh in the SiTU kernels (k3/ops/activations_triton.py)
   optim) step optim 120 python3 benchmarks/optim_gpu.py --json "$OUT/optim_gpu.json" ;;
   conv) step conv 150 python3 benchmarks/conv_gpu.py --json "$OUT/conv_gpu.json" ;;
-  convtest) step convtest 120 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k conv ;;
+  convtest) step convtest 150 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k "conv or experts" ;;
   trainbf16-conv) step trainbf16-conv 300 env K3_BACKEND=conv:triton python3 benchmarks/gpu_model.py --train \
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
+  trainbf16-fused) step trainbf16-fused 300 env K3_BACKEND=conv:triton,moe_combine:triton python3 \
+      benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
   trainbf16-approx) step trainbf16-approx 300 env K3_SITU_TANH=approx python3 benchmarks/gpu_model.py --train \
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;

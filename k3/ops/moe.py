@@ -10,17 +10,21 @@ and the k copies of a token's gradient are summed in fp32.
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Callable, Optional
 
 import torch
 
-from k3.ops import f32, fp32_math
-
-from k3.ops import dispatch
+from k3.ops import dispatch, f32, fp32_math
 
 dispatch.register("moe", "grouped_mm", lambda: hasattr(torch, "_grouped_mm"), priority=0)
 dispatch.register("moe", "padded_bmm", lambda: True, priority=-1)
 dispatch.register("moe", "loop", lambda: True, priority=-10)  # per-token reference; tests only
+# the combine and the dispatch backward as Triton row-gather kernels (k3/ops/moe_triton.py): opt-in until timed
+dispatch.register("moe_combine", "torch", lambda: True, priority=0)
+dispatch.register("moe_combine", "triton", lambda: importlib.util.find_spec("triton") is not None and (
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"), priority=-1)
 
 
 def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Tensor], top_k: int,
@@ -72,16 +76,19 @@ class _DispatchRows(torch.autograd.Function):
     is an atomic index_add, in the activation dtype)."""
 
     @staticmethod
-    def forward(ctx, x_Nl, tok_of_a, inv_A, k: int):
+    def forward(ctx, x_Nl, tok_of_a, inv_A, k: int, triton_bwd: bool = False):
         ctx.save_for_backward(inv_A)
-        ctx.k = k
+        ctx.k, ctx.triton_bwd = k, triton_bwd
         return x_Nl.index_select(0, tok_of_a)
 
     @staticmethod
     def backward(ctx, g_Al):
         (inv_A,) = ctx.saved_tensors
+        if ctx.triton_bwd:
+            from k3.ops.moe_triton import gather_rows_sum
+            return gather_rows_sum(g_Al, inv_A, ctx.k), None, None, None, None
         g = g_Al.index_select(0, inv_A).view(-1, ctx.k, g_Al.shape[-1])
-        return f32(g).sum(1).to(g_Al.dtype), None, None, None
+        return f32(g).sum(1).to(g_Al.dtype), None, None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -101,8 +108,10 @@ class _PermuteRows(torch.autograd.Function):
 
 def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
                     gate_up_El2M: torch.Tensor, down_EMl: torch.Tensor, glu: Callable,
-                    backend: Optional[str] = None) -> torch.Tensor:
-    """sum_k w[n,k] * W2_e(glu(W1_e x, W3_e x)) for the selected experts e = topk_idx[n,k]. Output [N, l]."""
+                    backend: Optional[str] = None, combine_backend: Optional[str] = None) -> torch.Tensor:
+    """sum_k w[n,k] * W2_e(glu(W1_e x, W3_e x)) for the selected experts e = topk_idx[n,k]. Output [N, l].
+    `backend`: the expert GEMMs ("grouped_mm", "padded_bmm", "loop"); `combine_backend`: the combine and the
+    dispatch backward ("torch", "triton")."""
     N, l = x_Nl.shape
     E, _, M2 = gate_up_El2M.shape
     k = topk_idx_Nk.shape[1]
@@ -123,10 +132,14 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
     # inverse permutation: slot n*k + j of the token-major layout sits at row inv_A[n*k + j] of the expert order
     inv_A = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    x_Al = _DispatchRows.apply(x_Nl, tok_of_a, inv_A, k)
+    tri = dispatch.resolve("moe_combine", combine_backend, x_Nl.device.type) == "triton"
+    x_Al = _DispatchRows.apply(x_Nl, tok_of_a, inv_A, k, tri)
     h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)
     g, u = h_A2M.chunk(2, dim=-1)
     y_Al = _gmm(glu(g, u).contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
+    if tri:
+        from k3.ops.moe_triton import Combine
+        return Combine.apply(y_Al, inv_A, order, topk_w_Nk).to(x_Nl.dtype)
     # unpermute (a gather; its backward gathers by `order`) and combine the k outputs of each token in a fixed
     # order, in fp32
     y_Nkl = _PermuteRows.apply(y_Al, inv_A, order).view(N, k, l)

@@ -170,7 +170,8 @@ def test_attnres_fused_vs_reference(backend):
 
 
 # ---------------------------------------------------------------------------------------------------- MoE
-def test_experts_grouped_mm_bf16_vs_cpu():
+@pytest.mark.parametrize("combine", ["torch", "triton"])
+def test_experts_grouped_mm_bf16_vs_cpu(combine):
     from k3.ops.activations import situ_glu
     from k3.ops.moe import experts_forward, route
     g = torch.Generator().manual_seed(3)
@@ -180,15 +181,16 @@ def test_experts_grouped_mm_bf16_vs_cpu():
     idx, w, _ = route(x, rw, None, k)
     gu = torch.randn(E, l, 2 * M, generator=g) * l ** -0.5
     dn = torch.randn(E, M, l, generator=g) * M ** -0.5
-    xg, gug, dng = leaf(x, DEV, BF), leaf(gu, DEV, BF), leaf(dn, DEV, BF)
-    xc, guc, dnc = leaf(x, "cpu"), leaf(gu, "cpu"), leaf(dn, "cpu")
-    o_g = experts_forward(xg, idx.to(DEV), w.to(DEV), gug, dng, situ_glu, backend="grouped_mm")
-    o_r = experts_forward(xc, idx, w, guc, dnc, situ_glu, backend="grouped_mm")
+    xg, gug, dng, wg = leaf(x, DEV, BF), leaf(gu, DEV, BF), leaf(dn, DEV, BF), leaf(w, DEV)
+    xc, guc, dnc, wc = leaf(x, "cpu"), leaf(gu, "cpu"), leaf(dn, "cpu"), leaf(w, "cpu")
+    o_g = experts_forward(xg, idx.to(DEV), wg, gug, dng, situ_glu, backend="grouped_mm", combine_backend=combine)
+    o_r = experts_forward(xc, idx, wc, guc, dnc, situ_glu, backend="grouped_mm", combine_backend="torch")
     do = torch.randn(N, l, generator=g)
     (o_g.float() * do.to(DEV)).sum().backward()
     (o_r * do).sum().backward()
-    errs = dict(o=rel(o_g, o_r), dx=rel(xg.grad, xc.grad), dgu=rel(gug.grad, guc.grad), ddn=rel(dng.grad, dnc.grad))
-    report("experts grouped_mm bf16", **errs)
+    errs = dict(o=rel(o_g, o_r), dx=rel(xg.grad, xc.grad), dgu=rel(gug.grad, guc.grad), ddn=rel(dng.grad, dnc.grad),
+                dw=rel(wg.grad, wc.grad))
+    report(f"experts grouped_mm bf16, combine {combine}", **errs)
     assert all(e < 2e-2 for e in errs.values()), errs
 
 

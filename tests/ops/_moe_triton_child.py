@@ -1,0 +1,65 @@
+"""Run under TRITON_INTERPRET=1 by test_moe_triton.py; prints one JSON object."""
+import json
+
+import torch
+
+from k3.ops import moe_triton as mt
+from k3.ops.activations import situ_glu
+from k3.ops.moe import experts_forward, route
+
+torch.manual_seed(0)
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+out = {}
+# kernels against plain torch: k = 3 (not a power of two), N and L not multiples of the tiles
+N, k, L = 37, 3, 200
+y = torch.randn(N * k + 5, L)
+idx = torch.randperm(N * k + 5)[:N * k]
+w = torch.rand(N, k)
+d = torch.randn(N, L)
+ref_sum = (y[idx].view(N, k, L).double() * w.double().unsqueeze(-1)).sum(1)
+out["gather_sum"] = rel(mt.gather_sum(y, idx, w, k, torch.float32), ref_sum)
+out["gather_sum_now"] = rel(mt.gather_sum(y, idx, None, k, torch.float32), y[idx].view(N, k, L).double().sum(1))
+out["gather_dot"] = rel(mt.gather_dot(y, idx, d, k), (y[idx].view(N, k, L).double() * d.double().unsqueeze(1)).sum(-1))
+# experts_forward with the Triton combine / dispatch backward against its torch path: output and every gradient
+E, l, M, Nt, kt = 6, 64, 48, 50, 4
+x = torch.randn(Nt, l).requires_grad_()
+gu = (torch.randn(E, l, 2 * M) * 0.1).requires_grad_()
+dn = (torch.randn(E, M, l) * 0.1).requires_grad_()
+rw = torch.randn(E, l)
+res = {}
+calls = []
+for name in ("gather_sum", "gather_dot"):
+    def spy(*a, _f=getattr(mt, name), _n=name):
+        calls.append(_n)
+        return _f(*a)
+    setattr(mt, name, spy)
+for cb in ("torch", "triton"):
+    idx_k, w_k, _ = route(x, rw, None, kt)
+    w_k = w_k.detach().requires_grad_()
+    o = experts_forward(x, idx_k, w_k, gu, dn, situ_glu, backend="padded_bmm", combine_backend=cb)
+    g = torch.autograd.grad(o, (x, gu, dn, w_k), torch.ones_like(o) * 0.1 + torch.arange(l) * 1e-3)
+    res[cb] = (o, g)
+out["kernel_calls"] = sorted(calls)   # the triton run: combine fwd, dispatch bwd (sums), combine bwd (dot)
+out["experts"] = {name: rel(a, b) for name, a, b in zip(("out", "dx", "dgate_up", "ddown", "dw"),
+                                                        [res["triton"][0], *res["triton"][1]],
+                                                        [res["torch"][0], *res["torch"][1]])}
+# torch.compile(fullgraph=True) through the dispatch, the autograd.Functions and the custom ops (grouped_mm)
+idx_k, w_k, _ = route(x, rw, None, kt)
+w_k = w_k.detach().requires_grad_()
+fc = torch.compile(lambda *a: experts_forward(*a, situ_glu, backend="grouped_mm", combine_backend="triton"),
+                   fullgraph=True)
+oc = fc(x, idx_k, w_k, gu, dn)
+gc = torch.autograd.grad(oc.sum(), (x, gu, dn, w_k))
+o_ref = experts_forward(x, idx_k, w_k, gu, dn, situ_glu, backend="grouped_mm", combine_backend="torch")
+g_ref = torch.autograd.grad(o_ref.sum(), (x, gu, dn, w_k))
+out["compiled"] = max(rel(a, b) for a, b in zip([oc, *gc], [o_ref, *g_ref]))
+torch.library.opcheck(torch.ops.k3.moe_gather_sum.default, (y, idx, w, k, torch.float32))
+torch.library.opcheck(torch.ops.k3.moe_gather_dot.default, (y, idx, d, k))
+out["opcheck"] = "ok"
+print(json.dumps(out))
