@@ -136,7 +136,7 @@ def situ_fwd_op(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch
 
 @situ_fwd_op.register_fake
 def _situ_fwd_fake(g, u, b1, b2):
-    return torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("k3::situ_bwd", mutates_args=())
@@ -147,5 +147,5 @@ def situ_bwd_op(g: torch.Tensor, u: torch.Tensor, dout: torch.Tensor, b1: float,
 
 @situ_bwd_op.register_fake
 def _situ_bwd_fake(g, u, dout, b1, b2):
-    return (torch.empty(g.shape, dtype=g.dtype, device=g.device),
-            torch.empty(u.shape, dtype=u.dtype, device=u.device))
+    return (torch.empty_like(g, memory_format=torch.contiguous_format),
+            torch.empty_like(u, memory_format=torch.contiguous_format))

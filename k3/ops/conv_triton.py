@@ -144,7 +144,7 @@ def conv1d_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, starts: Optio
         _conv_bwd_kernel[grid](x, w, dy, dx, dwp, starts if starts is not None else x, T, C, x.stride(0),
                                x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), K=K, KP=KP,
                                BT=bt, BC=bc, VARLEN=starts is not None, ACT=act, num_warps=nw)
-    return dx, dwp.sum(0)[:, :K].to(w.dtype)
+    return dx, dwp.sum(0)[:, :K].to(w.dtype).contiguous()
 
 
 @torch.library.custom_op("k3::conv1d_fwd", mutates_args=())
@@ -154,7 +154,7 @@ def conv1d_fwd_op(x: torch.Tensor, w: torch.Tensor, starts: Optional[torch.Tenso
 
 @conv1d_fwd_op.register_fake
 def _conv1d_fwd_fake(x, w, starts, act):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("k3::conv1d_bwd", mutates_args=())
@@ -165,8 +165,8 @@ def conv1d_bwd_op(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, starts: Op
 
 @conv1d_bwd_op.register_fake
 def _conv1d_bwd_fake(x, w, dy, starts, act):
-    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty(w.shape, dtype=w.dtype, device=w.device))
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(w, memory_format=torch.contiguous_format))
 
 
 class _Conv1d(torch.autograd.Function):
