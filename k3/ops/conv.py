@@ -14,8 +14,6 @@ chosen with `backend=` or `K3_BACKEND=conv:triton`.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Optional
 
 import torch
@@ -24,13 +22,8 @@ import torch.nn.functional as F
 from k3.ops import dispatch, f32
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None and (
-        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
-
-
 dispatch.register("conv", "torch", lambda: True, priority=0)
-dispatch.register("conv", "triton", _triton_available, priority=-1)  # opt-in until timed on a GPU
+dispatch.register("conv", "triton", dispatch.triton_runs, priority=-1)  # opt-in until timed on a GPU
 
 
 def _act(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:

@@ -70,6 +70,15 @@ def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") ->
     return name
 
 
+def triton_runs() -> bool:
+    """Triton kernels can run here: triton is installed and there is CUDA, or its interpreter (TRITON_INTERPRET=1,
+    the CPU tests)."""
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def is_available(op: str, name: str) -> bool:
     """`name` is registered for `op` and can run here."""
     entry = _REGISTRY.get(op, {}).get(name)

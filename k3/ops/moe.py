@@ -10,8 +10,6 @@ and the k copies of a token's gradient are summed in fp32.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Callable, Optional
 
 import torch
@@ -23,8 +21,7 @@ dispatch.register("moe", "padded_bmm", lambda: True, priority=-1)
 dispatch.register("moe", "loop", lambda: True, priority=-10)  # per-token reference; tests only
 # the combine and the dispatch backward as Triton row-gather kernels (k3/ops/moe_triton.py): opt-in until timed
 dispatch.register("moe_combine", "torch", lambda: True, priority=0)
-dispatch.register("moe_combine", "triton", lambda: importlib.util.find_spec("triton") is not None and (
-    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"), priority=-1)
+dispatch.register("moe_combine", "triton", dispatch.triton_runs, priority=-1)
 
 
 def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Tensor], top_k: int,

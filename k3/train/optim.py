@@ -97,8 +97,9 @@ NS_BATCH_ELEMS = 1 << 28
 
 def orthogonalize_many(us: list, orthos: list, steps: int = 5, dtype: Optional[torch.dtype] = None) -> list:
     """orthogonalize() of every tensor in `us` (block mode `orthos[i]`), with the blocks of one shape from all
-    tensors stacked into one batched Newton-Schulz: a step over hundreds of small matrices is bound by kernel
-    launches (5 x 3 matmuls per tensor), not by FLOPs. Same math per block. Returns fp32 tensors, us' shapes."""
+    tensors stacked into one batched Newton-Schulz instead of 5 x 3 small matmuls per tensor (`small` on the H200:
+    training step 762.8 -> 660.8 ms with the foreach updates). Same math per block. Returns fp32 tensors, us'
+    shapes."""
     split = [_blocks(u, o) for u, o in zip(us, orthos)]
     by_shape: dict[tuple, list] = {}
     for i, (b, _) in enumerate(split):
