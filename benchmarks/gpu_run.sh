@@ -70,7 +70,6 @@ for stage in "$@"; do case $stage in
   # the trainer's recipe for bf16 parameters: Muon + AdamW with fp32 master weights (k3 train --param-dtype bf16)
   trainmaster) step trainmaster 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params --optimizer k3 ;;
-  # the same step with the opt-in hardware tanh in the SiTU kernels (k3/ops/activations_triton.py)
   optim) step optim 120 python3 benchmarks/optim_gpu.py --json "$OUT/optim_gpu.json" ;;
   conv) step conv 150 python3 benchmarks/conv_gpu.py --json "$OUT/conv_gpu.json" ;;
   convtest) step convtest 150 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k "conv or experts" ;;
@@ -79,7 +78,8 @@ for stage in "$@"; do case $stage in
   trainbf16-fused) step trainbf16-fused 300 env K3_BACKEND=conv:triton,moe_combine:triton python3 \
       benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
-  trainbf16-approx) step trainbf16-approx 300 env K3_SITU_TANH=approx python3 benchmarks/gpu_model.py --train \
+  # the same step with the exact tanh in the SiTU kernels (the hardware tanh is the default since the sixth session)
+  trainbf16-exact) step trainbf16-exact 300 env K3_SITU_TANH=exact python3 benchmarks/gpu_model.py --train \
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   profk3) step profk3 260 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params --optimizer k3 ;;
   profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params ;;

@@ -127,8 +127,10 @@ def situ_bwd(g, u, dout, b1: float, b2: float):
 # The kernels as opaque custom ops (what k3.ops.activations calls): torch.compile calls them through this wrapper
 # instead of re-emitting the kernel source with its own launcher. Measured on the H200 in the compiled `small`
 # step, the re-emitted kernels took ~0.80 / ~0.87 ms per call where the same kernels launched directly take
-# 0.28 / 0.36 ms (benchmarks/situ_gpu.py), the likely cause being lost 16-byte alignment hints on the strided
-# halves. The Python launch costs a few microseconds per call.
+# 0.28 / 0.36 ms (benchmarks/situ_gpu.py), and the re-emitted hardware-tanh kernel gave a NaN loss; as custom ops
+# the step went 450.0 -> 388.6 ms and the hardware tanh trains. Why the re-emitted kernels were slow is not
+# established (lost 16-byte alignment hints on the strided halves are one candidate). The Python launch costs a few
+# microseconds per call.
 @torch.library.custom_op("k3::situ_fwd", mutates_args=())
 def situ_fwd_op(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
     return situ_fwd(g, u, b1, b2)
