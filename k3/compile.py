@@ -9,6 +9,7 @@ Notable:
   inputs), so there are ~5 compilations whatever the depth. mode="layers" compiles whole decoder layers:
   Dynamo specialises on each layer's constants (layer index, number of AttnRes sources), so it compiles once
   per layer (the recompile limit is raised to allow it) - slow to start on deep models.
+  Both also compile the chunked cross-entropy (`compile_loss`); mode="model" compiles it with the rest.
 - `explain(model, ...)` runs torch._dynamo.explain on one call and returns the graph/graph-break counts and
   reasons, for reports (benchmarks/gpu_model.py prints them).
 Whether compiling pays off is measured in benchmarks/gpu_model.py (see docs/performance.md); the training
@@ -34,11 +35,22 @@ def _raise_limits(n: int) -> None:
         cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 8 * n)
 
 
-def compile_model(model, mode: str = "modules", dynamic: bool = False, fullgraph: bool = False, **kw):
+def compile_loss(model, dynamic: bool = False, **kw):
+    """Compile the model's chunked cross-entropy (`model.ce_chunk`, k3.model.ce_chunk_sum): the fp32 cast,
+    log-softmax, NLL and their backward fuse into passes over the 16-bit logits (eager: fp32 logits and
+    log-probabilities of [chunk, vocab] written and read ~4 times per chunk)."""
+    from k3.model import ce_chunk_sum
+    model.ce_chunk = torch.compile(ce_chunk_sum, dynamic=dynamic, **kw)
+    return model
+
+
+def compile_model(model, mode: str = "modules", dynamic: bool = False, fullgraph: bool = False, loss: bool = True,
+                  **kw):
     """Compile `model` (a K3ForCausalLM) in place and return it.
 
     mode="modules": attention / FFN / norm sub-modules (few compilations; works with activation checkpointing).
     mode="layers": each decoder layer (and the final norm). mode="model": the whole K3ForCausalLM forward.
+    `loss`: also compile the chunked cross-entropy (modules / layers; not yet timed on its own on a GPU).
     Extra keyword arguments go to torch.compile (e.g. options={"max_autotune": True}).
     """
     layers = model.model.layers
@@ -61,6 +73,8 @@ def compile_model(model, mode: str = "modules", dynamic: bool = False, fullgraph
         model.compile(dynamic=dynamic, fullgraph=fullgraph, **kw)
     else:
         raise ValueError(f"compile_model: mode must be 'modules', 'layers' or 'model', got {mode!r}")
+    if loss and mode != "model":
+        compile_loss(model, dynamic=dynamic, **kw)
     log.info("k3: compiled %s (mode=%s)", type(model).__name__, mode)
     return model
 

@@ -33,6 +33,13 @@ from k3.ops.attnres import attnres_mix
 IGNORE_INDEX = -100
 
 
+def ce_chunk_sum(lm_head: nn.Module, h_Nd: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of one chunk of tokens (fp32 logits). `k3.compile_model` swaps in a compiled copy
+    (`K3ForCausalLM.ce_chunk`): Inductor fuses the fp32 cast, log-softmax and its backward into passes over the
+    16-bit logits instead of materialising fp32 logits and log-probabilities."""
+    return F.cross_entropy(f32(lm_head(h_Nd)), y_N, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 @dataclass
 class K3Output:
     loss: Optional[torch.Tensor] = None
@@ -125,6 +132,7 @@ class K3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_chunk_size = 4096  # tokens per CE chunk; 0 = one shot
+        self.ce_chunk = ce_chunk_sum  # (lm_head, h, y) -> summed CE; compile_model compiles it
         if init:
             self.reset_parameters()
 
@@ -218,7 +226,7 @@ class K3ForCausalLM(nn.Module):
         C = self.loss_chunk_size or h.shape[0]
 
         def ce_sum(hc, yc):
-            return F.cross_entropy(f32(self.lm_head(hc)), yc, ignore_index=IGNORE_INDEX, reduction="sum")
+            return self.ce_chunk(self.lm_head, hc, yc)
 
         total = h.new_zeros((), dtype=f32(h).dtype)
         for s in range(0, h.shape[0], C):

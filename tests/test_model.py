@@ -89,6 +89,28 @@ def test_loss_chunked_equals_one_shot_and_ignores(model):
     assert torch.allclose(a, ref) and torch.allclose(b, ref)
 
 
+def test_compiled_loss_equals_eager():
+    """compile_loss (what compile_model does to the chunked cross-entropy): same loss and gradients, in chunks with a
+    short tail and ignored targets, under checkpointing in training mode."""
+    from k3.compile import compile_loss
+    torch.manual_seed(5)
+    m = K3ForCausalLM(micro()).float().train()
+    h = torch.randn(2, 21, 64, requires_grad=True)
+    y = torch.randint(0, 512, (2, 21))
+    y[0, :4] = -100
+    m.loss_chunk_size = 16
+    ref, n_ref = m.loss(h, y)
+    g_ref = torch.autograd.grad(ref, (h, m.lm_head.weight))
+    compile_loss(m)
+    assert m.ce_chunk is not M.ce_chunk_sum
+    got, n = m.loss(h, y)
+    g = torch.autograd.grad(got, (h, m.lm_head.weight))
+    assert n == n_ref == 38
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_every_parameter_gets_gradient():
     torch.manual_seed(4)
     cfg = micro(num_experts=4, num_experts_per_token=2)
