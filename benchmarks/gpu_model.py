@@ -103,7 +103,7 @@ def sec_train(a, cfg):
                 model.loss_chunk_size = a.loss_chunk
                 if mode != "none":
                     from k3.compile import compile_model
-                    compile_model(model, mode=mode)
+                    compile_model(model, mode=mode, loss=not a.eager_loss)
                 opt = make_optimizer(model, a)
                 ids, labels = batch(cfg, B, a.seq)
                 torch.cuda.reset_peak_memory_stats()
@@ -218,7 +218,7 @@ def sec_profile(a, cfg):
     mode = a.profile_compile
     if mode != "none":  # Inductor kernels keep their fused op names (triton_poi_fused_mul_to_copy_...)
         from k3.compile import compile_model
-        compile_model(model, mode=mode)
+        compile_model(model, mode=mode, loss=not a.eager_loss)
     opt = make_optimizer(model, a)
     B = a.fit.get(mode, a.batch)  # the batch that fitted in this mode in --train (else the smallest --batch)
     ids, labels = batch(cfg, B, a.seq)
@@ -335,6 +335,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", default="none", help="comma list of none,modules,layers,model")
     ap.add_argument("--bf16-params", action="store_true")
+    ap.add_argument("--eager-loss", action="store_true", help="do not compile the chunked cross-entropy")
     ap.add_argument("--optimizer", default="adamw", choices=["adamw", "k3"],
                     help="fused torch AdamW, or the trainer's Muon + AdamW (fp32 masters with --bf16-params)")
     ap.add_argument("--profile-compile", default="none", help="--profile: compile mode of the profiled model "

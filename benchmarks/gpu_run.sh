@@ -78,6 +78,8 @@ for stage in "$@"; do case $stage in
   trainbf16-fused) step trainbf16-fused 300 env K3_BACKEND=conv:triton,moe_combine:triton python3 \
       benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
+  trainbf16-eagerloss) step trainbf16-eagerloss 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 \
+      --steps 5 --compile modules --bf16-params --eager-loss ;;
   # the same step with the exact tanh in the SiTU kernels (the hardware tanh is the default since the sixth session)
   trainbf16-exact) step trainbf16-exact 300 env K3_SITU_TANH=exact python3 benchmarks/gpu_model.py --train \
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
