@@ -10,7 +10,7 @@ from torch import nn
 
 from k3.nn.mlp import GLUMLP
 from k3.nn.norm import RMSNorm
-from k3.ops.activations import get_glu
+from k3.ops.activations import get_glu, situ_glu, situ_glu_packed
 from k3.ops.moe import experts_forward, route
 
 
@@ -56,13 +56,17 @@ class LatentMoE(nn.Module):
     def glu(self, g, u):
         return self._glu(g, u, self.beta1, self.beta2)
 
+    def glu_packed(self, h):
+        return situ_glu_packed(h, self.beta1, self.beta2)
+
     def forward(self, x_BTd):
         shape = x_BTd.shape
         x_Nd = x_BTd.reshape(-1, shape[-1])
         topk_idx_Nk, topk_w_Nk, _ = self.gate(x_Nd)
         x_Nl = self.routed_expert_down_proj(x_Nd)
         u_Nl = experts_forward(x_Nl, topk_idx_Nk, topk_w_Nk, self.experts.gate_up_proj, self.experts.down_proj,
-                               self.glu, backend=self.expert_backend)
+                               self.glu, backend=self.expert_backend,
+                               glu_packed=self.glu_packed if self._glu is situ_glu else None)
         out = self.routed_expert_up_proj(self.routed_expert_norm(u_Nl))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_Nd)

@@ -76,6 +76,34 @@ class _SiTUGLU(torch.autograd.Function):
         return dg, du, None, None
 
 
+class _SiTUGLUPacked(torch.autograd.Function):
+    """situ_glu(h[..., :C], h[..., C:]) for a packed [g | u] projection h; saves h, and its backward kernel writes
+    both halves of dh into one tensor (CUDA)."""
+
+    @staticmethod
+    def forward(ctx, h, b1, b2):
+        ctx.b = (b1, b2)
+        ctx.save_for_backward(h)
+        g, u = h.chunk(2, dim=-1)
+        return _fwd(g, u, b1, b2)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        (h,) = ctx.saved_tensors
+        from k3.ops import activations_triton  # noqa: F401
+        return torch.ops.k3.situ_bwd_packed(h, dout.contiguous(), *ctx.b), None, None
+
+
+def situ_glu_packed(h: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
+    """situ_glu of the two halves of the last dimension of h (the MoE's packed gate/up output). On CUDA with
+    Triton the gradient of h comes out of one kernel (no concatenation of dg and du); elsewhere as situ_glu."""
+    g, u = h.chunk(2, dim=-1)
+    if _use_triton(h) and torch.is_grad_enabled() and h.requires_grad:
+        return _SiTUGLUPacked.apply(h, float(beta1), float(beta2))
+    return situ_glu(g, u, beta1, beta2)
+
+
 def _use_node(x: torch.Tensor) -> bool:
     return x.is_cuda or os.environ.get("K3_SITU_NODE", "0") == "1"
 

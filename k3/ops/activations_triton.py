@@ -65,7 +65,7 @@ def _situ_fwd_kernel(g, u, o, R, C, sg, su, so, b1, b2, BR: tl.constexpr, BC: tl
 
 
 @triton.jit
-def _situ_bwd_kernel(g, u, do, dg, du, R, C, sg, su, sd, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
+def _situ_bwd_kernel(g, u, do, dg, du, R, C, sg, su, sd, sdg, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
                      APPROX: tl.constexpr = False):
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
@@ -75,8 +75,8 @@ def _situ_bwd_kernel(g, u, do, dg, du, R, C, sg, su, sd, b1, b2, BR: tl.constexp
     d = tl.load(do + rows * sd + cols, mask=m, other=0.).to(tl.float32)
     tg, s, tu = _tanh_sig(x, y, b1, b2, APPROX)
     da = (1.0 - tg * tg) * s + b1 * tg * s * (1.0 - s)
-    tl.store(dg + rows * C + cols, (d * (b2 * tu) * da).to(dg.dtype.element_ty), mask=m)
-    tl.store(du + rows * C + cols, (d * (b1 * tg * s) * (1.0 - tu * tu)).to(du.dtype.element_ty), mask=m)
+    tl.store(dg + rows * sdg + cols, (d * (b2 * tu) * da).to(dg.dtype.element_ty), mask=m)
+    tl.store(du + rows * sdg + cols, (d * (b1 * tg * s) * (1.0 - tu * tu)).to(du.dtype.element_ty), mask=m)
 
 
 def _tiles(R: int, C: int):
@@ -110,17 +110,27 @@ def situ_fwd(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Te
     return o.view(g.shape)
 
 
-def situ_bwd(g, u, dout, b1: float, b2: float):
+def situ_bwd(g, u, dout, b1: float, b2: float, out: torch.Tensor = None):
+    """(dg, du), each [R, C] contiguous; with `out` [R, 2C] (row-contiguous), written into its two halves instead
+    (the gradient of a packed [g | u] projection, no concatenation) and returned as those two views."""
     g2, sg = _rows(g)
     u2, su = _rows(u)
     d2, sd = _rows(dout)
     R, C = g2.shape
-    dg = torch.empty(R, C, device=g.device, dtype=g.dtype)
-    du = torch.empty(R, C, device=u.device, dtype=u.dtype)
+    if out is None:
+        dg = torch.empty(R, C, device=g.device, dtype=g.dtype)
+        du = torch.empty(R, C, device=u.device, dtype=u.dtype)
+        so = C
+    else:
+        if out.shape != (R, 2 * C) or out.stride(1) != 1:
+            raise ValueError(f"situ_bwd: out must be a row-contiguous [{R}, {2 * C}] tensor, got {tuple(out.shape)}")
+        dg, du, so = out[:, :C], out[:, C:], out.stride(0)
     if dg.numel():
         bc, br, grid = _tiles(R, C)
-        _situ_bwd_kernel[grid](g2, u2, d2, dg, du, R, C, sg, su, sd, b1, b2, BR=br, BC=bc, APPROX=_approx(g),
+        _situ_bwd_kernel[grid](g2, u2, d2, dg, du, R, C, sg, su, sd, so, b1, b2, BR=br, BC=bc, APPROX=_approx(g),
                                num_warps=4)
+    if out is not None:
+        return dg, du
     return dg.view(g.shape), du.view(u.shape)
 
 
@@ -151,3 +161,19 @@ def situ_bwd_op(g: torch.Tensor, u: torch.Tensor, dout: torch.Tensor, b1: float,
 def _situ_bwd_fake(g, u, dout, b1, b2):
     return (torch.empty_like(g, memory_format=torch.contiguous_format),
             torch.empty_like(u, memory_format=torch.contiguous_format))
+
+
+@torch.library.custom_op("k3::situ_bwd_packed", mutates_args=())
+def situ_bwd_packed_op(h: torch.Tensor, dout: torch.Tensor, b1: float, b2: float) -> torch.Tensor:
+    """d h for out = situ(h[..., :C], h[..., C:]): both halves written by the kernel into one [R, 2C] tensor (the
+    MoE's packed gate/up projection; saves the concatenation autograd would do after situ_bwd)."""
+    C = h.shape[-1] // 2
+    h2 = h.reshape(-1, 2 * C)
+    dh = torch.empty(h2.shape, device=h.device, dtype=h.dtype)
+    situ_bwd(h2[:, :C], h2[:, C:], dout.reshape(-1, C), b1, b2, out=dh)
+    return dh.view(h.shape)
+
+
+@situ_bwd_packed_op.register_fake
+def _situ_bwd_packed_fake(h, dout, b1, b2):
+    return torch.empty_like(h, memory_format=torch.contiguous_format)

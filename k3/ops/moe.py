@@ -105,10 +105,12 @@ class _PermuteRows(torch.autograd.Function):
 
 def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
                     gate_up_El2M: torch.Tensor, down_EMl: torch.Tensor, glu: Callable,
-                    backend: Optional[str] = None, combine_backend: Optional[str] = None) -> torch.Tensor:
+                    backend: Optional[str] = None, combine_backend: Optional[str] = None,
+                    glu_packed: Optional[Callable] = None) -> torch.Tensor:
     """sum_k w[n,k] * W2_e(glu(W1_e x, W3_e x)) for the selected experts e = topk_idx[n,k]. Output [N, l].
     `backend`: the expert GEMMs ("grouped_mm", "padded_bmm", "loop"); `combine_backend`: the combine and the
-    dispatch backward ("torch", "triton")."""
+    dispatch backward ("torch", "triton"); `glu_packed(h)`: the same activation taking the packed [g | u] output
+    (k3.ops.activations.situ_glu_packed: one gradient tensor, no concatenation)."""
     N, l = x_Nl.shape
     E, _, M2 = gate_up_El2M.shape
     k = topk_idx_Nk.shape[1]
@@ -132,8 +134,12 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     tri = dispatch.resolve("moe_combine", combine_backend, x_Nl.device.type) == "triton"
     x_Al = _DispatchRows.apply(x_Nl, tok_of_a, inv_A, k, tri)
     h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)
-    g, u = h_A2M.chunk(2, dim=-1)
-    y_Al = _gmm(glu(g, u).contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
+    if glu_packed is not None:
+        a_AM = glu_packed(h_A2M)
+    else:
+        g, u = h_A2M.chunk(2, dim=-1)
+        a_AM = glu(g, u)
+    y_Al = _gmm(a_AM.contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
     if tri:
         from k3.ops.moe_triton import Combine
         return Combine.apply(y_Al, inv_A, order, topk_w_Nk).to(x_Nl.dtype)

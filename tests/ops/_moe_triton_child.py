@@ -59,6 +59,19 @@ gc = torch.autograd.grad(oc.sum(), (x, gu, dn, w_k))
 o_ref = experts_forward(x, idx_k, w_k, gu, dn, situ_glu, backend="grouped_mm", combine_backend="torch")
 g_ref = torch.autograd.grad(o_ref.sum(), (x, gu, dn, w_k))
 out["compiled"] = max(rel(a, b) for a, b in zip([oc, *gc], [o_ref, *g_ref]))
+# the packed SiTU node of the experts (CUDA-only in use; forced here): same output and gradients as the formula
+import k3.ops.activations as A  # noqa: E402
+A._use_triton = lambda t: True
+used = []
+orig_apply = A._SiTUGLUPacked.apply
+A._SiTUGLUPacked.apply = lambda *a: used.append(1) or orig_apply(*a)
+ref_glu = lambda g, u: A.situ_glu_reference(g, u, 4.0, 25.0)  # noqa: E731
+res_p = {}
+for packed in (None, lambda h: A.situ_glu_packed(h, 4.0, 25.0)):
+    o = experts_forward(x, idx_k, w_k, gu, dn, ref_glu, backend="grouped_mm", glu_packed=packed)
+    res_p[packed is None] = [o, *torch.autograd.grad(o.sum(), (x, gu, dn, w_k))]
+out["packed_used"] = len(used)
+out["packed"] = max(rel(a, b) for a, b in zip(res_p[False], res_p[True]))
 torch.library.opcheck(torch.ops.k3.moe_gather_sum.default, (y, idx, w, k, torch.float32))
 torch.library.opcheck(torch.ops.k3.moe_gather_dot.default, (y, idx, d, k))
 out["opcheck"] = "ok"

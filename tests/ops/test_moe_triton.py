@@ -1,5 +1,6 @@
-"""The MoE combine / dispatch-backward Triton kernels (k3/ops/moe_triton.py) on CPU through Triton's interpreter:
-the kernels against plain torch, and experts_forward with them against its torch path (output, all gradients)."""
+"""The MoE combine / dispatch-backward Triton kernels (k3/ops/moe_triton.py) and the packed SiTU node on CPU through
+Triton's interpreter: the kernels against plain torch, and experts_forward with them against its torch path
+(output, all gradients)."""
 import importlib.util
 import os
 
@@ -19,3 +20,5 @@ def test_moe_triton_combine_matches_torch():
     assert res["kernel_calls"] == ["gather_dot", "gather_sum", "gather_sum"], res["kernel_calls"]
     assert res["opcheck"] == "ok"
     assert res["compiled"] < 1e-5, res["compiled"]  # torch.compile(fullgraph=True), grouped_mm experts
+    # the packed SiTU node (one gradient tensor for the [g | u] projection) against the plain formula
+    assert res["packed_used"] == 1 and res["packed"] < 1e-5, (res["packed_used"], res["packed"])

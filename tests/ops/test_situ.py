@@ -75,9 +75,13 @@ for R, C, dt in ((5, 48, torch.float32), (33, 512, torch.float32), (3, 1536, tor
     # the custom ops torch.compile sees: same results, and schema / fake tensors / compile checked by opcheck
     assert torch.equal(torch.ops.k3.situ_fwd(g, u, 4.0, 25.0), o)
     assert all(torch.equal(a, b) for a, b in zip(torch.ops.k3.situ_bwd(g, u, do, 4.0, 25.0), (dg, du)))
+    # the packed backward (MoE gate/up): one [R, 2C] gradient with dg and du in its halves, equal to the pair
+    dh = torch.ops.k3.situ_bwd_packed(gu, do, 4.0, 25.0)
+    assert dh.shape == gu.shape and torch.equal(dh[:, :C], dg) and torch.equal(dh[:, C:], du)
     if R == 5:
         torch.library.opcheck(torch.ops.k3.situ_fwd.default, (g, u, 4.0, 25.0))
         torch.library.opcheck(torch.ops.k3.situ_bwd.default, (g, u, do, 4.0, 25.0))
+        torch.library.opcheck(torch.ops.k3.situ_bwd_packed.default, (gu, do, 4.0, 25.0))
 print(json.dumps(res))
 """
 

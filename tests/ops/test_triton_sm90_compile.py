@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 from k3.ops.triton_sm90 import SMEM_LIMIT, compile_sm90  # noqa: E402
 
 
-TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", b1="fp32", b2="fp32", Q="*fp32",
+TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32", b1="fp32", b2="fp32", Q="*fp32",
              LENS="*i64", ACC="*fp32", MAX="*fp32", SUM="*fp32", O="*fp32", KV="*bf16", H="i32", W="i32",
              NSPLIT="i32", s_qn="i32", s_qh="i32", s_kn="i32", s_kw="i32", s_on="i32", s_oh="i32",
              eg="*fp32", h0="*fp32", ht="*fp32", cu="*i32", seq_chunk="*i32", Ttot="i32", states="*fp32",
