@@ -70,6 +70,8 @@ for stage in "$@"; do case $stage in
   # the trainer's recipe for bf16 parameters: Muon + AdamW with fp32 master weights (k3 train --param-dtype bf16)
   trainmaster) step trainmaster 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params --optimizer k3 ;;
+  trainmaster-fused) step trainmaster-fused 300 env K3_MUON_FUSED=1 python3 benchmarks/gpu_model.py --train --batch 8 \
+      --seq 4096 --steps 5 --compile modules --bf16-params --optimizer k3 ;;
   optim) step optim 120 python3 benchmarks/optim_gpu.py --json "$OUT/optim_gpu.json" ;;
   conv) step conv 150 python3 benchmarks/conv_gpu.py --json "$OUT/conv_gpu.json" ;;
   convtest) step convtest 150 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k "conv or experts" ;;

@@ -6,7 +6,8 @@ for the parameters of a preset, by phase, against torch's fused AdamW on the sam
 Why: in the compiled `small` training step (B8 T4096, bf16 weights) the trainer's optimizer added ~210 ms per step
 over fused AdamW (trainmaster vs trainbf16 stages); the Newton-Schulz GEMMs alone are ~22 TFLOP (~40 ms). Phases:
 momentum (fp32 casts of the grads, buffer update, Nesterov direction), Newton-Schulz (all Muon blocks, batched by
-shape), apply (decay + update of the masters, copy to the bf16 weights), AdamW groups.
+shape), apply (decay + update of the masters, copy to the bf16 weights), AdamW groups; then the whole step with
+the opt-in fused Triton momentum / apply kernels (`fused=True`).
 """
 from __future__ import annotations
 
@@ -71,6 +72,10 @@ def main():
     adam_groups = [g for g in opt.param_groups if not g["use_muon"]]
     res["phase_adamw_groups_ms"] = timed(lambda: [opt._adamw_group(g) for g in adam_groups])
     del opt, dirs, us, moms, spans
+    if dev == "cuda":   # the opt-in Triton momentum / apply kernels (k3/train/optim_triton.py)
+        fopt = build_optimizer(model, lr=1e-4, master_weights=True, fused=True)
+        res["muon_adamw_fused_step_ms"] = timed(fopt.step)
+        del fopt
     ref = torch.optim.AdamW(params, lr=1e-4, fused=(dev == "cuda"))
     res["torch_fused_adamw_ms"] = timed(ref.step)
     print(json.dumps(res), flush=True)

@@ -19,6 +19,7 @@ A_log / dt_bias / [1, d] pseudo-queries / params flagged `_no_weight_decay`.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -95,34 +96,42 @@ def _blocks(u: torch.Tensor, ortho: str):
 NS_BATCH_ELEMS = 1 << 28
 
 
-def orthogonalize_many(us: list, orthos: list, steps: int = 5, dtype: Optional[torch.dtype] = None) -> list:
-    """orthogonalize() of every tensor in `us` (block mode `orthos[i]`), with the blocks of one shape from all
-    tensors stacked into one batched Newton-Schulz instead of 5 x 3 small matmuls per tensor (`small` on the H200:
-    training step 762.8 -> 660.8 ms with the foreach updates). Same math per block. Returns fp32 tensors, us'
-    shapes."""
-    split = [_blocks(u, o) for u, o in zip(us, orthos)]
+def _ns_chunks(us: list, orthos: list, steps: int, dtype: Optional[torch.dtype]):
+    """Batched Newton-Schulz over the blocks of `us`: yields (indices into us, raw output [sum n_i, r, c] in the NS
+    dtype, block counts n_i, Muon scale 0.2*sqrt(max(r, c))) per stack of one block shape (at most NS_BATCH_ELEMS
+    elements; a tensor's blocks stay together)."""
+    blocks = [_blocks(u, o)[0] for u, o in zip(us, orthos)]
     by_shape: dict[tuple, list] = {}
-    for i, (b, _) in enumerate(split):
+    for i, b in enumerate(blocks):
         by_shape.setdefault((b.device, tuple(b.shape[1:])), []).append(i)
-    outs: list = [None] * len(us)
     for (dev, (r, c)), idx in by_shape.items():
         dt = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         chunks, n = [[]], 0
         for i in idx:
-            ne = split[i][0].numel()
+            ne = blocks[i].numel()
             if chunks[-1] and n + ne > NS_BATCH_ELEMS:
                 chunks.append([])
                 n = 0
             chunks[-1].append(i)
             n += ne
         for chunk in chunks:
-            sizes = [split[i][0].shape[0] for i in chunk]
+            sizes = [blocks[i].shape[0] for i in chunk]
             stack = torch.empty((sum(sizes), r, c), dtype=dt, device=dev)
-            torch.cat([split[i][0] for i in chunk], out=stack)  # casts to the NS dtype on the way
-            o = newton_schulz(stack, steps=steps, dtype=dt).float()
-            o.mul_(MUON_RMS * math.sqrt(max(r, c)))
-            for i, part in zip(chunk, torch.split(o, sizes)):
-                outs[i] = split[i][1](part)
+            torch.cat([blocks[i] for i in chunk], out=stack)  # casts to the NS dtype on the way
+            yield chunk, newton_schulz(stack, steps=steps, dtype=dt), sizes, MUON_RMS * math.sqrt(max(r, c))
+
+
+def orthogonalize_many(us: list, orthos: list, steps: int = 5, dtype: Optional[torch.dtype] = None) -> list:
+    """orthogonalize() of every tensor in `us` (block mode `orthos[i]`), with the blocks of one shape from all
+    tensors stacked into one batched Newton-Schulz instead of 5 x 3 small matmuls per tensor (`small` on the H200:
+    training step 762.8 -> 660.8 ms with the foreach updates). Same math per block. Returns fp32 tensors, us'
+    shapes."""
+    outs: list = [None] * len(us)
+    for chunk, o, sizes, scale in _ns_chunks(us, orthos, steps, dtype):
+        o = o.float()
+        o.mul_(scale)
+        for i, part in zip(chunk, torch.split(o, sizes)):
+            outs[i] = _blocks(us[i], orthos[i])[1](part)
     return outs
 
 
@@ -244,11 +253,12 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, param_groups: list[dict], lr: float = 2e-2, weight_decay: float = 0.1,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                  betas: tuple = (0.9, 0.95), eps: float = 1e-8, ns_dtype: Optional[torch.dtype] = None,
-                 master_weights: bool = False):
+                 master_weights: bool = False, fused: bool = False):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         betas=tuple(betas), eps=eps, use_muon=False, ortho="")
         self.ns_dtype = ns_dtype
         self.master_weights = bool(master_weights)
+        self.fused = bool(fused)
         super().__init__(param_groups, defaults)
         for g in self.param_groups:
             if g["use_muon"] and not g["ortho"]:
@@ -324,6 +334,8 @@ class MuonAdamW(torch.optim.Optimizer):
         return ps, (torch._foreach_add(gs, bufs, alpha=mu) if group["nesterov"] else bufs)
 
     def _muon_groups(self, groups: list) -> None:
+        if self.fused:
+            return self._muon_groups_fused(groups)
         todo = [(g, *self._momentum(g)) for g in groups]   # (group, params, u)
         todo = [t for t in todo if t[1]]
         for steps in {g["ns_steps"] for g, _, _ in todo}:
@@ -333,6 +345,32 @@ class MuonAdamW(torch.optim.Optimizer):
                                            dtype=self.ns_dtype))
             for group, ps, _ in part:
                 self._apply(ps, [next(dirs) for _ in ps], group["lr"], group["weight_decay"])
+
+    def _muon_groups_fused(self, groups: list) -> None:
+        """The same update with the momentum and the apply as Triton kernels (k3/train/optim_triton.py): u comes
+        out in the Newton-Schulz dtype, the raw Newton-Schulz output goes straight into the master and weight."""
+        from k3.train import optim_triton as ot
+        todo = []   # (group, param, u)
+        for group in groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros(p.shape, device=p.device, dtype=torch.float32)
+                dt = self.ns_dtype or (torch.bfloat16 if p.is_cuda else torch.float32)
+                todo.append((group, p, ot.momentum(p.grad, st["momentum_buffer"], group["momentum"],
+                                                   group["nesterov"], dt)))
+        for steps in {g["ns_steps"] for g, _, _ in todo}:
+            part = [t for t in todo if t[0]["ns_steps"] == steps]
+            for chunk, o, sizes, scale in _ns_chunks([u for _, _, u in part], [g["ortho"] for g, _, _ in part],
+                                                     steps, self.ns_dtype):
+                o = o.contiguous()   # tall blocks come back transposed
+                for i, blk in zip(chunk, torch.split(o, sizes)):
+                    group, p, _ = part[i]
+                    w = self.master(p)
+                    ot.apply(blk, w, p if w is not p else None, group["lr"], group["weight_decay"], scale,
+                             group["ortho"])
 
     def _adamw_group(self, group: dict) -> None:
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -366,13 +404,20 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
                     adamw_lr: Optional[float] = None, momentum: float = 0.95, nesterov: bool = True,
                     ns_steps: int = 5, eps: float = 1e-8, adamw_weight_decay: Optional[float] = None,
                     ns_dtype: Optional[torch.dtype] = None, per_head: bool = True,
-                    master_weights: bool = False) -> MuonAdamW:
+                    master_weights: bool = False, fused: Optional[bool] = None) -> MuonAdamW:
     """MuonAdamW over `model`'s trainable parameters. Groups (empty ones omitted), each with `param_names`:
       muon[:<ortho>]   Muon, weight decay `weight_decay`, lr `lr`
       adamw            AdamW with decay `adamw_weight_decay` (default `weight_decay`), lr `adamw_lr` (default lr)
       adamw_no_decay   AdamW without decay
     `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation). `master_weights`: fp32 master
-    copies of parameters stored below fp32 (see MuonAdamW)."""
+    copies of parameters stored below fp32 (see MuonAdamW). `fused`: Muon's elementwise work as Triton kernels
+    (CUDA; default from K3_MUON_FUSED=1, off: not yet timed on a GPU)."""
+    if fused is None:
+        fused = os.environ.get("K3_MUON_FUSED", "0") == "1"
+    if fused:
+        from k3.ops.dispatch import triton_runs
+        if not triton_runs():
+            raise K3ConfigError("fused Muon (K3_MUON_FUSED=1) needs Triton with CUDA (or TRITON_INTERPRET=1)")
     adamw_lr = lr if adamw_lr is None else adamw_lr
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     params = dict(model.named_parameters())
@@ -397,7 +442,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
     if not groups:
         raise K3ConfigError("build_optimizer: the model has no trainable parameters")
     return MuonAdamW(groups, lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                     ns_steps=ns_steps, betas=betas, eps=eps, ns_dtype=ns_dtype, master_weights=master_weights)
+                     ns_steps=ns_steps, betas=betas, eps=eps, ns_dtype=ns_dtype, master_weights=master_weights,
+                     fused=fused)
 
 
 # ---------------------------------------------------------------------------------------------------- QK-clip

@@ -20,7 +20,8 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32"
              nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32", ws="*fp32", ks="*fp32", aqf="*fp32",
              gcs="*fp32", rqk="*fp32", wt="*fp32", starts="*i32", T="i32", sxb="i32", sxt="i32", syb="i32",
              syt="i32", sdb="i32", sdt="i32", sob="i32", sot="i32", dwp="*fp32", m_idx="*i64", m_w="*fp32",
-             m_dots="*fp32", n_tok="i32", width="i32", s_y="i32", s_o="i32", s_d="i32")
+             m_dots="*fp32", n_tok="i32", width="i32", s_y="i32", s_o="i32", s_d="i32", mbuf="*fp32", aw="*fp32",
+             n_el="i32", mu="fp32", decay="fp32", step="fp32", l_rows="i32", m_cols="i32")
 CONV_STRIDES = ("sxb", "sxt", "syb", "syt", "sdb", "sdt", "sob", "sot")
 
 
@@ -49,6 +50,7 @@ def _bwd_cases(kb, cb, cg):
 
 def _cases():
     from k3.ops import activations_triton as at, conv_triton as ct, mla_decode_triton as md, moe_triton as mt
+    from k3.train import optim_triton as ot
     from k3.ops.kda.triton import kernels as kf, kernels_bwd as kb
     c = dict(H=96, K=128, V=128, BT=16, BV=64, HAS_H0=True, STORE_HT=True)
     cb = dict(H=96, K=128, V=128, BT=64, BV=32, IEEE=False, UPCAST=False)
@@ -76,6 +78,8 @@ def _cases():
                             dict(divisible=CONV_STRIDES, num_warps=ct.BWD[2])),
         "moe_gather_sum k8": (mt._gather_sum_kernel, dict(KT=8, HAS_W=True, BN=mt.BN, BL=mt.BL),
                               dict(divisible=("s_y", "s_o"), num_warps=mt.NW)),
+        "muon_momentum": (ot._momentum_kernel, dict(NESTEROV=True, BLOCK=ot.BLOCK), dict(num_warps=8)),
+        "muon_apply gate_up": (ot._apply_kernel, dict(HAS_P=True, GATE_UP=True, BLOCK=ot.BLOCK), dict(num_warps=8)),
         "moe_gather_dot k8": (mt._gather_dot_kernel, dict(KT=8, KP=8, BN=mt.BN, BL=mt.BL),
                               dict(divisible=("s_y", "s_d"), num_warps=mt.NW)),
     }
@@ -88,12 +92,12 @@ def _cases():
                                   "situ_fwd", "situ_bwd", "situ_fwd approx", "situ_bwd approx",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine",
                                   "conv_fwd varlen", "conv_bwd", "conv_bwd varlen", "moe_gather_sum k8",
-                                  "moe_gather_dot k8"])
+                                  "moe_gather_dot k8", "muon_momentum", "muon_apply gate_up"])
 def test_kernel_compiles_for_sm90(name):
     fn, consts, *opts = _cases()[name]
     ck = compile_sm90(fn, consts, TYPES, **(opts[0] if opts else {}))
     assert ck.asm.get("cubin"), "no cubin produced"
     assert ck.metadata.shared <= SMEM_LIMIT, f"{name}: {ck.metadata.shared} B of shared memory"
-    if name.startswith(("conv", "moe")):  # the launch tiles were chosen to fit the registers: no spills
+    if name.startswith(("conv", "moe", "muon")):  # the launch tiles were chosen to fit the registers: no spills
         from k3.ops.triton_sm90 import stats
         assert stats(ck, (opts[0] if opts else {}).get("num_warps", 4))["stack_B"] == 0, name

@@ -1,11 +1,14 @@
 """Muon/AdamW optimizer, parameter routing and QK-clip (k3.train.optim), on fake modules named per CONTRACTS.md."""
 import copy
+import importlib.util
 import math
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 
+from k3.errors import K3ConfigError
 from k3.train.optim import build_optimizer, classify_parameters, newton_schulz, qk_clip
 
 
@@ -432,3 +435,24 @@ def test_orthogonalize_many_batches_blocks_of_one_shape(monkeypatch):
         for u, o, out in zip(us, orthos, outs):
             assert out.shape == u.shape and out.dtype == torch.float32
             torch.testing.assert_close(out.double(), ref(u, o), atol=2e-5, rtol=1e-4, msg=o)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_fused_muon_matches_foreach_path():
+    """MuonAdamW(fused=True) (Triton momentum and apply kernels, under the interpreter) against the foreach path:
+    every block mode, fp32 weights, and bf16 weights with fp32 masters, three steps."""
+    from k3.ops.triton_interp import run_interpreted
+    res = run_interpreted(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_muon_fused_child.py"),
+                          timeout=600)
+    for r in res.values():
+        assert {"experts", "gate_up", "plain"} <= set(r["orthos"]) and any(o.startswith("rows:") for o in r["orthos"])
+    assert res["fp32"]["worst"] < 2e-6, res
+    assert res["bf16_masters"]["worst_master"] < 2e-6 and res["bf16_masters"]["n_masters"] > 0, res
+    assert res["bf16_masters"]["worst"] < 1e-3, res   # bf16 weights: the masters' rounding, a few last-bit flips
+
+
+def test_fused_muon_needs_triton_somewhere_to_run(monkeypatch):
+    import k3.ops.dispatch as d
+    monkeypatch.setattr(d, "triton_runs", lambda: False)
+    with pytest.raises(K3ConfigError, match="K3_MUON_FUSED"):
+        build_optimizer(FakeK3(), lr=0.01, fused=True)
