@@ -339,13 +339,20 @@ def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
                 store[n] = new
 
 
-def _cast_model(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
-    model.to(device)
+def cast_to_storage_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Floating parameters and buffers to `dtype`, except the names the release keeps in fp32 (spec §2: A_log,
+    dt_bias, q/k/v_conv1d.weight, KDA o_norm.weight, e_score_correction_bias), in place. Returns the model."""
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.is_floating_point():
             td = torch.float32 if is_fp32_key(name) else dtype
             if p.dtype != td:
                 p.data = p.data.to(td)
+    return model
+
+
+def _cast_model(model: torch.nn.Module, dtype: torch.dtype, device) -> None:
+    model.to(device)
+    cast_to_storage_dtype(model, dtype)
 
 
 _INIT_FNS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",

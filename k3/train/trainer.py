@@ -136,7 +136,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     compile: str = "auto"                   # auto (= "modules" on CUDA, "none" on CPU) | none | modules | layers | model
     # parameter storage: "fp32" (fp32 weights, bf16 autocast on GPU) or "bf16" (bf16 weights and activations, fp32
-    # master weights and moments in the optimizer; the MoE routing bias stays fp32), "auto" = bf16 on CUDA, fp32 on
+    # master weights and moments in the optimizer; the spec's fp32 names stay fp32), "auto" = bf16 on CUDA, fp32 on
     # CPU. bf16 removes autocast's per-use weight casts and fp32 activations (benchmarks/RESULTS.md, fifth and sixth
     # sessions); gradients are bf16, so with --grad-accum > 1 the micro-batch sum is rounded to bf16.
     param_dtype: str = "auto"
@@ -468,11 +468,10 @@ class Trainer:
         self.model.float()  # fp32 weights (bf16 autocast on GPU), or bf16 weights with fp32 masters in the optimizer
         self.param_dtype = resolve_param_dtype(cfg.param_dtype, self.device)
         if self.param_dtype == "bf16":
-            self.model.to(torch.bfloat16)
-            for m in self.model.modules():  # the balancers' routing bias keeps fp32 resolution
-                b = getattr(m, "e_score_correction_bias", None)
-                if isinstance(b, torch.Tensor):
-                    b.data = b.data.float()
+            # the release's storage dtypes: bf16, except the spec's fp32 names (A_log, dt_bias, the short convs,
+            # KDA's o_norm, the routing bias that the balancers set)
+            from k3.checkpoint import cast_to_storage_dtype
+            cast_to_storage_dtype(self.model, torch.bfloat16)
         self.model.train()
         if cfg.activation_checkpointing:
             self.model.set_gradient_checkpointing(True)

@@ -201,11 +201,14 @@ def test_experts_grouped_mm_bf16_vs_cpu(combine):
 # the kernels. Tolerances: fp32 mode checks semantics (TF32 off in torch; fla's fp32 kernels use tf32 dots);
 # bf16 mode is what eight random-init layers of bf16 rounding give on CPU autocast too (logits 4.2e-2, grad median
 # 7.5e-2 there), with margin.
+# "bf16w": bf16 weights in the release's storage dtypes (fp32 A_log, dt_bias, short convs, o_norm, routing bias),
+# as `k3 train` runs on CUDA; the weights' own rounding adds to the bf16 activations' (tolerances: a guess, x1.5).
 TINY_TOL = {"fp32": dict(logits=2e-2, loss=2e-3, grad_median=4e-2),
-            "bf16": dict(logits=8e-2, loss=1e-2, grad_median=1.5e-1)}
+            "bf16": dict(logits=8e-2, loss=1e-2, grad_median=1.5e-1),
+            "bf16w": dict(logits=1.2e-1, loss=1.5e-2, grad_median=2.2e-1)}
 
 
-@pytest.mark.parametrize("mode", ["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["bf16", "bf16w", "fp32"])
 @pytest.mark.parametrize("packed", [False, True])
 def test_tiny_model_cuda_vs_cpu(packed, mode, monkeypatch):
     import contextlib
@@ -228,6 +231,9 @@ def test_tiny_model_cuda_vs_cpu(packed, mode, monkeypatch):
                 p.normal_(0, 0.05)
     m_gpu = K3ForCausalLM(cfg, init=False).float().to(DEV)
     m_gpu.load_state_dict(m_cpu.state_dict())
+    if mode == "bf16w":
+        from k3.checkpoint import cast_to_storage_dtype
+        cast_to_storage_dtype(m_gpu, BF)
     g = torch.Generator().manual_seed(4)
     B, T = (1, 384) if packed else (2, 192)
     ids = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
@@ -253,7 +259,7 @@ def test_tiny_model_cuda_vs_cpu(packed, mode, monkeypatch):
     gerr = {}
     for n, p in m_gpu.named_parameters():
         if p.grad is not None and gc[n].grad is not None and gc[n].grad.norm() > 0:
-            gerr[n] = rel(p.grad, gc[n].grad)
+            gerr[n] = rel(p.grad.float(), gc[n].grad)
     errs["grad_median"] = sorted(gerr.values())[len(gerr) // 2]
     errs["grad_max"] = max(gerr.values())
     worst = max(gerr, key=gerr.get)

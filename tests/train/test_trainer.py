@@ -230,6 +230,12 @@ def test_bf16_params_with_fp32_masters(corpus, tmp_path):
     assert t.model.model.embed_tokens.weight.dtype == torch.bfloat16
     biases = [m.e_score_correction_bias for m in t.model.modules() if hasattr(m, "e_score_correction_bias")]
     assert biases and all(x.dtype == torch.float32 for x in biases)
+    # the release's storage dtypes (spec §2): A_log, dt_bias, the short convs and KDA's o_norm stay fp32
+    from k3.checkpoint import is_fp32_key
+    kept = {n: p.dtype for n, p in t.model.named_parameters() if is_fp32_key(n)}
+    assert any("A_log" in n for n in kept) and any("conv1d" in n for n in kept) and any("o_norm" in n for n in kept)
+    assert all(d == torch.float32 for d in kept.values())
+    assert all(p.dtype == torch.bfloat16 for n, p in t.model.named_parameters() if n not in kept)
     Trainer(make_cfg(corpus, b, steps=6, stop_at=3, param_dtype="bf16")).train()
     Trainer(make_cfg(corpus, b, steps=6, resume=True, param_dtype="bf16")).train()
     la, lb = train_losses(a), train_losses(b)
