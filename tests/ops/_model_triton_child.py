@@ -3,6 +3,7 @@ the training step forced on (short conv, MoE combine / dispatch backward, packed
 on its torch paths: loss and every gradient. Prints one JSON object."""
 import json
 import os
+import sys
 
 import torch
 
@@ -10,15 +11,11 @@ import k3.ops.activations as A
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import _MICRO_MODEL  # noqa: E402  (the trainer tests' micro model, tests/conftest.py)
+
 torch.manual_seed(0)
-cfg = K3Config.from_preset(
-    "tiny", hidden_size=64, num_hidden_layers=4, vocab_size=256, bos_token_id=250, eos_token_id=251,
-    pad_token_id=255, intermediate_size=96, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
-    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=4,
-    num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=24, routed_expert_hidden_size=32,
-    kda_gate_low_rank=16, attn_res_block_size=2,
-    **{"linear_attn_config.num_heads": 2, "linear_attn_config.head_dim": 16,
-       "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
+cfg = K3Config.from_preset("tiny", **_MICRO_MODEL)
 m = K3ForCausalLM(cfg).float().train()
 with torch.no_grad():
     for n, p in m.named_parameters():
