@@ -98,10 +98,9 @@ class _SiTUGLUPacked(torch.autograd.Function):
 def situ_glu_packed(h: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """situ_glu of the two halves of the last dimension of h (the MoE's packed gate/up output). On CUDA with
     Triton the gradient of h comes out of one kernel (no concatenation of dg and du); elsewhere as situ_glu."""
-    g, u = h.chunk(2, dim=-1)
     if _use_triton(h) and torch.is_grad_enabled() and h.requires_grad:
         return _SiTUGLUPacked.apply(h, float(beta1), float(beta2))
-    return situ_glu(g, u, beta1, beta2)
+    return situ_glu(*h.chunk(2, dim=-1), beta1, beta2)
 
 
 def _use_node(x: torch.Tensor) -> bool:

@@ -70,13 +70,17 @@ def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") ->
     return name
 
 
+def triton_interpreting() -> bool:
+    """TRITON_INTERPRET is set: Triton kernels run on CPU tensors through its interpreter (the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def triton_runs() -> bool:
-    """Triton kernels can run here: triton is installed and there is CUDA, or its interpreter (TRITON_INTERPRET=1,
-    the CPU tests)."""
+    """Triton kernels can run here: triton is installed and there is CUDA, or its interpreter."""
     import importlib.util
     if importlib.util.find_spec("triton") is None:
         return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return torch.cuda.is_available() or triton_interpreting()
 
 
 def is_available(op: str, name: str) -> bool:

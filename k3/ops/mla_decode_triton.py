@@ -39,7 +39,6 @@ torch path when it fails, when `unsupported_reason` says so (CPU without TRITON_
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,14 +46,14 @@ import torch
 import triton
 import triton.language as tl
 
+from k3.ops.dispatch import triton_interpreting as _interpret
+
 __all__ = ["available", "unsupported_reason", "plan", "mla_decode", "MLADecodePlan"]
 
 MAX_BH = 64            # heads per program (larger H: several head blocks)
 MIN_BLOCKS_PER_SPLIT = 2
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit

@@ -201,8 +201,7 @@ class TrainConfig:
             if rows < self.grad_accum:
                 raise K3ConfigError(f"stage seq_len {seq}: {rows} rows per step cannot be split into "
                                     f"--grad-accum {self.grad_accum} micro-batches")
-        if self.param_dtype not in ("auto", "fp32", "bf16"):
-            raise K3ConfigError(f"--param-dtype must be auto, fp32 or bf16, got {self.param_dtype!r}")
+        resolve_param_dtype(self.param_dtype, "cpu")  # names the known values
         if self.max_bad_steps < 0 or self.keep < 1:
             raise K3ConfigError("--max-bad-steps must be >= 0 and --keep >= 1")
 

@@ -77,13 +77,13 @@ from typing import Optional
 
 import torch
 
+from k3.ops.dispatch import triton_interpreting as _interpret
+
 log = logging.getLogger("k3")
 _FALLBACK_LOGGED: set = set()
 MIN_LOG_DECAY = -10.0  # steepest per-token log-decay the 16-token tiles handle (exponents <= 8*10 = 80)
 
 
-def _interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.lru_cache(maxsize=1)
