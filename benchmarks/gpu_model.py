@@ -4,8 +4,9 @@ a per-component time breakdown, torch.compile graph breaks, and the longest sequ
 FLOPs per token (printed): 6 * active params (k3.info.count_params: matmul weights incl. lm_head, routed experts
 counted top_k/E, embedding excluded) + attention terms: MLA causal softmax attention 3 * 2*H*(Dqk+Dv)*T/2 per
 layer, KDA (chunk C=64) 3 * H*(2*C*(K+V) + 6*K*V) per layer. MFU = FLOPs/token * tokens/s / 685e12 (bf16 GEMM
-rate measured on this H200, benchmarks/RESULTS.md). Params fp32 + bf16 autocast (or --bf16-params), fused AdamW (or --optimizer k3: the trainer's Muon + AdamW, with
-fp32 master weights when the parameters are bf16, i.e. `k3 train --param-dtype bf16`).
+rate measured on this H200, benchmarks/RESULTS.md). Params fp32 + bf16 autocast (or --bf16-params: every weight
+bf16), fused AdamW (or --optimizer k3: the trainer's Muon + AdamW, with fp32 master weights when the parameters
+are bf16; `k3 train --param-dtype bf16` also keeps the spec's fp32 names in fp32).
 Random token ids (never zeros). Sections: --train, --breakdown, --explain, --profile, --longest-train,
 --longest-prefill (each one is optional; --all runs them all).
 Usage: python benchmarks/gpu_model.py --all [--preset small --batch 8 --seq 4096 --compile none|modules]

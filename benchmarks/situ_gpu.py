@@ -1,5 +1,6 @@
 """Time the SiTU-GLU Triton kernels alone on one GPU at the `small` training step's shapes, exact tanh against the
-opt-in hardware tanh (K3_SITU_TANH=approx), and against the eager torch formula; prints achieved GB/s.
+hardware tanh (K3_SITU_TANH=approx, the default for 16-bit inputs since the sixth session), and against the eager
+torch formula; prints achieved GB/s.
 
     python benchmarks/situ_gpu.py [--shapes 262144x512,32768x1024,32768x4096] [--json PATH]
 
