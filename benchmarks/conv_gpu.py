@@ -45,12 +45,30 @@ def main():
                      fwd_GBps=4 * B * T * C / fwd / 1e6, fwd_bwd_GBps=10 * B * T * C / fb / 1e6)
             rows.append(r)
             print(json.dumps(r), flush=True)
+    # the backward kernel alone at each launch option the autotuner chooses among, and its pick
+    from k3.ops import conv_triton as ct
+    for name, xx, cc in (("dense", x, None), ("varlen 8 docs", xv, cu)):
+        st = ct.token_starts(cc, xx.shape[1]) if cc is not None else None
+        xd, wd, dyv = xx.detach(), w.detach().reshape(C, 4), dy.view_as(xx)
+        ct.conv1d_bwd(xd, wd, dyv, st, True)
+        best = ct._conv4_bwd_tuned.best_config
+        r = dict(case=name, path="bwd kernel", picked=str(best),
+                 configs={str(cfg): do_bench(lambda: ct.conv1d_bwd(xd, wd, dyv, st, True, config=cfg),
+                                             return_mode="median") for cfg in ct.BWD_CONFIGS})
+        r["bwd_ms"] = do_bench(lambda: ct.conv1d_bwd(xd, wd, dyv, st, True), return_mode="median")
+        r["bwd_GBps"] = 6 * B * T * C / r["bwd_ms"] / 1e6
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    rows, bwd_rows = [r for r in rows if "fwd_ms" in r], [r for r in rows if "fwd_ms" not in r]
     print("| case | path | fwd ms (GB/s) | fwd+bwd ms (GB/s) |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['path']} | {r['fwd_ms']:.3f} ({r['fwd_GBps']:.0f}) | "
               f"{r['fwd_bwd_ms']:.3f} ({r['fwd_bwd_GBps']:.0f}) |")
+    for r in bwd_rows:
+        print(f"backward kernel {r['case']}: {r['bwd_ms']:.3f} ms ({r['bwd_GBps']:.0f} GB/s), autotuner picked "
+              f"{r['picked']}; by (BT, BC, warps): " + ", ".join(f"{k} {v:.3f}" for k, v in r["configs"].items()))
     with open(a.json, "w") as fh:
-        json.dump(rows, fh, indent=1)
+        json.dump(rows + bwd_rows, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,10 @@ Packed sequences (`cu_seqlens`, B=1) are handled without a Python loop over docu
 K-1-slot prefix (its initial state) in an extended buffer, one depthwise conv runs over the buffer, and the token
 outputs are gathered back.
 
-Backends (k3.ops.dispatch, op family "conv"): "torch" (this file; the default) and "triton" (k3/ops/conv_triton.py:
-one forward and one backward kernel, for calls without carried state, e.g. training; CUDA or Triton's interpreter),
-chosen with `backend=` or `K3_BACKEND=conv:triton`.
+Backends (k3.ops.dispatch, op family "conv"): "torch" (this file; the CPU default) and "triton" (k3/ops/conv_triton.py:
+one forward and one backward kernel, for calls without carried state and kernel size 4, e.g. training; CUDA or
+Triton's interpreter),
+the CUDA default; `backend=` or `K3_BACKEND=conv:torch|triton` chooses).
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from k3.ops import dispatch, f32
 
 
 dispatch.register("conv", "torch", lambda: True, priority=0)
-dispatch.register("conv", "triton", dispatch.triton_runs, priority=-1)  # opt-in until timed on a GPU
+# the CUDA default (auto picks priority > 0 only on CUDA): the compiled `small` step on the H200 was 380.4 ms per
+# step with the torch path under Inductor, 376.5 with the first backward kernel (benchmarks/RESULTS.md, 2026-11-30)
+dispatch.register("conv", "triton", dispatch.triton_runs, priority=10)
 
 
 def _act(y: torch.Tensor, activation: Optional[str]) -> torch.Tensor:
@@ -49,8 +52,8 @@ def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Opti
                   cu_seqlens: Optional[torch.Tensor] = None, activation: Optional[str] = "silu",
                   output_final_state: bool = False, backend: Optional[str] = None):
     """x [B,T,C]; weight [C,1,K] or [C,K]; initial_state [N,C,K-1]. Returns (y [B,T,C] in x.dtype, state|None).
-    Math in fp32 (weights are fp32 in the release). `backend`: "torch" | "triton" (calls without state only;
-    others take the torch path)."""
+    Math in fp32 (weights are fp32 in the release). `backend`: "torch" | "triton" (calls without state and
+    with kernel size 4 only; others take the torch path)."""
     W_CK = weight.reshape(weight.shape[0], -1)
     C, K = W_CK.shape
     B, T, Cx = x_BTC.shape
@@ -65,7 +68,7 @@ def causal_conv1d(x_BTC: torch.Tensor, weight: torch.Tensor, initial_state: Opti
         N = B
     if initial_state is not None and tuple(initial_state.shape) != (N, C, K - 1):
         raise ValueError(f"causal_conv1d: initial_state must be [{N},{C},{K - 1}], got {tuple(initial_state.shape)}")
-    if initial_state is None and not output_final_state and activation in (None, "silu", "swish") \
+    if initial_state is None and not output_final_state and activation in (None, "silu", "swish") and K == 4 \
             and dispatch.resolve("conv", backend, x_BTC.device.type) == "triton":
         from k3.ops.conv_triton import causal_conv1d_triton
         return causal_conv1d_triton(x_BTC, W_CK, cu_seqlens, activation), None

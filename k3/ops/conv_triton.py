@@ -11,7 +11,8 @@ t .. t + K-1 it needs (x re-read from cache), then dx[t] = sum_m W[:, K-1-m] * d
 program's partial dW[c, j] = sum_t dpre[t, c] * x[t - (K-1) + j, c], summed over programs in fp32 afterwards
 (deterministic, no atomics). Math in fp32; x, y, dx in the activation dtype, dW in the weight's.
 Opaque custom ops (`torch.ops.k3.conv1d_fwd/conv1d_bwd`): torch.compile launches them as written (see
-activations_triton for why that matters). Selected by `K3_BACKEND=conv:triton` until timed on a GPU.
+activations_triton for why that matters). The CUDA default of k3.ops.conv (`K3_BACKEND=conv:torch` for the torch
+path).
 """
 from __future__ import annotations
 
@@ -22,9 +23,18 @@ import triton
 import triton.language as tl
 
 # (tokens, channels, warps) per program. sm_90 static counts (tests/ops/test_triton_sm90_compile.py compiles
-# them; k3.ops.triton_sm90.stats): forward 114 registers, backward 206, no spills; 64 x 128 tiles spilled.
+# them; k3.ops.triton_sm90.stats): forward 114 registers, no spills; 64 x 128 tiles spilled.
 FWD = (32, 64, 4)
-BWD = (32, 64, 4)
+# The backward: SPAN tokens per program (the partial-dW granularity), BT at a time; its (BT, BC, warps) is picked
+# by triton.autotune on the first call on a GPU among BWD_CONFIGS (the first one under the interpreter). All compile
+# for sm_90 without spills (CI test): 96-128 registers at 4 elements per thread and tile, ~170 at 8.
+# H200, B8 T4096 C1024 bf16 (benchmarks/RESULTS.md, 2026-11-30): the first backward (one 32 x 64 tile per program,
+# x re-read at each of 16 tap positions, 206 registers) 0.76 ms; this one 0.377 ms dense / 0.490 varlen with
+# (8, 64, 2) picked (the other options 0.49-1.01 ms). The compiled `small` step: 368.8 ms with the torch path
+# under Inductor, 360.6 with these kernels.
+SPAN = 64
+BWD_CONFIGS = [(8, 64, 4), (16, 64, 8), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (64, 64, 8),
+               (8, 64, 2)]
 
 
 @triton.jit
@@ -54,53 +64,112 @@ def _conv_fwd_kernel(x, wt, y, starts, T, C, sxb, sxt, syb, syt, K: tl.constexpr
 
 
 @triton.jit
-def _conv_bwd_kernel(x, wt, dy, dx, dwp, starts, T, C, sxb, sxt, sdb, sdt, sob, sot, K: tl.constexpr,
-                     KP: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, VARLEN: tl.constexpr, ACT: tl.constexpr):
+def _sel(xv, pos, st, VARLEN: tl.constexpr):
+    """A [BT, BC] tile of x at positions pos, zero where pos lies before the token's document start st."""
+    if VARLEN:
+        xv = tl.where((pos >= st)[:, None], xv, 0.)
+    return xv
+
+
+@triton.jit
+def _tap(xv, wv, pos, st, VARLEN: tl.constexpr):
+    """One tap's product w * x[pos] ([BC] weights times a [BT, BC] tile), within the document."""
+    return _sel(xv, pos, st, VARLEN) * wv[None, :]
+
+
+@triton.jit
+def _conv4_bwd_kernel(x, wt, dy, dx, dwp, starts, T, C, sxb, sdb, sob, SXT: tl.constexpr, SDT: tl.constexpr,
+                      SOT: tl.constexpr, SPAN: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                      VARLEN: tl.constexpr, ACT: tl.constexpr):
+    """Kernel size 4. One program: SPAN tokens (BT at a time) x BC channels of one sequence. The x tiles at the
+    seven shifts t-3 .. t+3 are each loaded once per BT block (one pointer tile; the shifts are constant offsets,
+    the token strides being constexpr) and dpre at t+m (m = 0..3) is rebuilt from them. Writes dx and the
+    program's partial dW [BC, 4] (fp32)."""
     b = tl.program_id(2)
-    t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
-    xb = x + b.to(tl.int64) * sxb
-    db = dy + b.to(tl.int64) * sdb
-    kk = tl.arange(0, KP)
-    dxa = tl.zeros([BT, BC], dtype=tl.float32)
-    dwa = tl.zeros([BC, KP], dtype=tl.float32)
-    for m in tl.static_range(K):
-        u = t + m                      # dpre at token u feeds dx[t] through tap K-1-m
-        um = u < T
-        if VARLEN:
-            st = tl.load(starts + u, mask=um, other=0).to(tl.int64)
-        else:
-            st = tl.zeros([BT], dtype=tl.int64)
-        pre = tl.zeros([BT, BC], dtype=tl.float32)
-        for i in tl.static_range(K):
-            src = u - (K - 1) + i
-            ok = um & (src >= st)
-            xv = tl.load(xb + src[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
-                         other=0.).to(tl.float32)
-            wi = tl.load(wt + c * K + i, mask=cm, other=0.).to(tl.float32)
-            pre += xv * wi[None, :]
-        g = tl.load(db + u[:, None] * sdt + c[None, :], mask=um[:, None] & cm[None, :], other=0.).to(tl.float32)
-        if ACT:
-            s = tl.sigmoid(pre)
-            g = g * (s + pre * s * (1.0 - s))
-        # tap K-1-m of token u reads x[t]: valid when t is in u's document
-        okd = um & (t >= st)
-        wm = tl.load(wt + c * K + (K - 1 - m), mask=cm, other=0.).to(tl.float32)
-        dxa += tl.where(okd[:, None], g * wm[None, :], 0.)
-        if m == 0:
-            for j in tl.static_range(K):
-                src = t - (K - 1) + j
-                ok = um & (src >= st)
-                xv = tl.load(xb + src[:, None] * sxt + c[None, :], mask=ok[:, None] & cm[None, :],
-                             other=0.).to(tl.float32)
-                col = tl.sum(g * xv, axis=0)                                  # [BC]
-                dwa += tl.where(kk[None, :] == j, col[:, None], 0.)
-    tm = t < T
-    tl.store(dx + b.to(tl.int64) * sob + t[:, None] * sot + c[None, :], dxa.to(dx.dtype.element_ty),
-             mask=tm[:, None] & cm[None, :])
-    tile = b * tl.num_programs(0) + tl.program_id(0)
-    tl.store(dwp + tile.to(tl.int64) * C * KP + c[:, None] * KP + kk[None, :], dwa, mask=cm[:, None])
+    w0 = tl.load(wt + c * 4 + 0, mask=cm, other=0.).to(tl.float32)
+    w1 = tl.load(wt + c * 4 + 1, mask=cm, other=0.).to(tl.float32)
+    w2 = tl.load(wt + c * 4 + 2, mask=cm, other=0.).to(tl.float32)
+    w3 = tl.load(wt + c * 4 + 3, mask=cm, other=0.).to(tl.float32)
+    dw0 = tl.zeros([BC], dtype=tl.float32)
+    dw1 = tl.zeros([BC], dtype=tl.float32)
+    dw2 = tl.zeros([BC], dtype=tl.float32)
+    dw3 = tl.zeros([BC], dtype=tl.float32)
+    r = tl.arange(0, BT)
+    for sub in range(SPAN // BT):
+        t0 = tl.program_id(0) * SPAN + sub * BT                       # first token of this block
+        t = t0 + r
+        loc_x = r[:, None] * SXT + c[None, :]                          # int32 offsets inside the block
+        px = x + (b.to(tl.int64) * sxb + t0.to(tl.int64) * SXT) + loc_x
+        pd = dy + (b.to(tl.int64) * sdb + t0.to(tl.int64) * SDT) + (r[:, None] * SDT + c[None, :])
+        xm3 = tl.load(px - 3 * SXT, mask=((t >= 3) & (t - 3 < T))[:, None] & cm[None, :], other=0.).to(tl.float32)
+        xm2 = tl.load(px - 2 * SXT, mask=((t >= 2) & (t - 2 < T))[:, None] & cm[None, :], other=0.).to(tl.float32)
+        xm1 = tl.load(px - SXT, mask=((t >= 1) & (t - 1 < T))[:, None] & cm[None, :], other=0.).to(tl.float32)
+        x0 = tl.load(px, mask=(t < T)[:, None] & cm[None, :], other=0.).to(tl.float32)
+        dxa = tl.zeros([BT, BC], dtype=tl.float32)
+        for m in tl.static_range(4):
+            u = t + m                                  # dpre at token u feeds dx[t] through tap 3-m
+            um = u < T
+            if VARLEN:
+                st = tl.load(starts + u, mask=um, other=0)
+            else:
+                st = tl.zeros([BT], dtype=tl.int32)
+            # the tiles at t+1, t+2, t+3 take the registers of those at t-3, t-2, t-1 once these are used up
+            if m == 1:
+                xm3 = tl.load(px + SXT, mask=um[:, None] & cm[None, :], other=0.).to(tl.float32)
+            if m == 2:
+                xm2 = tl.load(px + 2 * SXT, mask=um[:, None] & cm[None, :], other=0.).to(tl.float32)
+            if m == 3:
+                xm1 = tl.load(px + 3 * SXT, mask=um[:, None] & cm[None, :], other=0.).to(tl.float32)
+            # the four taps of token u = t+m read x at t+m-3 .. t+m
+            if m == 0:
+                pre = _tap(xm3, w0, t - 3, st, VARLEN) + _tap(xm2, w1, t - 2, st, VARLEN) \
+                    + _tap(xm1, w2, t - 1, st, VARLEN) + _tap(x0, w3, t, st, VARLEN)
+            elif m == 1:
+                pre = _tap(xm2, w0, t - 2, st, VARLEN) + _tap(xm1, w1, t - 1, st, VARLEN) \
+                    + _tap(x0, w2, t, st, VARLEN) + _tap(xm3, w3, t + 1, st, VARLEN)
+            elif m == 2:
+                pre = _tap(xm1, w0, t - 1, st, VARLEN) + _tap(x0, w1, t, st, VARLEN) \
+                    + _tap(xm3, w2, t + 1, st, VARLEN) + _tap(xm2, w3, t + 2, st, VARLEN)
+            else:
+                pre = _tap(x0, w0, t, st, VARLEN) + _tap(xm3, w1, t + 1, st, VARLEN) \
+                    + _tap(xm2, w2, t + 2, st, VARLEN) + _tap(xm1, w3, t + 3, st, VARLEN)
+            g = tl.load(pd + m * SDT, mask=um[:, None] & cm[None, :], other=0.).to(tl.float32)
+            if ACT:
+                sg = tl.sigmoid(pre)
+                g = g * (sg + pre * sg * (1.0 - sg))
+            if m == 0:   # dW[:, j] += sum_t dpre[t] * x[t-3+j] (same document)
+                dw0 += tl.sum(_sel(xm3, t - 3, st, VARLEN) * g, axis=0)
+                dw1 += tl.sum(_sel(xm2, t - 2, st, VARLEN) * g, axis=0)
+                dw2 += tl.sum(_sel(xm1, t - 1, st, VARLEN) * g, axis=0)
+                dw3 += tl.sum(x0 * g, axis=0)
+                wm = w3
+            elif m == 1:
+                wm = w2
+            elif m == 2:
+                wm = w1
+            else:
+                wm = w0
+            if VARLEN:   # tap 3-m of token u reads x[t]: only when t is in u's document
+                g = tl.where((t >= st)[:, None], g, 0.)
+            dxa += g * wm[None, :]
+        po = dx + (b.to(tl.int64) * sob + t0.to(tl.int64) * SOT) + (r[:, None] * SOT + c[None, :])
+        tl.store(po, dxa.to(dx.dtype.element_ty), mask=(t < T)[:, None] & cm[None, :])
+    base = dwp + (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * C * 4 + c * 4
+    tl.store(base + 0, dw0, mask=cm)
+    tl.store(base + 1, dw1, mask=cm)
+    tl.store(base + 2, dw2, mask=cm)
+    tl.store(base + 3, dw3, mask=cm)
+
+
+def _bwd_configs():
+    from k3.ops.dispatch import triton_interpreting
+    return [triton.Config(dict(BT=bt, BC=bc), num_warps=nw)
+            for bt, bc, nw in (BWD_CONFIGS[:1] if triton_interpreting() else BWD_CONFIGS)]
+
+
+_conv4_bwd_tuned = triton.autotune(configs=_bwd_configs(), key=["C", "SXT", "SDT", "VARLEN", "ACT"])(_conv4_bwd_kernel)
 
 
 def token_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
@@ -129,22 +198,28 @@ def conv1d_fwd(x: torch.Tensor, w: torch.Tensor, starts: Optional[torch.Tensor],
     return y
 
 
-def conv1d_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, starts: Optional[torch.Tensor], act: bool):
+def conv1d_bwd(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor, starts: Optional[torch.Tensor], act: bool,
+               config: Optional[tuple] = None):
+    """(dx in x's dtype, dW in w's). `config` (BT, BC, warps) launches one of the backward's launch options
+    directly (tests, benchmarks/conv_gpu.py); by default triton.autotune picks among BWD_CONFIGS."""
     x, w = _check(x, w)
+    if w.shape[1] != 4:
+        raise ValueError(f"conv1d triton backward: kernel size 4 only, got {w.shape[1]} (use the torch backend)")
     dy = dy if dy.stride(-1) == 1 else dy.contiguous()
     B, T, C = x.shape
-    K = w.shape[1]
-    KP = triton.next_power_of_2(K)
     dx = torch.empty(B, T, C, device=x.device, dtype=x.dtype)
-    bt, bc, nw = BWD
-    nt = triton.cdiv(T, bt)
-    dwp = torch.zeros(B * nt, C, KP, device=x.device, dtype=torch.float32)
-    if dx.numel():
-        grid = (nt, triton.cdiv(C, bc), B)
-        _conv_bwd_kernel[grid](x, w, dy, dx, dwp, starts if starts is not None else x, T, C, x.stride(0),
-                               x.stride(1), dy.stride(0), dy.stride(1), dx.stride(0), dx.stride(1), K=K, KP=KP,
-                               BT=bt, BC=bc, VARLEN=starts is not None, ACT=act, num_warps=nw)
-    return dx, dwp.sum(0)[:, :K].to(w.dtype).contiguous()
+    nt = triton.cdiv(T, SPAN)
+    dwp = torch.empty(B * nt, C, 4, device=x.device, dtype=torch.float32)
+    if not dx.numel():
+        return dx, torch.zeros_like(w)
+    args = (x, w, dy, dx, dwp, starts if starts is not None else x, T, C, x.stride(0), dy.stride(0), dx.stride(0))
+    kw = dict(SXT=x.stride(1), SDT=dy.stride(1), SOT=dx.stride(1), SPAN=SPAN, VARLEN=starts is not None, ACT=act)
+    if config is None:
+        _conv4_bwd_tuned[lambda meta: (nt, triton.cdiv(C, meta["BC"]), B)](*args, **kw)
+    else:
+        bt, bc, nw = config
+        _conv4_bwd_kernel[(nt, triton.cdiv(C, bc), B)](*args, BT=bt, BC=bc, num_warps=nw, **kw)
+    return dx, dwp.sum(0).to(w.dtype)
 
 
 @torch.library.custom_op("k3::conv1d_fwd", mutates_args=())

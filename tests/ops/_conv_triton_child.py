@@ -27,13 +27,18 @@ def ref_grads(x, w, act, cu=None):
 
 
 def check(x, w, act, cu=None):
+    """The forward and the backward (the autotuned default and two more of its launch options: one BT block per
+    SPAN and eight) against fp64; the worst backward."""
     y_ref, xd, wd = ref_grads(x, w, act, cu)
     dy = torch.randn_like(y_ref)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (xd, wd), dy)
     starts = ct.token_starts(cu, x.shape[1]) if cu is not None else None
     y = ct.conv1d_fwd(x, w, starts, act is not None)
-    dx, dw = ct.conv1d_bwd(x, w, dy.to(x.dtype), starts, act is not None)
-    return {"y": rel(y, y_ref), "dx": rel(dx, dx_ref), "dw": rel(dw, dw_ref)}
+    out = {"y": rel(y, y_ref), "dx": 0.0, "dw": 0.0}
+    for cfg in (None, (64, 64, 8), (8, 128, 4)):
+        dx, dw = ct.conv1d_bwd(x, w, dy.to(x.dtype), starts, act is not None, config=cfg)
+        out["dx"], out["dw"] = max(out["dx"], rel(dx, dx_ref)), max(out["dw"], rel(dw, dw_ref))
+    return out
 
 
 out = {"dense": {}, "varlen": {}}
@@ -71,6 +76,18 @@ g_t = torch.autograd.grad(y_t, (x, wc), dy)
 g_r = torch.autograd.grad(y_r, (x, wc), dy)
 out["dispatch_took_triton"] = bool(calls) and st is None
 out["dispatch"] = {"y": rel(y_t, y_r), "dx": rel(g_t[0], g_r[0]), "dw": rel(g_t[1], g_r[1])}
+# kernel size 3: the backward kernel is written for 4, so backend "triton" takes the torch path (and says why)
+w3 = torch.randn(160, 1, 3) * 0.5
+calls.clear()
+ct.conv1d_fwd = spy
+y3 = causal_conv1d(x.detach(), w3, backend="triton")[0]
+ct.conv1d_fwd = orig
+out["k3_took_torch"] = not calls and rel(y3, causal_conv1d(x.detach(), w3, backend="torch")[0]) == 0.0
+try:
+    ct.conv1d_bwd(x.detach(), w3.reshape(160, 3), dy, None, True)
+    out["k3_bwd_error"] = ""
+except ValueError as e:
+    out["k3_bwd_error"] = str(e)
 s = ct.token_starts(cu, 90)
 torch.library.opcheck(torch.ops.k3.conv1d_fwd.default, (x.detach(), wc.detach().reshape(160, 4), s, True))
 torch.library.opcheck(torch.ops.k3.conv1d_bwd.default, (x.detach(), wc.detach().reshape(160, 4), dy, s, True))

@@ -23,6 +23,10 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32"
              m_dots="*fp32", n_tok="i32", width="i32", s_y="i32", s_o="i32", s_d="i32", mbuf="*fp32", aw="*fp32",
              n_el="i32", mu="fp32", decay="fp32", step="fp32", l_rows="i32", m_cols="i32")
 CONV_STRIDES = ("sxb", "sxt", "syb", "syt", "sdb", "sdt", "sob", "sot")
+# every launch option the conv backward's autotuner may pick (k3.ops.conv_triton.BWD_CONFIGS), dense and varlen
+CONV_BWD = [f"conv_bwd {bt}x{bc}w{nw}{v}" for bt, bc, nw in
+            [(8, 64, 4), (16, 64, 8), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (64, 64, 8), (8, 64, 2)]
+            for v in ("", " varlen")]
 
 
 def _bwd_cases(kb, cb, cg):
@@ -72,10 +76,10 @@ def _cases():
         "mla_decode_combine": (md._combine_kernel, dict(C=512, BS=16, BCC=64)),
         "conv_fwd varlen": (ct._conv_fwd_kernel, dict(K=4, BT=ct.FWD[0], BC=ct.FWD[1], VARLEN=True, ACT=True),
                             dict(divisible=CONV_STRIDES, num_warps=ct.FWD[2])),
-        "conv_bwd": (ct._conv_bwd_kernel, dict(K=4, KP=4, BT=ct.BWD[0], BC=ct.BWD[1], VARLEN=False, ACT=True),
-                     dict(divisible=CONV_STRIDES, num_warps=ct.BWD[2])),
-        "conv_bwd varlen": (ct._conv_bwd_kernel, dict(K=4, KP=4, BT=ct.BWD[0], BC=ct.BWD[1], VARLEN=True, ACT=True),
-                            dict(divisible=CONV_STRIDES, num_warps=ct.BWD[2])),
+        **{f"conv_bwd {bt}x{bc}w{nw}{' varlen' * v}": (
+            ct._conv4_bwd_kernel, dict(SXT=1024, SDT=1024, SOT=1024, SPAN=ct.SPAN, BT=bt, BC=bc, VARLEN=v,
+                                       ACT=True), dict(divisible=CONV_STRIDES + ("C",), num_warps=nw))
+            for bt, bc, nw in ct.BWD_CONFIGS for v in (False, True)},
         "moe_gather_sum k8": (mt._gather_sum_kernel, dict(KT=8, HAS_W=True, BN=mt.BN, BL=mt.BL),
                               dict(divisible=("s_y", "s_o"), num_warps=mt.NW)),
         "muon_momentum": (ot._momentum_kernel, dict(NESTEROV=True, BLOCK=ot.BLOCK), dict(num_warps=8)),
@@ -91,9 +95,12 @@ def _cases():
                                   "kda_bwd_pmat", "kda_bwd_pwu",
                                   "situ_fwd", "situ_bwd", "situ_fwd approx", "situ_bwd approx",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine",
-                                  "conv_fwd varlen", "conv_bwd", "conv_bwd varlen", "moe_gather_sum k8",
+                                  "conv_fwd varlen", *CONV_BWD, "moe_gather_sum k8",
                                   "moe_gather_dot k8", "muon_momentum", "muon_apply gate_up"])
 def test_kernel_compiles_for_sm90(name):
+    if name.startswith("conv_bwd"):
+        from k3.ops.conv_triton import BWD_CONFIGS
+        assert CONV_BWD == [f"conv_bwd {bt}x{bc}w{nw}{v}" for bt, bc, nw in BWD_CONFIGS for v in ("", " varlen")]
     fn, consts, *opts = _cases()[name]
     ck = compile_sm90(fn, consts, TYPES, **(opts[0] if opts else {}))
     assert ck.asm.get("cubin"), "no cubin produced"
