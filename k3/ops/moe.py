@@ -1,12 +1,12 @@
 """MoE routing and routed-expert compute on stacked expert weights (spec §3.6).
 
-route: fp32 sigmoid scores; selection = top-k of (scores + bias); weights = selected *scores* renormalised
-(the bias never enters the weights). experts_forward: tokens sorted by expert, then one grouped GEMM per
-projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a padded batched GEMM fallback when the
-shapes are not 16-byte aligned; no Python loop over experts. Combine: each expert output (in the activation
-dtype) times its fp32 weight, summed in fp32, cast back. Permute and unpermute are row gathers whose backward is
-the gather by the inverse permutation (`_dispatch_rows`, `_permute_rows`): no index_add / atomics, deterministic,
-and the k copies of a token's gradient are summed in fp32.
+route: fp32 sigmoid scores (logits in fp32 precision, k3/ops/router.py); selection = top-k of (scores + bias);
+weights = selected *scores* renormalised (the bias never enters the weights). experts_forward: tokens sorted by
+expert, then one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a padded
+batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts. Combine: each expert
+output (in the activation dtype) times its fp32 weight, summed in fp32, cast back. Permute and unpermute are row
+gathers whose backward is the gather by the inverse permutation (`_dispatch_rows`, `_permute_rows`): no index_add
+/ atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from k3.ops import dispatch, f32, fp32_math
+from k3.ops.router import router_logits
 
 dispatch.register("moe", "grouped_mm", lambda: hasattr(torch, "_grouped_mm"), priority=0)
 dispatch.register("moe", "padded_bmm", lambda: True, priority=-1)
@@ -28,7 +29,7 @@ def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Te
           renormalize: bool = True, scaling: float = 1.0):
     """Returns (topk_idx [N,k] int64, topk_weight [N,k] fp32, scores [N,E] fp32)."""
     with fp32_math(x_Nd):
-        scores_NE = torch.sigmoid(f32(x_Nd) @ f32(weight_Ed).t())
+        scores_NE = torch.sigmoid(router_logits(x_Nd, weight_Ed))
     sel_NE = scores_NE.detach() + f32(bias_E) if bias_E is not None else scores_NE.detach()
     topk_idx_Nk = torch.topk(sel_NE, top_k, dim=-1, sorted=True).indices
     w_Nk = scores_NE.gather(1, topk_idx_Nk)

@@ -1,0 +1,114 @@
+"""The router's logits x @ W^T in fp32 precision from bf16 activations, as three bf16 tensor-core GEMM terms.
+
+Spec §3.6 computes the router in fp32. With bf16 activations x is exact in bf16, and an fp32 W splits into three
+bf16 parts W = W1 + W2 + W3 (each the bf16 rounding of what is left; the rest is below 2^-24 |W|). bf16 x bf16
+products are exact in fp32, so x @ [W1 | W2 | W3]^T with fp32 accumulation and an fp32 result (cuBLAS's
+`mm.dtype` on CUDA), summed over the three blocks, is the fp32 product up to accumulation order. Backward:
+dW = dL^T x with dL split the same way (fp32 precision again); dx = dL @ W with two-term splits (dL1 W1 + dL2 W1 +
+dL1 W2, ~16 significant bits) rounded once to x's bf16.
+
+Why: on the H200 the compiled `small` step ran the router as fp32 SIMT GEMMs (sm80_xmma_gemm_f32f32 / cutlass
+simt_sgemm): ~8.4 ms per step over 23 MoE layers, for 0.3 TFLOP, plus the fp32 copies of x (benchmarks/RESULTS.md,
+2026-11-30 profile). Measured there: 377.5 ms per step with the fp32 router (`K3_BACKEND=router:fp32`), 360.6 with
+this one; GPU numerics (tests/gpu): logits 1.0e-6 and dW 4.4e-6 from fp64, dx 1.66e-3 = one bf16 rounding.
+
+Dispatch (op family "router"): "fp32" (f32(x) @ f32(W)^T, the reference; CPU default) and "split_bf16" (this
+file; the CUDA default for bf16 activations; on CPU it runs with fp32 emulation of the bf16 GEMMs, for tests).
+Opaque custom ops (`torch.ops.k3.router_logits` / `router_logits_bwd`) under torch.compile.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3.ops import dispatch, f32, fp32_math
+
+dispatch.register("router", "fp32", lambda: True, priority=0)
+dispatch.register("router", "split_bf16", lambda: True, priority=10)   # auto only on CUDA (dispatch rule)
+
+
+def split3(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 a -> bf16 (a1, a2, a3) with a1 + a2 + a3 = a up to 2^-24 |a| (each the rounding of what is left)."""
+    a = a.float()
+    a1 = a.bfloat16()
+    r = a - a1.float()
+    a2 = r.bfloat16()
+    return a1, a2, (r - a2.float()).bfloat16()
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """bf16 a @ bf16 b with fp32 accumulation, result in out_dtype (on CPU: the same products in fp32)."""
+    if a.is_cuda:
+        if out_dtype == torch.float32:
+            return torch.ops.aten.mm.dtype(a, b, torch.float32)
+        return torch.mm(a, b).to(out_dtype)
+    return (a.float() @ b.float()).to(out_dtype)
+
+
+def _sum3(y: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """The three n-wide blocks of y along dim summed, smallest first."""
+    a, b, c = torch.split(y, n, dim)
+    return (c + b) + a
+
+
+def _logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    E = w.shape[0]
+    if w.dtype == torch.bfloat16:   # the weight is exact in bf16: one term
+        return _mm(x, w.t(), torch.float32)
+    return _sum3(_mm(x, torch.cat(split3(w)).t(), torch.float32), E, 1)
+
+
+def _logits_bwd(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor):
+    E = w.shape[0]
+    d1, d2, d3 = split3(dl)
+    dw = _sum3(_mm(torch.cat([d1, d2, d3], 1).t(), x, torch.float32), E, 0)
+    if w.dtype == torch.bfloat16:
+        dx = _mm(torch.cat([d1, d2], 1), torch.cat([w, w]), x.dtype)
+    else:
+        w1, w2, _ = split3(w)
+        dx = _mm(torch.cat([d1, d2, d1], 1), torch.cat([w1, w1, w2]), x.dtype)
+    return dx, dw.to(w.dtype)
+
+
+@torch.library.custom_op("k3::router_logits", mutates_args=())
+def _logits_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return _logits(x, w)
+
+
+@_logits_op.register_fake
+def _logits_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("k3::router_logits_bwd", mutates_args=())
+def _logits_bwd_op(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _logits_bwd(x, w, dl)
+
+
+@_logits_bwd_op.register_fake
+def _logits_bwd_fake(x, w, dl):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), \
+        torch.empty_like(w, memory_format=torch.contiguous_format)
+
+
+class _SplitLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.ops.k3.router_logits(x, w)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dl):
+        x, w = ctx.saved_tensors
+        dx, dw = torch.ops.k3.router_logits_bwd(x, w, dl.contiguous())
+        return dx, dw
+
+
+def router_logits(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, backend=None) -> torch.Tensor:
+    """fp32 logits [N, E] of x [N, d] against the router weight [E, d]. bf16 activations on the "split_bf16"
+    backend (CUDA default) take the three-term bf16 GEMMs; everything else the fp32 (or fp64) product."""
+    if x_Nd.dtype == torch.bfloat16 and weight_Ed.dtype in (torch.float32, torch.bfloat16) \
+            and dispatch.resolve("router", backend, x_Nd.device.type) == "split_bf16":
+        return _SplitLogits.apply(x_Nd, weight_Ed)
+    with fp32_math(x_Nd):
+        return f32(x_Nd) @ f32(weight_Ed).t()
