@@ -7,7 +7,7 @@ Why: in the compiled `small` training step (B8 T4096, bf16 weights) the trainer'
 over fused AdamW (trainmaster vs trainbf16 stages); the Newton-Schulz GEMMs alone are ~22 TFLOP (~40 ms). Phases:
 momentum (fp32 casts of the grads, buffer update, Nesterov direction), Newton-Schulz (all Muon blocks, batched by
 shape), apply (decay + update of the masters, copy to the bf16 weights), AdamW groups; then the whole step with
-the opt-in fused Triton momentum / apply kernels (`fused=True`).
+the fused Triton momentum / apply kernels (`fused=True`, the CUDA default since the seventh session).
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def main():
     res = dict(preset=a.preset, device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                torch=torch.__version__, params=sum(p.numel() for p in params), tensors=len(params))
     torch.set_grad_enabled(False)
-    opt = build_optimizer(model, lr=1e-4, master_weights=True)
+    opt = build_optimizer(model, lr=1e-4, master_weights=True, fused=False)   # the foreach path, by phase
     res["muon_adamw_step_ms"] = timed(opt.step)
     muon = [g for g in opt.param_groups if g["use_muon"]]
     moms = [opt._momentum(g) for g in muon]
@@ -72,7 +72,7 @@ def main():
     adam_groups = [g for g in opt.param_groups if not g["use_muon"]]
     res["phase_adamw_groups_ms"] = timed(lambda: [opt._adamw_group(g) for g in adam_groups])
     del opt, dirs, us, moms, spans
-    if dev == "cuda":   # the opt-in Triton momentum / apply kernels (k3/train/optim_triton.py)
+    if dev == "cuda":   # the Triton momentum / apply kernels (k3/train/optim_triton.py; the CUDA default)
         fopt = build_optimizer(model, lr=1e-4, master_weights=True, fused=True)
         res["muon_adamw_fused_step_ms"] = timed(fopt.step)
         del fopt

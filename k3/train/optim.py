@@ -410,10 +410,19 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
       adamw            AdamW with decay `adamw_weight_decay` (default `weight_decay`), lr `adamw_lr` (default lr)
       adamw_no_decay   AdamW without decay
     `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation). `master_weights`: fp32 master
-    copies of parameters stored below fp32 (see MuonAdamW). `fused`: Muon's elementwise work as Triton kernels
-    (CUDA; default from K3_MUON_FUSED=1, off: not yet timed on a GPU)."""
+    copies of parameters stored below fp32 (see MuonAdamW). `fused`: Muon's momentum and apply as Triton kernels
+    (k3/train/optim_triton.py); default: K3_MUON_FUSED=1 / 0 if set, else on when the parameters are on CUDA and
+    Triton is installed (H200, `small`: the optimizer 106.8 -> 82.4 ms, the recipe's step 488.8 -> 450.8 ms)."""
     if fused is None:
-        fused = os.environ.get("K3_MUON_FUSED", "0") == "1"
+        env = os.environ.get("K3_MUON_FUSED", "").strip()
+        if env not in ("", "0", "1"):
+            raise K3ConfigError(f"K3_MUON_FUSED must be 0 or 1, got {env!r}")
+        if env:
+            fused = env == "1"
+        else:
+            import importlib.util
+            fused = importlib.util.find_spec("triton") is not None and \
+                any(p.is_cuda for p in model.parameters() if p.requires_grad)
     if fused:
         from k3.ops.dispatch import triton_runs
         if not triton_runs():

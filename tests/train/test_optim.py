@@ -456,3 +456,15 @@ def test_fused_muon_needs_triton_somewhere_to_run(monkeypatch):
     monkeypatch.setattr(d, "triton_runs", lambda: False)
     with pytest.raises(K3ConfigError, match="K3_MUON_FUSED"):
         build_optimizer(FakeK3(), lr=0.01, fused=True)
+
+
+def test_fused_muon_default_follows_device_and_env(monkeypatch):
+    """Auto: fused only for CUDA parameters (CPU here: the foreach path); K3_MUON_FUSED=0/1 overrides; other values
+    are refused by name."""
+    monkeypatch.delenv("K3_MUON_FUSED", raising=False)
+    assert build_optimizer(FakeK3(), lr=0.01).fused is False
+    monkeypatch.setenv("K3_MUON_FUSED", "0")
+    assert build_optimizer(FakeK3(), lr=0.01).fused is False
+    monkeypatch.setenv("K3_MUON_FUSED", "yes")
+    with pytest.raises(K3ConfigError, match="K3_MUON_FUSED must be 0 or 1"):
+        build_optimizer(FakeK3(), lr=0.01)
