@@ -70,14 +70,22 @@ for stage in "$@"; do case $stage in
   # the trainer's recipe for bf16 parameters: Muon + AdamW with fp32 master weights (k3 train --param-dtype bf16)
   trainmaster) step trainmaster 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 \
       --compile modules --bf16-params --optimizer k3 ;;
-  trainmaster-fused) step trainmaster-fused 300 env K3_MUON_FUSED=1 python3 benchmarks/gpu_model.py --train --batch 8 \
-      --seq 4096 --steps 5 --compile modules --bf16-params --optimizer k3 ;;
+  # the Triton momentum / apply are the CUDA default since the seventh session; this is the foreach control
+  trainmaster-foreach) step trainmaster-foreach 300 env K3_MUON_FUSED=0 python3 benchmarks/gpu_model.py --train \
+      --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params --optimizer k3 ;;
   optim) step optim 120 python3 benchmarks/optim_gpu.py --json "$OUT/optim_gpu.json" ;;
   conv) step conv 150 python3 benchmarks/conv_gpu.py --json "$OUT/conv_gpu.json" ;;
   convtest) step convtest 150 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k "conv or experts" ;;
-  trainbf16-conv) step trainbf16-conv 300 env K3_BACKEND=conv:triton python3 benchmarks/gpu_model.py --train \
-      --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
-  trainbf16-fused) step trainbf16-fused 300 env K3_BACKEND=conv:triton,moe_combine:triton python3 \
+  # controls for the seventh session's CUDA defaults: the short conv on its torch path, the router as fp32 GEMMs
+  trainbf16-convtorch) step trainbf16-convtorch 300 env K3_BACKEND=conv:torch python3 benchmarks/gpu_model.py \
+      --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
+  trainbf16-router32) step trainbf16-router32 300 env K3_BACKEND=router:fp32 python3 benchmarks/gpu_model.py \
+      --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
+  trainbf16-b12) step trainbf16-b12 300 python3 benchmarks/gpu_model.py --train --batch 12 --seq 4096 --steps 5 \
+      --compile modules --bf16-params ;;
+  newtests) step newtests 240 python3 -m pytest -q -s --timeout 150 tests/gpu/test_gpu_numerics.py \
+      tests/gpu/test_gpu_train.py -k "conv or router or fused_muon" ;;
+  trainbf16-fused) step trainbf16-fused 300 env K3_BACKEND=moe_combine:triton python3 \
       benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
   trainbf16-eagerloss) step trainbf16-eagerloss 300 python3 benchmarks/gpu_model.py --train --batch 8 --seq 4096 \

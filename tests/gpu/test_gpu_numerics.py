@@ -314,6 +314,42 @@ def test_conv_triton_vs_fp32_reference(varlen):
     errs = dict(y=rel(yg, yr), dx=rel(xg.grad, xr.grad), dw=rel(wg.grad, wr.grad))
     report(f"conv triton bf16 varlen={varlen}", **errs)
     assert all(v < 1e-2 for v in errs.values()), errs
+    # every launch option the backward's autotuner chooses among
+    from k3.ops import conv_triton as ct
+    st = ct.token_starts(cu.to(DEV), T) if cu is not None else None
+    for cfg in ct.BWD_CONFIGS:
+        dx, dw = ct.conv1d_bwd(xg.detach(), wg.detach().reshape(C, 4), dy.to(DEV, BF), st, True, config=cfg)
+        e = dict(dx=rel(dx, xr.grad), dw=rel(dw, wr.grad.reshape(C, 4)))
+        assert all(v < 1e-2 for v in e.values()), (cfg, e)
+    print(f"[gpu-numerics] conv triton bwd: all {len(ct.BWD_CONFIGS)} launch options within 1e-2, autotuner picked "
+          f"{ct._conv4_bwd_tuned.best_config}", flush=True)
+
+
+def test_router_split_bf16_vs_fp64():
+    """The router's logits from bf16 activations as three bf16 GEMM terms (cuBLAS mm with fp32 output; the CUDA
+    default) against fp64: logits and dW at fp32-accumulation level (the seventh session's run: 1.0e-6 / 4.4e-6 at
+    K = 1024 / 8192; printed next to cuBLAS's fp32 GEMM on the same inputs), far below a bf16 GEMM's ~2e-3; dx no
+    worse than one bf16 rounding of the exact value (1.66e-3 both)."""
+    from k3.ops import dispatch
+    from k3.ops.router import router_logits
+    assert dispatch.resolve("router", None, "cuda") == "split_bf16"
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(8192, 1024, generator=g) * 3).bfloat16()
+    w = torch.randn(64, 1024, generator=g) * 0.02
+    dl = torch.randn(8192, 64, generator=g, dtype=torch.float64)
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    ref = xr @ wr.t()
+    dx_ref, dw_ref = torch.autograd.grad(ref, (xr, wr), dl)
+    xg, wg = x.to(DEV).requires_grad_(), w.to(DEV).requires_grad_()
+    out = router_logits(xg, wg)
+    out.backward(dl.to(DEV, torch.float32))
+    x32, w32, dl32 = x.to(DEV).float(), w.to(DEV), dl.to(DEV, torch.float32)
+    errs = dict(logits=rel(out, ref), logits_fp32_gemm=rel(x32 @ w32.t(), ref),
+                dw=rel(wg.grad, dw_ref), dw_fp32_gemm=rel(dl32.t() @ x32, dw_ref),
+                dx=rel(xg.grad, dx_ref), dx_rounding=rel(dx_ref.bfloat16(), dx_ref))
+    report("router split bf16", **errs)
+    assert errs["logits"] < 1e-5 and errs["dw"] < 5e-5, errs
+    assert errs["dx"] < 1.1 * errs["dx_rounding"], errs
 
 
 @pytest.mark.parametrize("H,C,R", [(8, 256, 32), (64, 512, 64)])

@@ -44,27 +44,39 @@ def test_bf16_params_train_like_fp32_on_cuda(tmp_path, micro_corpus, micro_model
 
 def test_fused_muon_matches_foreach_on_cuda(micro_model_overrides):
     """MuonAdamW(fused=True) (Triton momentum / apply) against the foreach path on CUDA: bf16 weights with fp32
-    masters, three steps with the same gradients; masters agree to fp32 rounding, weights to a few last-bit flips."""
+    masters, three steps with the same gradients. With Newton-Schulz in fp32 the masters agree to fp32 rounding
+    (the kernels do the same math). With the default bf16 Newton-Schulz, last-bit differences of its input (FMA
+    order) become bf16-rounding-level differences of its output (the sixth-session run: masters 1.2e-3; the same
+    on CPU under the interpreter: 1.8e-3), so there the bound is bf16 Newton-Schulz's own distance from fp32."""
     import copy
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
     from k3.train.optim import build_optimizer
     torch.manual_seed(0)
     base = K3ForCausalLM(K3Config.from_preset("tiny", **micro_model_overrides)).cuda().to(torch.bfloat16)
-    models = [copy.deepcopy(base) for _ in range(2)]
-    opts = [build_optimizer(m, lr=0.02, master_weights=True, fused=f) for m, f in zip(models, (False, True))]
+    runs = {(fused, ns): None for ns in (torch.float32, torch.bfloat16) for fused in (False, True)}
+    models = {k: copy.deepcopy(base) for k in runs}
+    opts = {k: build_optimizer(models[k], lr=0.02, master_weights=True, fused=k[0], ns_dtype=k[1]) for k in runs}
     for step in range(3):
         g = torch.Generator(device="cuda").manual_seed(step)
         grads = {n: torch.randn(p.shape, device="cuda", generator=g).bfloat16() for n, p in base.named_parameters()}
-        for m, o in zip(models, opts):
-            for n, p in m.named_parameters():
+        for k in runs:
+            for n, p in models[k].named_parameters():
                 p.grad = grads[n].clone()
-            o.step()
-    worst_w = worst_m = 0.0
-    for pa, pb in zip(models[0].parameters(), models[1].parameters()):
-        rel = lambda a, b: float((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30))  # noqa: E731
-        worst_w = max(worst_w, rel(pa.detach(), pb.detach()))
-        if "master" in opts[0].state.get(pa, {}):
-            worst_m = max(worst_m, rel(opts[0].state[pa]["master"], opts[1].state[pb]["master"]))
-    print(f"[gpu-train] fused Muon vs foreach: weights {worst_w:.2e}, masters {worst_m:.2e}", flush=True)
-    assert worst_m < 1e-5 and worst_w < 2e-3, (worst_m, worst_w)
+            opts[k].step()
+
+    def worst(ka, kb):
+        w = m = 0.0
+        for pa, pb in zip(models[ka].parameters(), models[kb].parameters()):
+            rel = lambda a, b: float((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30))  # noqa
+            w = max(w, rel(pa.detach(), pb.detach()))
+            if "master" in opts[ka].state.get(pa, {}):
+                m = max(m, rel(opts[ka].state[pa]["master"], opts[kb].state[pb]["master"]))
+        return w, m
+    f32_w, f32_m = worst((False, torch.float32), (True, torch.float32))
+    bf_w, bf_m = worst((False, torch.bfloat16), (True, torch.bfloat16))
+    ns_w, ns_m = worst((False, torch.bfloat16), (False, torch.float32))
+    print(f"[gpu-train] fused Muon vs foreach: fp32 NS weights {f32_w:.2e} masters {f32_m:.2e}; bf16 NS weights "
+          f"{bf_w:.2e} masters {bf_m:.2e}; bf16 vs fp32 NS (foreach) masters {ns_m:.2e}", flush=True)
+    assert f32_m < 1e-5 and f32_w < 2e-3, (f32_m, f32_w)
+    assert bf_m < ns_m, (bf_m, ns_m)
