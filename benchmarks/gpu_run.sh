@@ -75,6 +75,7 @@ for stage in "$@"; do case $stage in
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params --optimizer k3 ;;
   optim) step optim 120 python3 benchmarks/optim_gpu.py --json "$OUT/optim_gpu.json" ;;
   conv) step conv 150 python3 benchmarks/conv_gpu.py --json "$OUT/conv_gpu.json" ;;
+  moe) step moe 150 python3 benchmarks/moe_gpu.py --json "$OUT/moe_gpu.json" ;;
   convtest) step convtest 150 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k "conv or experts" ;;
   # controls for the seventh session's CUDA defaults: the short conv on its torch path, the router as fp32 GEMMs
   trainbf16-convtorch) step trainbf16-convtorch 300 env K3_BACKEND=conv:torch python3 benchmarks/gpu_model.py \

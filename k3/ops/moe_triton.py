@@ -4,8 +4,11 @@ Both are out[n] = sum_j w[n, j] * y[idx[n*k + j]] over the k rows of token n in 
 dispatch backward), summed in fp32, written once in the activation dtype. Why: in the compiled `small` step (H200,
 B8 T4096, sixth session) Inductor's fused gather + fp32 sum kernels took 0.36 ms (combine) and 0.32 ms (dispatch
 backward) per MoE layer for [262144, 512] bf16 rows, ~3x what moving the rows once costs (~0.12 ms).
-The combine's backward: dy[a] = w[order[a]] * dout[order[a] // k] (a row gather, torch) and dw[n, j] =
-<dout[n], y[idx[n*k + j]]> (`gather_dot`, Triton).
+The combine's backward: dy[a] = w[order[a]] * dout[order[a] // k] (the same gather kernel with k = 1) and
+dw[n, j] = <dout[n], y[idx[n*k + j]]> (`gather_dot`: the dout tile loaded once, the k rows reduced against it).
+H200 (seventh session): with dy as eager torch ops (fp32 copies of [N*k, l] rows, outside the compiled graph)
+and gather_dot re-reading dout once per expert in 128-column pieces, the step took +17 ms over Inductor's combine;
+both are rewritten since, not yet timed.
 Opaque custom ops (`torch.ops.k3.moe_gather_sum`, `k3.moe_gather_dot`); backend "triton" of the dispatch family
 "moe_combine" (k3/ops/moe.py), opt-in (`K3_BACKEND=moe_combine:triton`) until timed on a GPU.
 """
@@ -17,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-BN, BL, NW = 16, 128, 4     # tokens, channels, warps per program
+BN, BL, NW = 16, 128, 4     # tokens, channels, warps per program (gather_sum)
+DOT_ROWS = 4096            # gather_dot: BN * next_pow2(width) elements per program, 4 warps (BN = 8 at width 512)
 
 
 @triton.jit
@@ -39,21 +43,20 @@ def _gather_sum_kernel(m_y, m_idx, m_w, m_out, n_tok, width, s_y, s_o, KT: tl.co
 
 @triton.jit
 def _gather_dot_kernel(m_y, m_idx, m_d, m_dots, n_tok, width, s_y, s_d, KT: tl.constexpr, KP: tl.constexpr,
-                       BN: tl.constexpr, BL: tl.constexpr):
+                       BN: tl.constexpr, BW: tl.constexpr):
+    """dots[n, j] = <d[n], y[idx[n*k + j]]>: the d tile [BN, BW] (BW >= width, a power of two) is loaded once and
+    the k gathered rows are reduced against it."""
     n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
     nm = n < n_tok
+    c = tl.arange(0, BW)
+    m = nm[:, None] & (c < width)[None, :]
+    g = tl.load(m_d + n[:, None] * s_d + c[None, :], mask=m, other=0.).to(tl.float32)
     kk = tl.arange(0, KP)
     acc = tl.zeros([BN, KP], dtype=tl.float32)
     for j in tl.static_range(KT):
         row = tl.load(m_idx + n * KT + j, mask=nm, other=0).to(tl.int64)
-        part = tl.zeros([BN], dtype=tl.float32)
-        for c0 in range(0, width, BL):
-            c = c0 + tl.arange(0, BL)
-            m = nm[:, None] & (c < width)[None, :]
-            v = tl.load(m_y + row[:, None] * s_y + c[None, :], mask=m, other=0.).to(tl.float32)
-            g = tl.load(m_d + n[:, None] * s_d + c[None, :], mask=m, other=0.).to(tl.float32)
-            part += tl.sum(v * g, axis=1)
-        acc += tl.where(kk[None, :] == j, part[:, None], 0.)
+        v = tl.load(m_y + row[:, None] * s_y + c[None, :], mask=m, other=0.).to(tl.float32)
+        acc += tl.where(kk[None, :] == j, tl.sum(v * g, axis=1)[:, None], 0.)
     tl.store(m_dots + n[:, None] * KT + kk[None, :], acc, mask=nm[:, None] & (kk < KT)[None, :])
 
 
@@ -81,9 +84,10 @@ def gather_dot(y: torch.Tensor, idx: torch.Tensor, d: torch.Tensor, k: int) -> t
     N, L = d.shape
     out = torch.empty(N, k, device=y.device, dtype=torch.float32)
     if out.numel():
-        _gather_dot_kernel[(triton.cdiv(N, BN),)](y, idx.contiguous(), d, out, N, L, y.stride(0), d.stride(0),
-                                                  KT=k, KP=triton.next_power_of_2(k), BN=BN, BL=BL,
-                                                  num_warps=NW)
+        bw = triton.next_power_of_2(L)
+        bn = max(1, min(64, DOT_ROWS // bw))
+        _gather_dot_kernel[(triton.cdiv(N, bn),)](y, idx.contiguous(), d, out, N, L, y.stride(0), d.stride(0),
+                                                  KT=k, KP=triton.next_power_of_2(k), BN=bn, BW=bw, num_warps=NW)
     return out
 
 
@@ -123,9 +127,9 @@ class Combine(torch.autograd.Function):
         y_Al, inv_A, order_A, w_Nk = ctx.saved_tensors
         k = w_Nk.shape[1]
         dy = None
-        if ctx.needs_input_grad[0]:
-            dy = (dout.index_select(0, order_A // k).float()
-                  * w_Nk.reshape(-1).float().index_select(0, order_A).unsqueeze(-1)).to(y_Al.dtype)
+        if ctx.needs_input_grad[0]:   # dy[a] = w[order[a]] * dout[order[a] // k]: the same kernel, one row each
+            dy = torch.ops.k3.moe_gather_sum(dout, order_A // k, w_Nk.reshape(-1).index_select(0, order_A)
+                                             .unsqueeze(1), 1, y_Al.dtype)
         dw = torch.ops.k3.moe_gather_dot(y_Al, inv_A, dout, k).to(w_Nk.dtype) if ctx.needs_input_grad[3] else None
         return dy, None, None, dw
 

@@ -84,7 +84,7 @@ def _cases():
                               dict(divisible=("s_y", "s_o"), num_warps=mt.NW)),
         "muon_momentum": (ot._momentum_kernel, dict(NESTEROV=True, BLOCK=ot.BLOCK), dict(num_warps=8)),
         "muon_apply gate_up": (ot._apply_kernel, dict(HAS_P=True, GATE_UP=True, BLOCK=ot.BLOCK), dict(num_warps=8)),
-        "moe_gather_dot k8": (mt._gather_dot_kernel, dict(KT=8, KP=8, BN=mt.BN, BL=mt.BL),
+        "moe_gather_dot k8": (mt._gather_dot_kernel, dict(KT=8, KP=8, BN=mt.DOT_ROWS // 512, BW=512),
                               dict(divisible=("s_y", "s_d"), num_warps=mt.NW)),
     }
 
