@@ -6,9 +6,10 @@ B8 T4096, sixth session) Inductor's fused gather + fp32 sum kernels took 0.36 ms
 backward) per MoE layer for [262144, 512] bf16 rows, ~3x what moving the rows once costs (~0.12 ms).
 The combine's backward: dy[a] = w[order[a]] * dout[order[a] // k] (the same gather kernel with k = 1) and
 dw[n, j] = <dout[n], y[idx[n*k + j]]> (`gather_dot`: the dout tile loaded once, the k rows reduced against it).
-H200 (seventh session): with dy as eager torch ops (fp32 copies of [N*k, l] rows, outside the compiled graph)
-and gather_dot re-reading dout once per expert in 128-column pieces, the step took +17 ms over Inductor's combine;
-both are rewritten since, not yet timed.
+H200 (seventh session): the first version (dy as torch ops, which Inductor fused inside the compiled backward
+graph; gather_dot re-reading dout once per expert in 128-column pieces over 2048 programs) made the compiled step
+17 ms slower than Inductor's combine; the cause was not measured. Both pieces are rewritten since (dy through the
+gather kernel, gather_dot with one dout load), not yet timed: benchmarks/moe_gpu.py times each piece.
 Opaque custom ops (`torch.ops.k3.moe_gather_sum`, `k3.moe_gather_dot`); backend "triton" of the dispatch family
 "moe_combine" (k3/ops/moe.py), opt-in (`K3_BACKEND=moe_combine:triton`) until timed on a GPU.
 """
