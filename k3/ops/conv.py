@@ -8,10 +8,10 @@ Packed sequences (`cu_seqlens`, B=1) are handled without a Python loop over docu
 K-1-slot prefix (its initial state) in an extended buffer, one depthwise conv runs over the buffer, and the token
 outputs are gathered back.
 
-Backends (k3.ops.dispatch, op family "conv"): "torch" (this file; the CPU default) and "triton" (k3/ops/conv_triton.py:
-one forward and one backward kernel, for calls without carried state and kernel size 4, e.g. training; CUDA or
-Triton's interpreter),
-the CUDA default; `backend=` or `K3_BACKEND=conv:torch|triton` chooses).
+Backends (k3.ops.dispatch, op family "conv"): "torch" (this file; the CPU default) and "triton"
+(k3/ops/conv_triton.py: one forward and one backward kernel, for calls without carried state and kernel size 4,
+e.g. training; CUDA or Triton's interpreter; the CUDA default). `backend=` or `K3_BACKEND=conv:torch|triton`
+chooses.
 """
 from __future__ import annotations
 

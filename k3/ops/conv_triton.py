@@ -5,11 +5,11 @@ Why: in the compiled `small` training step (H200, B8 T4096, sixth session) the q
 layers ran as Inductor kernels over fp32 shifted copies (cat with a zero history, slice_backward pads): ~34 ms per
 step over 54 calls, where reading x and dy and writing y and dx once in bf16 is ~5 ms.
 
-Forward, one program per (BT tokens, BC channels, sequence): y[t] = act(sum_j W[:, j] * x[t - (K-1) + j]), taps
-before the token's document start read zero. Backward recomputes the pre-activation at the K shifted positions
-t .. t + K-1 it needs (x re-read from cache), then dx[t] = sum_m W[:, K-1-m] * dpre[t + m] (same document) and the
-program's partial dW[c, j] = sum_t dpre[t, c] * x[t - (K-1) + j, c], summed over programs in fp32 afterwards
-(deterministic, no atomics). Math in fp32; x, y, dx in the activation dtype, dW in the weight's.
+Forward (any K), one program per (BT tokens, BC channels, sequence): y[t] = act(sum_j W[:, j] * x[t - (K-1) + j]),
+taps before the token's document start read zero. Backward (K = 4), one program per (SPAN tokens, BC channels,
+sequence), BT tokens at a time: the x tiles at t-3 .. t+3 loaded once, the pre-activation rebuilt at t .. t+3,
+dx[t] = sum_m W[:, 3-m] * dpre[t + m] (same document), and the program's partial dW[c, j] = sum_t dpre[t, c] *
+x[t - 3 + j, c], summed over programs in fp32 afterwards (deterministic, no atomics). Math in fp32; x, y, dx in the activation dtype, dW in the weight's.
 Opaque custom ops (`torch.ops.k3.conv1d_fwd/conv1d_bwd`): torch.compile launches them as written (see
 activations_triton for why that matters). The CUDA default of k3.ops.conv (`K3_BACKEND=conv:torch` for the torch
 path).
@@ -169,7 +169,8 @@ def _bwd_configs():
             for bt, bc, nw in (BWD_CONFIGS[:1] if triton_interpreting() else BWD_CONFIGS)]
 
 
-_conv4_bwd_tuned = triton.autotune(configs=_bwd_configs(), key=["C", "SXT", "SDT", "VARLEN", "ACT"])(_conv4_bwd_kernel)
+_conv4_bwd_tuned = triton.autotune(configs=_bwd_configs(),
+                                   key=["C", "SXT", "SDT", "VARLEN", "ACT"])(_conv4_bwd_kernel)
 
 
 def token_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:

@@ -104,11 +104,30 @@ class _SplitLogits(torch.autograd.Function):
         return dx, dw
 
 
+# auto dispatch takes the split only from this many rows: a decode step (a few rows) pays ~10 small kernels per
+# layer for the split (W's three parts, concatenations, block sums) where its fp32 GEMM is a few microseconds
+SPLIT_MIN_ROWS = 1024
+
+
+@torch.compiler.assume_constant_result
+def _env_forced() -> bool:
+    return dispatch.env_choice("router") is not None
+
+
+def use_split(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, backend=None) -> bool:
+    """The "split_bf16" path runs: bf16 activations, an fp32 / bf16 weight, and the backend named (argument or
+    K3_BACKEND) or chosen automatically (CUDA) for at least SPLIT_MIN_ROWS rows."""
+    if x_Nd.dtype != torch.bfloat16 or weight_Ed.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if backend is None and not _env_forced() and x_Nd.shape[0] < SPLIT_MIN_ROWS:
+        return False
+    return dispatch.resolve("router", backend, x_Nd.device.type) == "split_bf16"
+
+
 def router_logits(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, backend=None) -> torch.Tensor:
-    """fp32 logits [N, E] of x [N, d] against the router weight [E, d]. bf16 activations on the "split_bf16"
-    backend (CUDA default) take the three-term bf16 GEMMs; everything else the fp32 (or fp64) product."""
-    if x_Nd.dtype == torch.bfloat16 and weight_Ed.dtype in (torch.float32, torch.bfloat16) \
-            and dispatch.resolve("router", backend, x_Nd.device.type) == "split_bf16":
+    """fp32 logits [N, E] of x [N, d] against the router weight [E, d]: the three-term bf16 GEMMs where
+    `use_split`, else the fp32 (or fp64) product."""
+    if use_split(x_Nd, weight_Ed, backend):
         return _SplitLogits.apply(x_Nd, weight_Ed)
     with fp32_math(x_Nd):
         return f32(x_Nd) @ f32(weight_Ed).t()

@@ -55,9 +55,12 @@ def test_route_scores_and_dispatch(monkeypatch):
     assert dispatch.resolve("router", None, "cpu") == "fp32"    # CPU default: the reference product
     assert dispatch.resolve("router", None, "cuda") == "split_bf16"
     i_ref, w_ref, s_ref = route(x, w, bias, 8)
-    monkeypatch.setenv("K3_BACKEND", "router:split_bf16")
+    import k3.ops.router as R
+    calls = []
+    monkeypatch.setattr(R._SplitLogits, "apply", lambda *a, _f=R._SplitLogits.apply: calls.append(1) or _f(*a))
+    monkeypatch.setenv("K3_BACKEND", "router:split_bf16")   # forced: any number of rows (512 here)
     i_s, w_s, s_s = route(x, w, bias, 8)
-    assert rel(s_s, s_ref) < 1e-6 and rel(w_s, w_ref) < 1e-6
+    assert calls and rel(s_s, s_ref) < 1e-6 and rel(w_s, w_ref) < 1e-6
     assert float((i_s == i_ref).float().mean()) > 0.99
     with pytest.raises(ValueError, match="unknown backend"):
         dispatch.resolve("router", "bf16", "cpu")
@@ -75,3 +78,16 @@ def test_split_logits_compiles_and_opcheck():
     gc = torch.autograd.grad(f(xs, ws), (xs, ws), dy)
     ge = torch.autograd.grad(router_logits(xe, we, backend="split_bf16"), (xe, we), dy)
     assert all(torch.equal(a, b) for a, b in zip(gc, ge))
+
+
+def test_split_only_from_min_rows_when_automatic(monkeypatch):
+    """Automatic choice (the CUDA default, simulated): the split from SPLIT_MIN_ROWS rows (training, prefill), the
+    fp32 GEMM below (decode steps); a named backend applies at any size; fp32 / fp16 activations never split."""
+    import k3.ops.router as R
+    monkeypatch.delenv("K3_BACKEND", raising=False)
+    monkeypatch.setattr(R.dispatch, "resolve", lambda op, backend, dev: backend or "split_bf16")
+    w = torch.randn(8, 16)
+    big, small = torch.zeros(R.SPLIT_MIN_ROWS, 16).bfloat16(), torch.zeros(4, 16).bfloat16()
+    assert R.use_split(big, w) and not R.use_split(small, w)
+    assert R.use_split(small, w, backend="split_bf16") and not R.use_split(big, w, backend="fp32")
+    assert not R.use_split(big.float(), w) and not R.use_split(big.half(), w)
