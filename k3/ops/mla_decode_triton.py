@@ -188,12 +188,31 @@ class MLADecodePlan:
     BCC: int = 64
 
 
+def balanced_splits(units: int, lo: int, hi: int, sms: int) -> int:
+    """The split count in [lo, hi] whose program count units x splits spreads most evenly over `sms`
+    multiprocessors (every SM gets the same number of programs, within 5%), the smallest such; else the most even.
+    Why: with 28 rows of the `small` hybrid at 1M context the old count (ceil(2 x 132 / 28) = 10: 280 programs
+    for 264 slots) left 16 programs for a second round, and the hybrid read its cache at 2.3 TB/s where the
+    all-MLA control (8 rows x 33 splits = 264 programs) read at 3.3 (benchmarks/RESULTS.md, seventh session)."""
+    best, best_imb = lo, float("inf")
+    for s in range(lo, max(lo, hi) + 1):
+        p = units * s
+        imb = -(-p // sms) * sms / p
+        if imb <= 1.05:
+            return s
+        if imb < best_imb - 1e-9:
+            best, best_imb = s, imb
+    return best
+
+
 def plan(N: int, H: int, W: int, C: int, R: int, cache_dtype: torch.dtype, device: torch.device, *,
          splits: Optional[int] = None, block_n: Optional[int] = None, num_warps: Optional[int] = None,
-         num_stages: Optional[int] = None, target_programs: Optional[int] = None) -> MLADecodePlan:
+         num_stages: Optional[int] = None, target_programs: Optional[int] = None,
+         sms: Optional[int] = None) -> MLADecodePlan:
     """Launch parameters from static shapes only (no tensor values). Splits: enough programs to cover the GPU
     twice (target 2 x SMs; 8 under the CPU interpreter), at most one split per MIN_BLOCKS_PER_SPLIT key blocks of
-    the window. Key block and warps by the size of a program's fp32 accumulator BH x BC: >= 64 x 512: 32 keys,
+    the window; on CUDA (or with `sms` given) raised up to 4x so that the programs spread evenly over the SMs
+    (`balanced_splits`). Key block and warps by the size of a program's fp32 accumulator BH x BC: >= 64 x 512: 32 keys,
     8 warps, 2 stages; >= 64 x 256 (or 32 x 512): 64 keys, 8 warps, 2 stages; else 64 keys, 4 warps, 3 stages
     (heuristics, not tuned on a GPU yet: benchmarks/mla_decode.py --sweep tries others)."""
     device = torch.device(device)
@@ -204,11 +223,15 @@ def plan(N: int, H: int, W: int, C: int, R: int, cache_dtype: torch.dtype, devic
     BN = int(block_n) if block_n is not None else (32 if big else 64)
     if BN < 16 or BN & (BN - 1):
         raise ValueError(f"mla_decode: block_n {BN} must be a power of two >= 16")
+    if sms is None and device.type == "cuda":
+        sms = _sm_count(device.index or 0)
     if target_programs is None:
-        target_programs = 2 * _sm_count(device.index or 0) if device.type == "cuda" else 8
+        target_programs = 2 * sms if device.type == "cuda" else 8
     if splits is None:
-        blocks = -(-W // BN)
-        splits = max(1, min(-(-target_programs // (N * NHB)), blocks // MIN_BLOCKS_PER_SPLIT))
+        cap = max(1, -(-W // BN) // MIN_BLOCKS_PER_SPLIT)
+        splits = max(1, min(-(-target_programs // (N * NHB)), cap))
+        if sms:
+            splits = balanced_splits(N * NHB, splits, min(cap, 4 * splits), sms)
     splits = max(1, int(splits))
     if num_warps is None:
         num_warps = 8 if mid else 4

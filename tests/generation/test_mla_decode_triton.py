@@ -188,3 +188,22 @@ def test_cpu_without_interpreter_falls_back():
 
 if __name__ == "__main__":
     print(json.dumps(_checks()))
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton not installed")
+def test_splits_spread_evenly_over_the_sms():
+    """On an H200 (132 SMs): 28 rows of one head block at 1M context got 10 splits (280 programs for 264 slots:
+    16 programs in a second round); balanced, 14 splits (392 programs, 3 per SM but 4 SMs). Counts that already
+    divide evenly stay (8 rows x 33, 1 row x 264); a short window caps the count as before."""
+    from k3.ops import mla_decode_triton as mdt
+    sp = lambda N, W=1 << 20, H=8: mdt.plan(N, H, W, 256, 32, torch.bfloat16, "cpu", target_programs=264,  # noqa
+                                            sms=132).splits
+    assert mdt.balanced_splits(28, 10, 40, 132) == 14
+    assert (sp(28), sp(8), sp(1), sp(4)) == (14, 33, 264, 66)
+    for N in range(1, 80):   # never fewer splits than before, never more than 4x, every SM within 6% of the mean
+        s, lo = sp(N), -(-264 // N)
+        assert lo <= s <= 4 * lo
+        p = N * s
+        assert -(-p // 132) * 132 / p <= 1.06, (N, s)
+    assert sp(28, W=64 * 4) == 2                     # 4 key blocks: at most 2 splits
+    assert mdt.plan(28, 8, 1 << 20, 256, 32, torch.bfloat16, "cpu", target_programs=264).splits == 10  # no sms
