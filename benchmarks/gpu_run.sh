@@ -82,10 +82,12 @@ for stage in "$@"; do case $stage in
       --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   trainbf16-router32) step trainbf16-router32 300 env K3_BACKEND=router:fp32 python3 benchmarks/gpu_model.py \
       --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
+  trainbf16-ckptce) step trainbf16-ckptce 300 env K3_FUSED_CE=0 python3 benchmarks/gpu_model.py --train --batch 8 \
+      --seq 4096 --steps 5 --compile modules --bf16-params ;;
   trainbf16-b12) step trainbf16-b12 300 python3 benchmarks/gpu_model.py --train --batch 12 --seq 4096 --steps 5 \
       --compile modules --bf16-params ;;
   newtests) step newtests 240 python3 -m pytest -q -s --timeout 150 tests/gpu/test_gpu_numerics.py \
-      tests/gpu/test_gpu_train.py -k "conv or router or fused_muon" ;;
+      tests/gpu/test_gpu_train.py -k "conv or router or fused_muon or linear_cross" ;;
   trainbf16-fused) step trainbf16-fused 300 env K3_BACKEND=moe_combine:triton python3 \
       benchmarks/gpu_model.py --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;

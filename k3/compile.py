@@ -40,7 +40,9 @@ def compile_loss(model, dynamic: bool = False, **kw):
     log-softmax, NLL and their backward fuse into passes over the 16-bit logits (eager: fp32 logits and
     log-probabilities of [chunk, vocab] written and read ~4 times per chunk)."""
     from k3.model import ce_chunk_sum
+    from k3.ops.loss import ce_chunk_grad
     model.ce_chunk = torch.compile(ce_chunk_sum, dynamic=dynamic, **kw)
+    model.ce_grad = torch.compile(ce_chunk_grad, dynamic=dynamic, **kw)   # the training loss (k3/ops/loss.py)
     return model
 
 

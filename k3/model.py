@@ -12,6 +12,7 @@ What is notable (spec §3):
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,8 +30,8 @@ from k3.nn.mlp import GLUMLP
 from k3.nn.moe import LatentMoE, init_moe_
 from k3.nn.norm import RMSNorm
 from k3.ops.attnres import attnres_mix
+from k3.ops.loss import IGNORE_INDEX, ce_chunk_grad, linear_cross_entropy_sum
 
-IGNORE_INDEX = -100
 
 
 def ce_chunk_sum(lm_head: nn.Module, h_Nd: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
@@ -133,6 +134,10 @@ class K3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_chunk_size = 4096  # tokens per CE chunk; 0 = one shot
         self.ce_chunk = ce_chunk_sum  # (lm_head, h, y) -> summed CE; compile_model compiles it
+        # training loss with its gradient formed in the forward pass (k3/ops/loss.py; K3_FUSED_CE=0: the
+        # checkpointed chunks, which recompute each chunk's logits in backward)
+        self.fused_ce = os.environ.get("K3_FUSED_CE", "1") != "0"
+        self.ce_grad = ce_chunk_grad  # (logits, y) -> (summed CE, dCE/dlogits); compile_model compiles it
         if init:
             self.reset_parameters()
 
@@ -224,6 +229,9 @@ class K3ForCausalLM(nn.Module):
         y = labels_BT.reshape(-1)
         n = int((y != IGNORE_INDEX).sum())
         C = self.loss_chunk_size or h.shape[0]
+        if self.fused_ce and torch.is_grad_enabled() and self.lm_head.bias is None \
+                and (h.requires_grad or self.lm_head.weight.requires_grad):
+            return linear_cross_entropy_sum(h, self.lm_head.weight, y, C, self.ce_grad) / max(n, 1), n
 
         def ce_sum(hc, yc):
             return self.ce_chunk(self.lm_head, hc, yc)

@@ -90,8 +90,9 @@ def test_loss_chunked_equals_one_shot_and_ignores(model):
 
 
 def test_compiled_loss_equals_eager():
-    """compile_loss (what compile_model does to the chunked cross-entropy): same loss and gradients, in chunks with a
-    short tail and ignored targets, under checkpointing in training mode."""
+    """The training loss with its gradient formed in the forward pass (k3/ops/loss.py, the default) and the
+    checkpointed chunks (`fused_ce = False`), eager and compiled (compile_loss, what compile_model does): same loss
+    and gradients, in chunks with a short tail and ignored targets, in training mode."""
     from k3.compile import compile_loss
     torch.manual_seed(5)
     m = K3ForCausalLM(micro()).float().train()
@@ -99,16 +100,21 @@ def test_compiled_loss_equals_eager():
     y = torch.randint(0, 512, (2, 21))
     y[0, :4] = -100
     m.loss_chunk_size = 16
-    ref, n_ref = m.loss(h, y)
-    g_ref = torch.autograd.grad(ref, (h, m.lm_head.weight))
+
+    def run(fused):
+        m.fused_ce = fused
+        loss, n = m.loss(h, y)
+        return loss, n, torch.autograd.grad(loss, (h, m.lm_head.weight))
+    ref, n_ref, g_ref = run(False)
+    runs = {"fused eager": run(True)}
     compile_loss(m)
-    assert m.ce_chunk is not M.ce_chunk_sum
-    got, n = m.loss(h, y)
-    g = torch.autograd.grad(got, (h, m.lm_head.weight))
-    assert n == n_ref == 38
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g, g_ref):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert m.ce_chunk is not M.ce_chunk_sum and m.ce_grad is not M.ce_chunk_grad
+    runs["fused compiled"], runs["checkpointed compiled"] = run(True), run(False)
+    for name, (got, n, g) in runs.items():
+        assert n == n_ref == 38, name
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=name)
+        for a, b in zip(g, g_ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_every_parameter_gets_gradient():

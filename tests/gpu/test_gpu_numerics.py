@@ -352,6 +352,34 @@ def test_router_split_bf16_vs_fp64():
     assert errs["dx"] < 1.1 * errs["dx_rounding"], errs
 
 
+def test_linear_cross_entropy_bf16_vs_fp64():
+    """The training loss with its gradient formed in the forward pass (k3/ops/loss.py: bf16 GEMMs, the dW sum in
+    fp32 via cuBLAS mm with fp32 output, the compiled chunk gradient) against fp64 autograd, at the lm_head shape
+    of `small` (V = 32768, d = 1024) with 4 chunks and ignored targets; and against the checkpointed chunks."""
+    import torch.nn.functional as F
+    from k3.ops.loss import ce_chunk_grad, linear_cross_entropy_sum
+    g = torch.Generator().manual_seed(13)
+    N, d, V = 2048, 1024, 32768
+    h = torch.randn(N, d, generator=g)
+    w = torch.randn(V, d, generator=g) * 0.02
+    y = torch.randint(0, V, (N,), generator=g)
+    y[::7] = -100
+    hr, wr = h.double().requires_grad_(), w.double().requires_grad_()
+    ref = F.cross_entropy(hr @ wr.t(), y, ignore_index=-100, reduction="sum")
+    dh_ref, dw_ref = torch.autograd.grad(ref, (hr, wr))
+    hg, wg = h.to(DEV, BF).requires_grad_(), w.to(DEV, BF).requires_grad_()
+    loss = linear_cross_entropy_sum(hg, wg, y.to(DEV), 512, torch.compile(ce_chunk_grad))
+    dh, dw = torch.autograd.grad(loss, (hg, wg))
+    hc, wc = h.to(DEV, BF).requires_grad_(), w.to(DEV, BF).requires_grad_()
+    plain = F.cross_entropy((hc @ wc.t()).float(), y.to(DEV), ignore_index=-100, reduction="sum")
+    dh_p, dw_p = torch.autograd.grad(plain, (hc, wc))
+    errs = dict(loss=rel(loss, ref), dh=rel(dh, dh_ref), dw=rel(dw, dw_ref),
+                plain_loss=rel(plain, ref), plain_dh=rel(dh_p, dh_ref), plain_dw=rel(dw_p, dw_ref))
+    report("linear CE fused bf16 (plain bf16 autograd alongside)", **errs)
+    assert errs["loss"] < 2 * errs["plain_loss"] + 1e-6, errs
+    assert errs["dh"] < 1.5 * errs["plain_dh"] + 1e-3 and errs["dw"] < 1.5 * errs["plain_dw"] + 1e-3, errs
+
+
 @pytest.mark.parametrize("H,C,R", [(8, 256, 32), (64, 512, 64)])
 def test_mla_decode_triton_vs_fp64_reference(H, C, R):
     from k3.ops import mla_decode_triton as mdt
