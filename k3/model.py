@@ -33,7 +33,6 @@ from k3.ops.attnres import attnres_mix
 from k3.ops.loss import IGNORE_INDEX, ce_chunk_grad, linear_cross_entropy_sum
 
 
-
 def ce_chunk_sum(lm_head: nn.Module, h_Nd: torch.Tensor, y_N: torch.Tensor) -> torch.Tensor:
     """Summed cross-entropy of one chunk of tokens (fp32 logits). `k3.compile_model` swaps in a compiled copy
     (`K3ForCausalLM.ce_chunk`): Inductor fuses the fp32 cast, log-softmax and its backward into passes over the

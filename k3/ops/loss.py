@@ -21,8 +21,9 @@ IGNORE_INDEX = -100
 
 
 def ce_chunk_grad(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed CE of the chunk in fp32 (fp64 for fp64 logits), d(sum)/d(logits) in the logits' dtype). `k3.compile_model` swaps in a
-    compiled copy (K3ForCausalLM.ce_grad): one pass over the 16-bit logits for the statistics, one for g."""
+    """(summed CE of the chunk in fp32 (fp64 for fp64 logits), d(sum)/d(logits) in the logits' dtype).
+    `k3.compile_model` swaps in a compiled copy (K3ForCausalLM.ce_grad): one pass over the 16-bit logits for the
+    statistics, one for g."""
     x = logits if logits.dtype == torch.float64 else logits.float()
     valid = y != IGNORE_INDEX
     yv = torch.where(valid, y, torch.zeros_like(y))
@@ -71,7 +72,9 @@ class _LinearCE(torch.autograd.Function):
     def backward(ctx, go):
         dh, dw = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
-        return (dh * go.to(dh.dtype) if need_h else None,
+        # the scale (1 / n, accumulation weights) in fp32 at least: rounded to bf16 it would bias every gradient
+        sc = torch.promote_types(dh.dtype, torch.float32)
+        return ((dh.to(sc) * go.to(sc)).to(dh.dtype) if need_h else None,
                 (dw * go.to(dw.dtype)).to(ctx.wdtype) if need_w else None, None, None, None, None)
 
 

@@ -212,9 +212,9 @@ def plan(N: int, H: int, W: int, C: int, R: int, cache_dtype: torch.dtype, devic
     """Launch parameters from static shapes only (no tensor values). Splits: enough programs to cover the GPU
     twice (target 2 x SMs; 8 under the CPU interpreter), at most one split per MIN_BLOCKS_PER_SPLIT key blocks of
     the window; on CUDA (or with `sms` given) raised up to 4x so that the programs spread evenly over the SMs
-    (`balanced_splits`). Key block and warps by the size of a program's fp32 accumulator BH x BC: >= 64 x 512: 32 keys,
-    8 warps, 2 stages; >= 64 x 256 (or 32 x 512): 64 keys, 8 warps, 2 stages; else 64 keys, 4 warps, 3 stages
-    (heuristics, not tuned on a GPU yet: benchmarks/mla_decode.py --sweep tries others)."""
+    (`balanced_splits`). Key block and warps by the size of a program's fp32 accumulator BH x BC: >= 64 x 512:
+    32 keys, 8 warps, 2 stages; >= 64 x 256 (or 32 x 512): 64 keys, 8 warps, 2 stages; else 64 keys, 4 warps,
+    3 stages (heuristics, not tuned on a GPU yet: benchmarks/mla_decode.py --sweep tries others)."""
     device = torch.device(device)
     BH = min(_pow2_16(H), MAX_BH)
     NHB = -(-H // BH)

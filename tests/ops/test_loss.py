@@ -84,3 +84,14 @@ def test_frozen_head_or_frozen_inputs():
     ws = w.clone().requires_grad_()
     (dw,) = torch.autograd.grad(linear_cross_entropy_sum(h, ws, y, 8), (ws,))
     assert rel(dh, dh_ref) < 1e-12 and rel(dw, dw_ref) < 1e-12
+
+
+def test_bf16_gradient_scale_is_not_rounded():
+    """Backward scales the stored bf16 dh by the incoming gradient (1 / n, accumulation weights) in fp32: a scale
+    rounded to bf16 first (1/3 -> 0.33398) would bias every gradient by 0.2%."""
+    h, w, y = _case(N=64, d=32, V=128, seed=5, dtype=torch.float32)
+    hb = h.bfloat16().requires_grad_()
+    (g1,) = torch.autograd.grad(linear_cross_entropy_sum(hb, w.bfloat16(), y, 16), (hb,))
+    (g3,) = torch.autograd.grad(linear_cross_entropy_sum(hb, w.bfloat16(), y, 16) / 3, (hb,))
+    ratio = float((g3.double() * g1.double()).sum() / (g1.double() ** 2).sum())
+    assert abs(ratio * 3 - 1) < 5e-4, ratio
