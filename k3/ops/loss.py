@@ -17,6 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
+from k3.ops import mm_acc32
+
 IGNORE_INDEX = -100
 
 
@@ -36,15 +38,6 @@ def ce_chunk_grad(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, 
     return loss, g.to(logits.dtype)
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result (16-bit inputs: fp32 accumulation, cuBLAS `mm.dtype` on CUDA)."""
-    if a.dtype == torch.float32 or a.dtype == torch.float64:
-        return a @ b
-    if a.is_cuda:
-        return torch.ops.aten.mm.dtype(a, b, torch.float32)
-    return a.float() @ b.float()
-
-
 class _LinearCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, y, chunk: int, grad_fn, cdtype: torch.dtype):
@@ -62,7 +55,7 @@ class _LinearCE(torch.autograd.Function):
                 if h.requires_grad:
                     dh[s:s + chunk].copy_(g @ w)
                 if weight.requires_grad:
-                    dw += _mm_f32(g.t(), hc)
+                    dw += mm_acc32(g.t(), hc)
         ctx.save_for_backward(dh, dw)
         ctx.wdtype = weight.dtype
         return total

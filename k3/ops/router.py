@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops import dispatch, f32, fp32_math
+from k3.ops import dispatch, f32, fp32_math, mm_acc32
 
 dispatch.register("router", "fp32", lambda: True, priority=0)
 dispatch.register("router", "split_bf16", lambda: True, priority=10)   # auto only on CUDA (dispatch rule)
@@ -35,15 +35,6 @@ def split3(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return a1, a2, (r - a2.float()).bfloat16()
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """bf16 a @ bf16 b with fp32 accumulation, result in out_dtype (on CPU: the same products in fp32)."""
-    if a.is_cuda:
-        if out_dtype == torch.float32:
-            return torch.ops.aten.mm.dtype(a, b, torch.float32)
-        return torch.mm(a, b).to(out_dtype)
-    return (a.float() @ b.float()).to(out_dtype)
-
-
 def _sum3(y: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """The three n-wide blocks of y along dim summed, smallest first."""
     a, b, c = torch.split(y, n, dim)
@@ -53,19 +44,19 @@ def _sum3(y: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 def _logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     E = w.shape[0]
     if w.dtype == torch.bfloat16:   # the weight is exact in bf16: one term
-        return _mm(x, w.t(), torch.float32)
-    return _sum3(_mm(x, torch.cat(split3(w)).t(), torch.float32), E, 1)
+        return mm_acc32(x, w.t(), torch.float32)
+    return _sum3(mm_acc32(x, torch.cat(split3(w)).t(), torch.float32), E, 1)
 
 
 def _logits_bwd(x: torch.Tensor, w: torch.Tensor, dl: torch.Tensor):
     E = w.shape[0]
     d1, d2, d3 = split3(dl)
-    dw = _sum3(_mm(torch.cat([d1, d2, d3], 1).t(), x, torch.float32), E, 0)
+    dw = _sum3(mm_acc32(torch.cat([d1, d2, d3], 1).t(), x, torch.float32), E, 0)
     if w.dtype == torch.bfloat16:
-        dx = _mm(torch.cat([d1, d2], 1), torch.cat([w, w]), x.dtype)
+        dx = mm_acc32(torch.cat([d1, d2], 1), torch.cat([w, w]), x.dtype)
     else:
         w1, w2, _ = split3(w)
-        dx = _mm(torch.cat([d1, d2, d1], 1), torch.cat([w1, w1, w2]), x.dtype)
+        dx = mm_acc32(torch.cat([d1, d2, d1], 1), torch.cat([w1, w1, w2]), x.dtype)
     return dx, dw.to(w.dtype)
 
 

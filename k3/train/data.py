@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from k3.errors import K3ConfigError, TokenizerError
+from k3.ops.loss import IGNORE_INDEX  # one constant for the data and the loss
 from k3.tokenizer.base import K3_SPECIAL_OFFSETS, NUM_SPECIAL_SLOTS, UNK, k3_special_tokens
 from k3.tokenizer.bpe import K3_PAT_STR
 from k3.tokenizer.hf import HFTokenizerWrapper
@@ -59,7 +60,6 @@ __all__ = [
     "tokenize_documents", "PackedLoader", "ValLoader", "K3Data", "build_data", "IGNORE_INDEX",
 ]
 
-IGNORE_INDEX = -100
 NUM_SPECIAL = NUM_SPECIAL_SLOTS
 _TOKENIZER_VERSION = "bpe-v1"
 _CORPUS_VERSION = "pydocs-v1"

@@ -420,9 +420,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
         if env:
             fused = env == "1"
         else:
-            import importlib.util
-            fused = importlib.util.find_spec("triton") is not None and \
-                any(p.is_cuda for p in model.parameters() if p.requires_grad)
+            from k3.ops.dispatch import triton_runs
+            fused = any(p.is_cuda for p in model.parameters() if p.requires_grad) and triton_runs()
     if fused:
         from k3.ops.dispatch import triton_runs
         if not triton_runs():
