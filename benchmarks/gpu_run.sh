@@ -33,6 +33,12 @@ for stage in "$@"; do case $stage in
       tests/gpu/test_gpu_train.py ;;
   situtest) step situtest 120 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k situ ;;
   tests-bwd) step tests-bwd 200 python3 -m pytest -q -s --timeout 150 tests/gpu -k "kda_triton_backward" ;;
+  # eighth session: the pipelined forward (prep of piece p + 1 overlapping the walk of piece p) at every shape
+  pipetest) step pipetest 150 python3 -m pytest -q -s --timeout 120 tests/gpu/test_gpu_numerics.py -k "pipelined" ;;
+  kdapipe) step kdapipe 290 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
+      --prep-configs '["default"]' --state-configs ${PIPE_CONFIGS:-base_s3,pipe2k,pipe4k,pipe8k,pipe16k,pipe8k_bv64} \
+      --state-every-shape --shapes ${PIPE_SHAPES:-B1_T128K,B2_T32K,varlen,B8_T8K} --json "$OUT/kda_pipe.json" \
+      --budget-s 260 ;;
   kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
       --state-configs none --shapes B8_T8K,varlen,B2_T32K,B1_T128K --json "$OUT/kda_triton_fwd4.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;

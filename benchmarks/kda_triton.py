@@ -25,8 +25,8 @@ registers, spills, shared memory, resident programs/warps per SM and SASS counts
 BV 32/64/128 x 4/8 warps x 1/2/3 stages, and every STATE_SWEEP option set of ops.STATE_CFG_DEFAULT) and prints
 registers, spills, programs per SM, SASS of the loop body per 16-token step, a one-warp in-order issue simulation of
 that body (cycles per step) and a calibrated model of the sequential ms at B8 T8K.
-2d. (GPU, first shape) every STATE_SWEEP option set (--state-configs to pick, 'none' to skip): the full forward with
-the c16p prep (c16 when c16p is not in --variants); sequential ms = forward - prep alone.
+2d. (GPU, first shape; every shape with --state-every-shape) every STATE_SWEEP option set (--state-configs to pick,
+'none' to skip): the full forward with the c16p prep (c16 when c16p is not in --variants); sequential ms = forward - prep alone.
 
 Measured on 2026-11-30 (H200, triton 3.6, B8 T8K H96 D128 bf16): fla 19.7 ms, c16 17.0 ms of which its prep kernel
 12.4 ms (the sequential pass ~4.6 ms). The prep's own memory floor: it reads q, k, v, g (256 B each) and beta, and
@@ -143,6 +143,8 @@ def main():
                          "STATE_SWEEP), 'state-sweep' (STATE_SWEEP only)")
     ap.add_argument("--state-configs", default=None,
                     help="comma list of STATE_SWEEP names timed at the first shape (default: all; 'none': skip)")
+    ap.add_argument("--state-every-shape", action="store_true",
+                    help="time the --state-configs at every shape (default: the first shape only)")
     args = ap.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -461,8 +463,9 @@ def main():
                     row[f"{v}_speedup"] = row["fla_ms"] / times[bname]
                 if si == 0:
                     best_cfg[v] = next(c for c in cfgs if cfg_name(c) == bname)
-        # 2d. sequential-pass option sets (STATE_SWEEP) at the first shape, after the prep of c16p (else c16)
-        if si == 0 and state_sweep and any(v in variants for v in ("c16", "c16p")):
+        # 2d. sequential-pass option sets (STATE_SWEEP) at the first shape (or every one), after the prep of c16p
+        # (else c16)
+        if (si == 0 or args.state_every_shape) and state_sweep and any(v in variants for v in ("c16", "c16p")):
             sv = "c16p" if "c16p" in variants else "c16"
             try:
                 ours_fwd(ins, sv, {}, cu=cu, prep_only=True)
@@ -484,6 +487,8 @@ def main():
                     del o_v
                     st[n] = bench(lambda: ours_fwd(ins, sv, cc, cu=cu))
                     row[f"state[{n}]_fwd_ms"] = st[n]
+                    if "fla_ms" in row:
+                        row[f"state[{n}]_speedup"] = row["fla_ms"] / st[n]
                     if prep_ms is not None:
                         row[f"state[{n}]_seq_ms"] = st[n] - prep_ms
                     row[f"state[{n}]_predicted_seq_ms"] = pred
@@ -663,6 +668,16 @@ STATE_SWEEP += [
      "8 warps, cap 128, out_late, 3-stage cp.async pipeline"),
     ("v2_w4_bv64_r128_pf_late", dict(kernel="v2", bv=64, num_warps=4, maxnreg=128, prefetch=True, out_late=True),
      5.7, "BV 64 on 4 warps, cap 128 (4 programs per SM), prefetch + out_late"),
+]
+STATE_SWEEP += [  # eighth session: prep of piece p + 1 overlapped with the walk of piece p (ops `pipe`); predicted
+    # from the fifth session's split (B1 T128K: prep 12.8 + walk ~11 ms; B2 T32K ~6.4 + 5.6; B8 T8K ~6.4 + 4.0) as
+    # max(prep + last walk piece, first prep piece + walk) plus ~15% for the two kernels sharing SMs and memory
+    ("pipe2k", dict(pipe=2048, num_stages=3), None, "2,048-token pieces (B8 T8K: 4 pieces; predicted ~8 ms)"),
+    ("pipe4k", dict(pipe=4096, num_stages=3), None, "4,096-token pieces (B2 T32K: 8; predicted ~7.5 ms)"),
+    ("pipe8k", dict(pipe=8192, num_stages=3), None, "8,192-token pieces (B1 T128K: 16; predicted ~15 ms)"),
+    ("pipe16k", dict(pipe=16384, num_stages=3), None, "16,384-token pieces (B1 T128K: 8)"),
+    ("pipe8k_bv64", dict(pipe=8192, bv=64, num_stages=3), None, "8,192-token pieces, BV 64 (half the walk programs, "
+     "more SM room for the prep)"),
 ]
 STATE_ORDER = ["base", "base_s3", "v2_w4_late_s3", "v2_w8_r128_late_s3", "v2_w8_r128_pf_late", "v2_w8_pf", "base_w8_r128", "v2_w8_ch2_pf_late",
                "v2_w8_pf_late", "base_w8_s3", "v2_w4_bv64_pf_late", "v2_w4_bv64_r128_pf_late", "v2_w8_ch2_late",

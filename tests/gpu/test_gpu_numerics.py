@@ -464,6 +464,35 @@ def test_kda_triton_forward_full_shape(variant, monkeypatch):
     assert errs["o"] <= 5e-3 and errs["S"] <= 5e-3, errs
 
 
+def test_kda_triton_pipelined_forward_full_shape():
+    """The pipelined forward (prep of piece p + 1 on the current stream while a high-priority stream walks piece p)
+    at H96 D128 bf16, varlen with an initial state, against the unpiped forward on the same inputs (same kernels on
+    the same chunks: equal to rounding) and the fp32 torch path (fla's tolerance); run twice in a row and after
+    unrelated work on the current stream, so a missing stream wait would show as a difference."""
+    from k3.ops.kda.triton import ops
+    H, D = 96, 128
+    q, k, v, f, beta, A_log, dt_bias = kda_inputs(1, 6000, H, D, D, seed=21)
+    cu = torch.tensor([0, 1, 2100, 2100, 4500, 6000])
+    h0 = torch.randn(5, H, D, D, generator=torch.Generator().manual_seed(22)) * 0.1
+    o_ref, S_ref = _fp32_ref(q, k, v, f, beta, A_log, dt_bias, h0, cu)
+    args = [t.to(DEV, BF) for t in (q, k, v, f)] + [beta.to(DEV, BF)]
+    kw = dict(initial_state=h0.to(DEV), output_final_state=True, cu_seqlens=cu.to(DEV), use_qk_l2norm_in_kernel=True,
+              use_gate_in_kernel=True, A_log=A_log.to(DEV), dt_bias=dt_bias.to(DEV), lower_bound=-5.0)
+    rr = lambda a, b: float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+    with torch.no_grad():
+        o0, S0 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=0), **kw)
+        errs = {}
+        for piece in (512, 1024, 2048):
+            for rep in range(2):
+                torch.cuda._sleep(1_000_000)  # keep the current stream busy: the side stream must wait for it
+                o1, S1 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=piece), **kw)
+                errs[f"p{piece}_{rep}_vs_unpiped"] = max(rr(o1, o0), rr(S1, S0))
+        errs.update(o_ref=rr(o1, o_ref), S_ref=rr(S1, S_ref))
+    report("kda triton pipelined H96 D128 varlen+h0", **errs)
+    assert all(e <= 1e-6 for n, e in errs.items() if n.endswith("unpiped")), errs
+    assert errs["o_ref"] <= 5e-3 and errs["S_ref"] <= 5e-3, errs
+
+
 def test_kda_triton_forward_causal_in_gates():
     """Outputs before position t do not move when the gates (and keys, values) after t change."""
     from k3.ops.kda import chunk_kda

@@ -43,7 +43,14 @@ STATE_CASES = {
     "c16:v2_ch1_pf_bv16": dict(kernel="v2", prefetch=True, bv=16),
     "c16:v2_ch2_late_s3": dict(kernel="v2", ch=2, out_late=True, num_stages=3),
     "c16p:v2_pf_late_w8": dict(kernel="v2", prefetch=True, out_late=True, num_warps=8),
+    # time pieces (the pipelined forward): 16 tokens (every chunk its own piece; sequences of 0 and 1 tokens walk
+    # empty pieces), 48 (T = 100: pieces of 48, 48, 4), 64 on the 64-token variant
+    "c16p:pipe16": dict(pipe=16),
+    "c16:pipe48_v2_pf": dict(pipe=48, kernel="v2", prefetch=True),
+    "c64:pipe64": dict(pipe=64),
 }
+# the pipelined forward against the same variant unpiped: the same kernels on the same chunks, so equal to rounding
+PIPE_RUNS = {"c16p": 32, "c16": 16, "c64": 128}
 STATE_FWD_CASES = ("gate_l2_h0", "precomputed_g", "varlen", "bf16")
 # D=128 bf16 inputs with GPU rounding emulated: o and state vs the fp32 loop. "hard": nearly collinear keys and weak
 # decay (|n| ~ 1): a tf32 inverse by repeated squaring gives o off by 0.27-0.41 there (tried), the block inverse
@@ -162,9 +169,28 @@ def _checks() -> dict:
     # chunk_kda takes no state_cfg), names "variant:option"
     option_sweep("c16p", ops.PREP16P_DEFAULT, PREP16P_CASES, PREP16P_FWD_CASES, lambda n: "c16p")
     option_sweep("state", ops.STATE_CFG_DEFAULT, STATE_CASES, STATE_FWD_CASES, lambda n: n.split(":")[0])
+    # pipelined vs unpiped, same variant, varlen with initial states (and without a final state: the last piece's
+    # walk then stores nothing); a piece length that is not a multiple of c64's chunk is refused by name
+    _, args, kw, _ = next(c for c in cases if c[0] == "varlen")
+    for variant, piece in PIPE_RUNS.items():
+        o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant,
+                                   output_final_state=True, state_cfg=dict(pipe=0), **kw)
+        o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, output_final_state=True,
+                                   state_cfg=dict(pipe=piece), **kw)
+        o2, _ = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, state_cfg=dict(pipe=piece), **kw)
+        res[f"pipe.{variant}.o"], res[f"pipe.{variant}.S"] = _rr(o1, o0), _rr(s1, s0)
+        res[f"pipe.{variant}.o_no_final"] = _rr(o2, o0)
+        res[f"pipe.{variant}.used"] = float(ops.pipe_tokens(ops.state_config(dict(pipe=piece)), variant, 280, 12,
+                                                            64 if variant == "c64" else 16) == piece)
+    try:
+        ops.kda_chunk_fwd(*args, K ** -0.5, variant="c64", state_cfg=dict(pipe=32), **kw)
+        res["pipe.c64_bad_piece_raises"] = 0.0
+    except ValueError as e:
+        res["pipe.c64_bad_piece_raises"] = float("chunk" in str(e))
     saved = dict(ops.PREP16P_DEFAULT)  # restored after each D128 run below
     res["state_bad_cfg_raises"] = 0.0
-    for bad in (dict(ch=3), dict(prefetch=True), dict(kernel="v3"), dict(bv=24), dict(foo=1)):
+    for bad in (dict(ch=3), dict(prefetch=True), dict(kernel="v3"), dict(bv=24), dict(foo=1), dict(pipe=24),
+                dict(pipe=-16)):
         try:
             ops.state_config(bad)
         except ValueError:
@@ -283,7 +309,18 @@ def test_state_options(results, option, name):
 
 
 def test_state_config_validated(results):
-    assert results["state_bad_cfg_raises"] == 5.0
+    assert results["state_bad_cfg_raises"] == 7.0
+
+
+@pytest.mark.parametrize("variant", list(PIPE_RUNS))
+def test_pipelined_forward_equals_unpiped(results, variant):
+    assert results[f"pipe.{variant}.used"] == 1.0
+    for key in ("o", "S", "o_no_final"):
+        assert results[f"pipe.{variant}.{key}"] <= 1e-6, (variant, key, results[f"pipe.{variant}.{key}"])
+
+
+def test_pipe_piece_must_fit_the_chunk(results):
+    assert results["pipe.c64_bad_piece_raises"] == 1.0
 
 
 def test_prep16p_config_validated(results):

@@ -62,8 +62,9 @@ def _cases():
     return {
         "kda_prep_fwd c16": (kf.kda_prep_fwd_kernel, dict(H=96, K=128, V=128, BT=16, REF=7, USE_GATE=True,
                                                           L2NORM=True)),
-        "kda_state_fwd c16": (kf.kda_state_fwd_kernel, c),
-        "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64)),
+        "kda_state_fwd c16": (kf.kda_state_fwd_kernel, dict(c, CU_STRIDE=1)),
+        "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64, CU_STRIDE=1)),
+        "kda_state_fwd c16 pairs": (kf.kda_state_fwd_kernel, dict(c, CU_STRIDE=2), dict(num_stages=3)),
         "kda_recurrent_fwd": (kf.kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
                                                                 L2NORM=True, HAS_H0=True, STORE_HT=True)),
         **_bwd_cases(kb, cb, cg),
@@ -89,7 +90,8 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_recurrent_fwd",
+@pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_state_fwd c16 pairs",
+                                  "kda_recurrent_fwd",
                                   "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw",
                                   "kda_bwd_gi2", "kda_bwd_gfin",
                                   "kda_bwd_pmat", "kda_bwd_pwu",

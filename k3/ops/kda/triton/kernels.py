@@ -95,12 +95,14 @@ def kda_prep_fwd_kernel(q, k, v, g, beta, A_log, dt_bias,
 
 @triton.jit
 def _seq_walk_start(cu, seq_chunk, s0, i_n, i_h, i_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                    BT: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+                    BT: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, CU_STRIDE: tl.constexpr = 1):
     """Prologue of the sequential (per sequence, head, value block) kernels: the sequence's token range
     [bos, eos), its first global chunk c0 and chunk count nc, the row/column offsets, kv = the [K, BV] block's
-    offsets inside one K x V matrix, and the carried fp32 matrix S read from s0[n, h] (zeros without HAS_S0)."""
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    offsets inside one K x V matrix, and the carried fp32 matrix S read from s0[n, h] (zeros without HAS_S0).
+    CU_STRIDE 1: cu holds N + 1 boundaries (sequence n = [cu[n], cu[n+1])); 2: cu holds N (start, end) pairs, so
+    the ranges need not touch (the pipelined forward walks one time piece of every sequence per launch)."""
+    bos = tl.load(cu + i_n * CU_STRIDE).to(tl.int64)
+    eos = tl.load(cu + i_n * CU_STRIDE + 1).to(tl.int64)
     c0 = tl.load(seq_chunk + i_n).to(tl.int64)
     nc = (eos - bos + BT - 1) // BT
     o_t = tl.arange(0, BT)
@@ -118,14 +120,15 @@ def _seq_walk_start(cu, seq_chunk, s0, i_n, i_h, i_v, H: tl.constexpr, K: tl.con
 @triton.jit
 def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CU_STRIDE: tl.constexpr = 1):
     """One program = one sequence, one head, BV value columns; walks the chunks carrying the fp32 state S [K, BV]:
-    u' = U - W S;  o = (q e^G) S + Aqk u';  S <- e^{G_last} S + (k e^{G_last - G})^T u'."""
+    u' = U - W S;  o = (q e^G) S + Aqk u';  S <- e^{G_last} S + (k e^{G_last - G})^T u'.
+    CU_STRIDE: see _seq_walk_start."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
-                                                                 HAS_H0)
+                                                                 HAS_H0, CU_STRIDE)
     dt = w.dtype.element_ty
     for j in range(0, nc):
         tok = bos + j * BT + o_t
@@ -199,17 +202,17 @@ def _st16_store(o, b_o, bos, eos, j, i_h, o_t, o_v, H: tl.constexpr, V: tl.const
 def kda_state16_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                            HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CH: tl.constexpr, PREFETCH: tl.constexpr,
-                           OUT_LATE: tl.constexpr, FOLD: tl.constexpr):
+                           OUT_LATE: tl.constexpr, FOLD: tl.constexpr, CU_STRIDE: tl.constexpr = 1):
     """kda_state_fwd_kernel with latency options (ops.STATE_CFG_DEFAULT / kda_chunk_fwd(state_cfg=...)), same
     arithmetic. CH (1 or 2): chunks per loop iteration (the second one of a pair past the sequence end is a masked
     no-op). PREFETCH: the next iteration's tiles are loaded into registers before this iteration's dots (a hand
     pipeline, launched with num_stages=1); else the loads are at the top of the iteration (triton's own pipeliner
-    may stage them with num_stages > 1). OUT_LATE, FOLD: see _st16_step."""
+    may stage them with num_stages > 1). OUT_LATE, FOLD: see _st16_step. CU_STRIDE: _seq_walk_start."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
-                                                                 HAS_H0)
+                                                                 HAS_H0, CU_STRIDE)
     if PREFETCH:
         w0, q0, k0, u0, a0, e0 = _st16_load(qg, kd, w, u, aqk, eg, bos, eos, c0, nc, 0, i_h, o_t, o_k, o_v, Ttot,
                                             H, K, V, BT)

@@ -1,6 +1,7 @@
 """Python side of the KDA Triton kernels (needs triton; imported lazily by the package __init__)."""
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -56,13 +57,22 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 #   out_late   "v2": issue the output dots after the state update (they are not on the state chain)
 #   fold       "v2": o = (qg - Aqk W) S + Aqk U (output off the u' chain; one more 16x16xK dot per chunk)
 #   maxnreg    None, or a register cap per thread for ptxas (8 warps at BV 128 take 234 registers: 1 program per SM)
+#   pipe       time pieces (c16 / c16p / c64): 0 = off; a token count (multiple of the chunk) = run the prep of
+#              piece p + 1 on a side CUDA stream while the sequential pass walks piece p of every sequence (state
+#              carried between pieces in fp32, so the result is the unpiped one); None = pipe_tokens' rule.
+#              Long sequences give the sequential pass few programs (B1 T128K H96: 384 at BV 32 for 132 SMs) and
+#              it ran after the memory-bound prep (12.8 + ~11 ms there); overlapping them hides the shorter one.
 # The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
 # Predictions per option set: benchmarks/kda_triton.py STATE_SWEEP (`--static --state` prints the counts).
 # c16 / c16p with the base kernel and num_stages None run 3 stages (BASE16_STAGES): "base_s3", measured best of 18
 # option sets at B8 T8K on the H200 (third session: sequential pass 3.94 vs 4.58 ms at 2 stages).
 BASE16_STAGES = 3
 STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
-                         out_late=False, fold=False, maxnreg=None)
+                         out_late=False, fold=False, maxnreg=None, pipe=None)
+# pipe=None: pieces of PIPE_AUTO tokens when the longest sequence spans at least two of them and there are fewer
+# than PIPE_MAX_PROGS (sequence, head) pairs; 0 disables it. Unmeasured: off until timed on the H200.
+PIPE_AUTO = 0
+PIPE_MAX_PROGS = 4 * N_SM
 LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled handle by variant name
 LAST_PREP = {}  # benchmarks: the last launched prep kernel's compiled handle (n_regs, n_spills) by variant name
 
@@ -130,6 +140,9 @@ def state_config(state_cfg: Optional[dict] = None) -> dict:
     if ns is not None and not (isinstance(ns, int) and 1 <= ns <= 6):
         raise ValueError(f"state_cfg['num_stages']: expected None or an int in [1, 6], got {ns!r}")
     _check_maxnreg("state_cfg", cfg)
+    pipe = cfg["pipe"]
+    if pipe is not None and not (isinstance(pipe, int) and pipe >= 0 and pipe % BT == 0):
+        raise ValueError(f"state_cfg['pipe']: expected None or a non-negative multiple of {BT} (tokens), got {pipe!r}")
     if cfg["kernel"] == "base" and (cfg["ch"] != 1 or cfg["prefetch"] or cfg["out_late"] or cfg["fold"]):
         raise ValueError("state_cfg: ch / prefetch / out_late / fold need kernel='v2'")
     return cfg
@@ -171,25 +184,61 @@ def fwd_variant(variant: Optional[str] = None) -> str:
     return name
 
 
-def _seq_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: int = BT):
-    """(cu int32 [N+1] on device, chunk_tok/chunk_end int32 [NC], seq_chunk int32 [N+1], N, NC) for bt-token
-    chunks: chunk c covers tokens [chunk_tok[c], min(chunk_tok[c] + bt, chunk_end[c])), sequence-major order."""
+def _cu_cpu(B: int, T: int, cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
+    """Sequence boundaries [N+1] int64 on the CPU (B rows of T tokens without cu_seqlens)."""
     if cu_seqlens is None:
-        cu_cpu = torch.arange(B + 1, dtype=torch.int64) * T
-    else:
-        cu_cpu = cu_seqlens.detach().to("cpu", torch.int64)
-    lens = cu_cpu[1:] - cu_cpu[:-1]
-    nch = (lens + bt - 1) // bt
-    N = lens.numel()
+        return torch.arange(B + 1, dtype=torch.int64) * T
+    return cu_seqlens.detach().to("cpu", torch.int64)
+
+
+def _chunk_tables(starts: torch.Tensor, ends: torch.Tensor, bt: int):
+    """(chunk_tok [NC], chunk_end [NC], seq_chunk [N+1], NC), int64 on the CPU, for the token ranges
+    [starts[n], ends[n]) cut into bt-token chunks from each start: chunk c covers tokens
+    [chunk_tok[c], min(chunk_tok[c] + bt, chunk_end[c])), range-major order; seq_chunk[n] = first chunk of range n."""
+    nch = (ends - starts + bt - 1) // bt
+    N = starts.numel()
     seq_chunk = torch.zeros(N + 1, dtype=torch.int64)
     seq_chunk[1:] = torch.cumsum(nch, 0)
     NC = int(seq_chunk[-1])
     seq_of = torch.repeat_interleave(torch.arange(N), nch)
     j = torch.arange(NC) - seq_chunk[:-1][seq_of]
-    chunk_tok = cu_cpu[:-1][seq_of] + j * bt
-    chunk_end = cu_cpu[1:][seq_of]
+    return starts[seq_of] + j * bt, ends[seq_of], seq_chunk, NC
+
+
+def _seq_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: int = BT, cu_cpu=None):
+    """(cu int32 [N+1] on device, chunk_tok/chunk_end int32 [NC], seq_chunk int32 [N+1], N, NC) for bt-token
+    chunks: chunk c covers tokens [chunk_tok[c], min(chunk_tok[c] + bt, chunk_end[c])), sequence-major order.
+    cu_cpu: _cu_cpu(B, T, cu_seqlens) when the caller has it."""
+    cu_cpu = _cu_cpu(B, T, cu_seqlens) if cu_cpu is None else cu_cpu
+    chunk_tok, chunk_end, seq_chunk, NC = _chunk_tables(cu_cpu[:-1], cu_cpu[1:], bt)
     to = lambda x: x.to(torch.int32).to(device, non_blocking=True)
-    return to(cu_cpu), to(chunk_tok), to(chunk_end), to(seq_chunk), N, NC
+    return to(cu_cpu), to(chunk_tok), to(chunk_end), to(seq_chunk), cu_cpu.numel() - 1, NC
+
+
+def pipe_tokens(scfg: dict, variant: str, max_len: int, n_pairs: int, bt: int = BT) -> int:
+    """Piece length of the pipelined forward (0 = not pipelined) for a validated state config: scfg['pipe'] when
+    given, else PIPE_AUTO when there are fewer than PIPE_MAX_PROGS (sequence, head) pairs; 0 unless the longest
+    sequence spans at least two pieces and the variant has a separate prep (c16, c16p, c64)."""
+    if variant not in ("c16", "c16p", "c64"):
+        return 0
+    piece = scfg["pipe"]
+    if piece is None:
+        piece = PIPE_AUTO if n_pairs < PIPE_MAX_PROGS else 0
+    if piece and piece % bt:
+        raise ValueError(f"state_cfg['pipe']: {piece} tokens is not a multiple of the {variant} chunk ({bt})")
+    return piece if piece and max_len > piece else 0
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device) -> "torch.cuda.Stream":
+    """A high-priority stream per device for the pipelined forward's sequential walks: when one is launched while
+    a prep grid occupies the SMs, the block scheduler gives the walk's programs the next free slots."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SIDE_STREAMS:
+        _SIDE_STREAMS[idx] = torch.cuda.Stream(device=idx, priority=-1)
+    return _SIDE_STREAMS[idx]
 
 
 def _interm_dtype(q):
@@ -257,13 +306,23 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         raise ValueError("prep_only: c64f has no separate prep kernel")
     pcfg = prep16p_config(prep_cfg) if name == "c16p" else None
     bt = BT if name in ("c16", "c16p") else BT64
-    cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt)
+    cu_cpu = _cu_cpu(B, T, cu_seqlens)
+    N = cu_cpu.numel() - 1
+    max_len = int((cu_cpu[1:] - cu_cpu[:-1]).max()) if N else 0
     ins = tuple(x.contiguous() for x in (q, k, v, g, beta))
     gate = _gate_args(q, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     flags = dict(USE_GATE=bool(use_gate_in_kernel), L2NORM=bool(use_qk_l2norm_in_kernel))
     o = torch.empty(B, T, H, V, device=q.device, dtype=v.dtype)
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
+    piece = 0 if prep_only or name == "c64f" else pipe_tokens(scfg, name, max_len, N * H, bt)
+    if piece:
+        BV = bv or (_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H))
+        kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
+        _fwd_pipelined(name, ins, gate, flags, float(scale), cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg,
+                       kern, dict(consts, BV=BV, **launch))
+        return o, ht
+    cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt, cu_cpu)
     if name == "c64f":
         _fwd_fused(ins, gate, flags, float(scale), o, h0, ht, cu, N, prec, num_warps)
         return o, ht
@@ -282,7 +341,7 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
         LAST_STATE[name] = kern[(N, H, V // BV)](
             qg, kd, w, u, aqk, eg, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
-            seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, **state, **consts, **launch)
+            seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, CU_STRIDE=1, **state, **consts, **launch)
         return o, ht
     # c64s: lean sequential pass (states + u'), then the chunk-parallel output
     BV = bv or _pick_bv64(V, N * H)
@@ -298,21 +357,16 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     return o, ht
 
 
-def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=None, fixed=None):
+def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=None, fixed=None, out=None):
     """Run the chunk-parallel prep kernel; returns the intermediates (qg, kd, w, u, aqk, eg). c16p: pcfg is its
-    validated config; fixed = (T, chunks per sequence) for equal-length sequences (no cu_seqlens), else None."""
+    validated config; fixed = (T, chunks per sequence) for equal-length sequences (no cu_seqlens), else None.
+    out: the intermediates to write (_alloc_inter; eg may be a row slice: row c = chunk c of the tables)."""
     q, k, v, g, beta = ins
     B, T, H, K = q.shape
     V = v.shape[-1]
     Tt = B * T
-    dev = q.device
-    dt = _interm_dtype(q)
     bt = BT if name in ("c16", "c16p") else BT64
-    qg = torch.empty(H, Tt, K, device=dev, dtype=dt)
-    kd, w = torch.empty_like(qg), torch.empty_like(qg)
-    u = torch.empty(H, Tt, V, device=dev, dtype=dt)
-    aqk = torch.empty(H, Tt, bt, device=dev, dtype=dt)
-    eg = torch.empty(max(NC, 1), H, K, device=dev, dtype=torch.float32)
+    qg, kd, w, u, aqk, eg = out if out is not None else _alloc_inter(q, v, NC, bt)
     a_log, dtb, lb = gate
     if NC > 0:
         if name == "c16":
@@ -335,6 +389,71 @@ def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=
                 H=H, K=K, V=V, **flags, PREC=prec, INV_PREC="ieee", num_warps=prep_warps or 8)
         LAST_PREP[name] = ck
     return qg, kd, w, u, aqk, eg
+
+
+def _alloc_inter(q, v, NC: int, bt: int):
+    """Empty intermediates (qg, kd, w [H, B*T, K], u [H, B*T, V], aqk [H, B*T, bt] in the input dtype (fp32 for
+    fp32 inputs), eg [NC, H, K] fp32) for _prep."""
+    B, T, H, K = q.shape
+    dt = _interm_dtype(q)
+    qg = torch.empty(H, B * T, K, device=q.device, dtype=dt)
+    u = torch.empty(H, B * T, v.shape[-1], device=q.device, dtype=dt)
+    aqk = torch.empty(H, B * T, bt, device=q.device, dtype=dt)
+    eg = torch.empty(max(NC, 1), H, K, device=q.device, dtype=torch.float32)
+    return qg, torch.empty_like(qg), torch.empty_like(qg), u, aqk, eg
+
+
+@torch.compiler.disable
+def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg, kern, kw):
+    """The c16 / c16p / c64 forward in time pieces of `piece` tokens per sequence: piece p of every sequence is
+    prepped (its own chunk tables, its rows of eg), then walked by the sequential kernel from the state piece p - 1
+    left (fp32, two ping-pong buffers; CU_STRIDE=2 start/end pairs). On CUDA the preps run in order on the current
+    stream and the walks on a high-priority side stream, each walk waiting only for its own piece's prep, so prep
+    p + 1 overlaps walk p; the current stream waits for the last walk before returning. Elsewhere (the
+    interpreter) the same launches run one after another. Writes o and ht (if given) in place."""
+    q, v = ins[0], ins[2]
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    starts, ends = cu_cpu[:-1], cu_cpu[1:]
+    lens = ends - starts
+    N = lens.numel()
+    P = -(-int(lens.max()) // piece)
+    tabs, blobs = [], []
+    off = 0
+    for p in range(P):  # every table of every piece in one int32 host tensor, one copy to the device
+        s = starts + lens.clamp(max=p * piece)
+        e = starts + lens.clamp(max=(p + 1) * piece)
+        ctok, cend, seq_chunk, NC = _chunk_tables(s, e, bt)
+        parts = (torch.stack([s, e], 1).reshape(-1), ctok, cend, seq_chunk)
+        tabs.append((off, NC, [x.numel() for x in parts]))
+        blobs += parts
+        off += NC
+    dev_tab = torch.cat(blobs).to(torch.int32).to(q.device, non_blocking=True)
+    inter = _alloc_inter(q, v, off, bt)
+    eg_all = inter[5]
+    cuda = q.is_cuda
+    if cuda:
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+    carry = [torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2 if P > 2 else P - 1)]
+    h_in = h0
+    pos = 0
+    for p, (eg_off, NC, sizes) in enumerate(tabs):
+        pairs, ctok, cend, seq_chunk = torch.split(dev_tab[pos:pos + sum(sizes)], sizes)
+        pos += sum(sizes)
+        eg = eg_all[eg_off:eg_off + max(NC, 1)]
+        _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg, None, out=inter[:5] + (eg,))
+        h_out = ht if p == P - 1 else carry[p % 2]
+        dummy = eg
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if cuda:  # everything before it on the current stream (inputs, tables, buffers, this piece's prep)
+                side.wait_stream(main)
+            LAST_STATE[name] = kern[(N, H, V // kw["BV"])](
+                *inter[:5], eg, o, h_in if h_in is not None else dummy, h_out if h_out is not None else dummy,
+                pairs, seq_chunk, B * T, H=H, K=K, V=V, BT=bt, HAS_H0=h_in is not None, STORE_HT=h_out is not None,
+                CU_STRIDE=2, **kw)
+        h_in = h_out
+    if cuda:
+        main.wait_stream(side)
 
 
 def _fwd_fused(ins, gate, flags, scale, o, h0, ht, cu, N, prec, num_warps):
