@@ -59,7 +59,7 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 #   maxnreg    None, or a register cap per thread for ptxas (8 warps at BV 128 take 234 registers: 1 program per SM)
 #   pipe       time pieces (c16 / c16p / c64): 0 = off; a token count (multiple of the chunk) = run the prep of
 #              piece p + 1 on a side CUDA stream while the sequential pass walks piece p of every sequence (state
-#              carried between pieces in fp32, so the result is the unpiped one); None = pipe_tokens' rule.
+#              carried between pieces in fp32, so the result is the unpiped one); None = pipe_tokens' rule (on).
 #              Long sequences give the sequential pass few programs (B1 T128K H96: 384 at BV 32 for 132 SMs) and
 #              it ran after the memory-bound prep (12.8 + ~11 ms there); overlapping them hides the shorter one.
 # The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
@@ -69,10 +69,15 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 BASE16_STAGES = 3
 STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
                          out_late=False, fold=False, maxnreg=None, pipe=None)
-# pipe=None: pieces of PIPE_AUTO tokens when the longest sequence spans at least two of them and there are fewer
-# than PIPE_MAX_PROGS (sequence, head) pairs; 0 disables it. Unmeasured: off until timed on the H200.
-PIPE_AUTO = 0
-PIPE_MAX_PROGS = 4 * N_SM
+# pipe=None: pieces of PIPE_AUTO tokens when the longest sequence spans at least two of them and there are at most
+# PIPE_MAX_PROGS (sequence, head) pairs (the most measured: 1,152), with value blocks of at least PIPE_MIN_BV.
+# Measured on the H200 (eighth session, benchmarks/RESULTS.md; H96 D128 bf16, whole forward, same process):
+# B1 T128K 23.81 -> 21.45 ms (8K pieces, BV 64; BV 32 26.4: its 384 walk programs crowd out the prep), B2 T32K
+# 11.96 -> 11.13 (4K pieces 11.02), varlen 64K / 12 documents 12.52 -> 11.97; B8 T8K is one piece (10.33; 2K pieces
+# 10.57: its 768 walk programs fill the GPU, nothing to overlap).
+PIPE_AUTO = 8192
+PIPE_MAX_PROGS = 1536
+PIPE_MIN_BV = 64
 LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled handle by variant name
 LAST_PREP = {}  # benchmarks: the last launched prep kernel's compiled handle (n_regs, n_spills) by variant name
 
@@ -217,13 +222,13 @@ def _seq_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: 
 
 def pipe_tokens(scfg: dict, variant: str, max_len: int, n_pairs: int, bt: int = BT) -> int:
     """Piece length of the pipelined forward (0 = not pipelined) for a validated state config: scfg['pipe'] when
-    given, else PIPE_AUTO when there are fewer than PIPE_MAX_PROGS (sequence, head) pairs; 0 unless the longest
+    given, else PIPE_AUTO when there are at most PIPE_MAX_PROGS (sequence, head) pairs; 0 unless the longest
     sequence spans at least two pieces and the variant has a separate prep (c16, c16p, c64)."""
     if variant not in ("c16", "c16p", "c64"):
         return 0
     piece = scfg["pipe"]
     if piece is None:
-        piece = PIPE_AUTO if n_pairs < PIPE_MAX_PROGS else 0
+        piece = PIPE_AUTO if n_pairs <= PIPE_MAX_PROGS else 0
     if piece and piece % bt:
         raise ValueError(f"state_cfg['pipe']: {piece} tokens is not a multiple of the {variant} chunk ({bt})")
     return piece if piece and max_len > piece else 0
@@ -317,7 +322,7 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     piece = 0 if prep_only or name == "c64f" else pipe_tokens(scfg, name, max_len, N * H, bt)
     if piece:
-        BV = bv or (_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H))
+        BV = bv or max(_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H), min(V, PIPE_MIN_BV))
         kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
         _fwd_pipelined(name, ins, gate, flags, float(scale), cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg,
                        kern, dict(consts, BV=BV, **launch))
