@@ -33,9 +33,13 @@ FWD = (32, 64, 4)
 # x re-read at each of 16 tap positions, 206 registers) 0.76 ms; this one 0.377 ms dense / 0.490 varlen with
 # (8, 64, 2) picked (the other options 0.49-1.01 ms). The compiled `small` step: 368.8 ms with the torch path
 # under Inductor, 360.6 with these kernels.
+# BT = 1 launches the rolling backward (_conv4_bwd_roll: one token row at a time, each x and dy row read once; eighth
+# session, not yet timed on a GPU: it competes in the same autotune, so the first GPU call keeps the faster). The
+# profiled compiled step of the eighth session spent 18.5 ms in the tiled backward (54 calls, 0.34 ms each, ~18%
+# of the H200's bandwidth for its ~200 MB per call).
 SPAN = 64
 BWD_CONFIGS = [(8, 64, 4), (16, 64, 8), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (64, 64, 8),
-               (8, 64, 2)]
+               (8, 64, 2), (1, 128, 1), (1, 256, 2), (1, 256, 4), (1, 512, 4)]
 
 
 @triton.jit
@@ -79,13 +83,87 @@ def _tap(xv, wv, pos, st, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _dact(pre, g, ACT: tl.constexpr):
+    """dL/dpre from dL/dy = g at pre-activation pre (SiLU when ACT)."""
+    if ACT:
+        sg = tl.sigmoid(pre)
+        g = g * (sg + pre * sg * (1.0 - sg))
+    return g
+
+
+@triton.jit
+def _conv4_bwd_roll(x, dy, dx, dwp, starts, T, C, sxb, sdb, sob, b, c, cm, w0, w1, w2, w3, SXT: tl.constexpr,
+                    SDT: tl.constexpr, SOT: tl.constexpr, SPAN: tl.constexpr, BC: tl.constexpr,
+                    VARLEN: tl.constexpr, ACT: tl.constexpr):
+    """The backward one token row at a time (launch option BT = 1): each x and dy row of the program's span is
+    loaded once (plus 3 + 3 rows of overlap with the neighbours) and kept in a rolling window of the last four x
+    rows and dpre rows ([BC] fp32 vectors), so global traffic is ~one read of x and dy and one write of dx.
+    Row u = s + i: pre[u] = sum_j w_j x[u-3+j] (x before u's document start read as zero), dpre[u] = dy[u] act'(pre),
+    dW[:, j] += dpre[u] x[u-3+j] for u in the span, dx[u-3] = w3 dpre[u-3] + w2 dpre[u-2] + w1 dpre[u-1] + w0 dpre[u]
+    (each term only when that row's document contains u-3)."""
+    s = tl.program_id(0) * SPAN
+    px = x + b.to(tl.int64) * sxb + c
+    pd = dy + b.to(tl.int64) * sdb + c
+    po = dx + b.to(tl.int64) * sob + c
+    s64 = s.to(tl.int64)
+    sv = s + 0 * c   # row positions as [BC] vectors: masks are vectors (the interpreter refuses scalar ones)
+    xa = tl.load(px + (s64 - 3) * SXT, mask=cm & (sv >= 3), other=0.).to(tl.float32)   # x[u-3] at u = s
+    xb = tl.load(px + (s64 - 2) * SXT, mask=cm & (sv >= 2), other=0.).to(tl.float32)
+    xc = tl.load(px + (s64 - 1) * SXT, mask=cm & (sv >= 1), other=0.).to(tl.float32)
+    da = tl.zeros([BC], dtype=tl.float32)   # dpre[u-3], dpre[u-2], dpre[u-1]; their document starts sb, sc
+    db = tl.zeros([BC], dtype=tl.float32)
+    dc = tl.zeros([BC], dtype=tl.float32)
+    sb = s * 0
+    sc = s * 0
+    dw0 = tl.zeros([BC], dtype=tl.float32)
+    dw1 = tl.zeros([BC], dtype=tl.float32)
+    dw2 = tl.zeros([BC], dtype=tl.float32)
+    dw3 = tl.zeros([BC], dtype=tl.float32)
+    for i in range(SPAN + 3):
+        u = s + i
+        um = (sv + i) < T
+        xd = tl.load(px + u.to(tl.int64) * SXT, mask=cm & um, other=0.).to(tl.float32)
+        g = tl.load(pd + u.to(tl.int64) * SDT, mask=cm & um, other=0.).to(tl.float32)
+        if VARLEN:
+            st = tl.load(starts + u, mask=u < T, other=0)
+            ya = tl.where(u - 3 >= st, xa, 0.)
+            yb = tl.where(u - 2 >= st, xb, 0.)
+            yc = tl.where(u - 1 >= st, xc, 0.)
+        else:
+            st = s * 0
+            ya, yb, yc = xa, xb, xc
+        dp = _dact(w0 * ya + w1 * yb + w2 * yc + w3 * xd, g, ACT)
+        dpo = tl.where(sv + i < s + SPAN, dp, 0.)   # rows past the span: their dW belongs to the next program
+        dw0 += dpo * ya
+        dw1 += dpo * yb
+        dw2 += dpo * yc
+        dw3 += dpo * xd
+        t = u - 3
+        if VARLEN:   # dpre[t+m] reaches x[t] only within t+m's document
+            acc = w3 * da + tl.where(sb <= t, w2 * db, 0.) + tl.where(sc <= t, w1 * dc, 0.) \
+                + tl.where(st <= t, w0 * dp, 0.)
+        else:
+            acc = w3 * da + w2 * db + w1 * dc + w0 * dp
+        tl.store(po + t.to(tl.int64) * SOT, acc.to(dx.dtype.element_ty),
+                 mask=cm & (sv + i >= s + 3) & (sv + i - 3 < T))
+        xa, xb, xc = xb, xc, xd
+        da, db, dc = db, dc, dp
+        sb, sc = sc, st
+    base = dwp + (b * tl.num_programs(0) + tl.program_id(0)).to(tl.int64) * C * 4 + c * 4
+    tl.store(base + 0, dw0, mask=cm)
+    tl.store(base + 1, dw1, mask=cm)
+    tl.store(base + 2, dw2, mask=cm)
+    tl.store(base + 3, dw3, mask=cm)
+
+
+@triton.jit
 def _conv4_bwd_kernel(x, wt, dy, dx, dwp, starts, T, C, sxb, sdb, sob, SXT: tl.constexpr, SDT: tl.constexpr,
                       SOT: tl.constexpr, SPAN: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                       VARLEN: tl.constexpr, ACT: tl.constexpr):
     """Kernel size 4. One program: SPAN tokens (BT at a time) x BC channels of one sequence. The x tiles at the
     seven shifts t-3 .. t+3 are each loaded once per BT block (one pointer tile; the shifts are constant offsets,
     the token strides being constexpr) and dpre at t+m (m = 0..3) is rebuilt from them. Writes dx and the
-    program's partial dW [BC, 4] (fp32)."""
+    program's partial dW [BC, 4] (fp32). BT = 1 runs _conv4_bwd_roll instead (one row at a time, rolling window)."""
     b = tl.program_id(2)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
@@ -93,6 +171,19 @@ def _conv4_bwd_kernel(x, wt, dy, dx, dwp, starts, T, C, sxb, sdb, sob, SXT: tl.c
     w1 = tl.load(wt + c * 4 + 1, mask=cm, other=0.).to(tl.float32)
     w2 = tl.load(wt + c * 4 + 2, mask=cm, other=0.).to(tl.float32)
     w3 = tl.load(wt + c * 4 + 3, mask=cm, other=0.).to(tl.float32)
+    if BT == 1:
+        _conv4_bwd_roll(x, dy, dx, dwp, starts, T, C, sxb, sdb, sob, b, c, cm, w0, w1, w2, w3, SXT, SDT, SOT, SPAN,
+                        BC, VARLEN, ACT)
+    else:
+        _conv4_bwd_tiles(x, dy, dx, dwp, starts, T, C, sxb, sdb, sob, b, c, cm, w0, w1, w2, w3, SXT, SDT, SOT, SPAN,
+                         BT, BC, VARLEN, ACT)
+
+
+@triton.jit
+def _conv4_bwd_tiles(x, dy, dx, dwp, starts, T, C, sxb, sdb, sob, b, c, cm, w0, w1, w2, w3, SXT: tl.constexpr,
+                     SDT: tl.constexpr, SOT: tl.constexpr, SPAN: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                     VARLEN: tl.constexpr, ACT: tl.constexpr):
+    """The backward on [BT, BC] tiles (launch options with BT > 1): see _conv4_bwd_kernel."""
     dw0 = tl.zeros([BC], dtype=tl.float32)
     dw1 = tl.zeros([BC], dtype=tl.float32)
     dw2 = tl.zeros([BC], dtype=tl.float32)
@@ -136,10 +227,7 @@ def _conv4_bwd_kernel(x, wt, dy, dx, dwp, starts, T, C, sxb, sdb, sob, SXT: tl.c
             else:
                 pre = _tap(x0, w0, t, st, VARLEN) + _tap(xm3, w1, t + 1, st, VARLEN) \
                     + _tap(xm2, w2, t + 2, st, VARLEN) + _tap(xm1, w3, t + 3, st, VARLEN)
-            g = tl.load(pd + m * SDT, mask=um[:, None] & cm[None, :], other=0.).to(tl.float32)
-            if ACT:
-                sg = tl.sigmoid(pre)
-                g = g * (sg + pre * sg * (1.0 - sg))
+            g = _dact(pre, tl.load(pd + m * SDT, mask=um[:, None] & cm[None, :], other=0.).to(tl.float32), ACT)
             if m == 0:   # dW[:, j] += sum_t dpre[t] * x[t-3+j] (same document)
                 dw0 += tl.sum(_sel(xm3, t - 3, st, VARLEN) * g, axis=0)
                 dw1 += tl.sum(_sel(xm2, t - 2, st, VARLEN) * g, axis=0)

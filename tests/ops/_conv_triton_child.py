@@ -27,15 +27,15 @@ def ref_grads(x, w, act, cu=None):
 
 
 def check(x, w, act, cu=None):
-    """The forward and the backward (the autotuned default and two more of its launch options: one BT block per
-    SPAN and eight) against fp64; the worst backward."""
+    """The forward and the backward (the autotuned default and four more of its launch options: one BT block per
+    SPAN, eight, and the rolling one-row-at-a-time kernel (BT = 1) at two widths) against fp64; the worst backward."""
     y_ref, xd, wd = ref_grads(x, w, act, cu)
     dy = torch.randn_like(y_ref)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (xd, wd), dy)
     starts = ct.token_starts(cu, x.shape[1]) if cu is not None else None
     y = ct.conv1d_fwd(x, w, starts, act is not None)
     out = {"y": rel(y, y_ref), "dx": 0.0, "dw": 0.0}
-    for cfg in (None, (64, 64, 8), (8, 128, 4)):
+    for cfg in (None, (64, 64, 8), (8, 128, 4), (1, 128, 1), (1, 64, 2)):
         dx, dw = ct.conv1d_bwd(x, w, dy.to(x.dtype), starts, act is not None, config=cfg)
         out["dx"], out["dw"] = max(out["dx"], rel(dx, dx_ref)), max(out["dw"], rel(dw, dw_ref))
     return out

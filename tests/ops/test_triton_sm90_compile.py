@@ -25,7 +25,8 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32"
 CONV_STRIDES = ("sxb", "sxt", "syb", "syt", "sdb", "sdt", "sob", "sot")
 # every launch option the conv backward's autotuner may pick (k3.ops.conv_triton.BWD_CONFIGS), dense and varlen
 CONV_BWD = [f"conv_bwd {bt}x{bc}w{nw}{v}" for bt, bc, nw in
-            [(8, 64, 4), (16, 64, 8), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (64, 64, 8), (8, 64, 2)]
+            [(8, 64, 4), (16, 64, 8), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (64, 64, 8), (8, 64, 2),
+             (1, 128, 1), (1, 256, 2), (1, 256, 4), (1, 512, 4)]
             for v in ("", " varlen")]
 
 
