@@ -33,6 +33,9 @@ for stage in "$@"; do case $stage in
       tests/gpu/test_gpu_train.py ;;
   situtest) step situtest 120 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_numerics.py -k situ ;;
   tests-bwd) step tests-bwd 200 python3 -m pytest -q -s --timeout 150 tests/gpu -k "kda_triton_backward" ;;
+  # eighth session: the conv backward restricted to its tiled launch options (the control for the rolling ones)
+  trainbf16-convtiles) step trainbf16-convtiles 300 env K3_CONV_BWD=tiles python3 benchmarks/gpu_model.py --train \
+      --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   # eighth session: the pipelined forward (prep of piece p + 1 overlapping the walk of piece p) at every shape
   pipetest) step pipetest 150 python3 -m pytest -q -s --timeout 120 tests/gpu/test_gpu_numerics.py -k "pipelined" ;;
   kdapipe) step kdapipe 290 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \

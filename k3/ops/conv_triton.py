@@ -17,6 +17,7 @@ path).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -252,10 +253,23 @@ def _conv4_bwd_tiles(x, dy, dx, dwp, starts, T, C, sxb, sdb, sob, b, c, cm, w0, 
     tl.store(base + 3, dw3, mask=cm)
 
 
+BWD_KINDS = {"auto": lambda bt: True, "tiles": lambda bt: bt > 1, "roll": lambda bt: bt == 1}
+
+
+def bwd_configs(kind: Optional[str] = None) -> list:
+    """The launch options the backward's autotune chooses from: all of BWD_CONFIGS ("auto"), only the tiled ones
+    ("tiles") or only the rolling ones ("roll"); kind defaults to $K3_CONV_BWD (read when this module is imported)."""
+    kind = (kind if kind is not None else os.environ.get("K3_CONV_BWD", "auto")).strip().lower() or "auto"
+    if kind not in BWD_KINDS:
+        raise ValueError(f"K3_CONV_BWD: expected one of {sorted(BWD_KINDS)}, got {kind!r}")
+    return [cfg for cfg in BWD_CONFIGS if BWD_KINDS[kind](cfg[0])]
+
+
 def _bwd_configs():
     from k3.ops.dispatch import triton_interpreting
-    return [triton.Config(dict(BT=bt, BC=bc), num_warps=nw)
-            for bt, bc, nw in (BWD_CONFIGS[:1] if triton_interpreting() else BWD_CONFIGS)]
+    cfgs = bwd_configs()
+    return [triton.Config(dict(BT=bt, BC=bc), num_warps=nw) for bt, bc, nw in (cfgs[:1] if triton_interpreting()
+                                                                                  else cfgs)]
 
 
 _conv4_bwd_tuned = triton.autotune(configs=_bwd_configs(),

@@ -20,7 +20,7 @@ def res():
 
 def test_conv_triton_fwd_bwd_match_fp64(res):
     # fp32: T not a multiple of the 64-token span, C not a multiple of the channel block, silu and none; the
-    # backward at three launch options (the autotuner picks among them on a GPU)
+    # backward at five launch options incl. two rolling ones (the autotuner picks among them on a GPU)
     for name, errs in res["dense"].items():
         assert max(errs.values()) < 2e-5, (name, errs)
 
@@ -40,3 +40,15 @@ def test_conv_triton_bf16_and_dispatch(res):
     assert max(res["compiled"].values()) < 2e-5, res["compiled"]   # torch.compile(fullgraph=True) of the same call
     # kernel size 3: the torch path, and the kernel refuses by name
     assert res["k3_took_torch"] and "kernel size 4 only" in res["k3_bwd_error"], res
+
+
+def test_conv_bwd_config_kinds(monkeypatch):
+    from k3.ops import conv_triton as ct
+    tiles, roll = ct.bwd_configs("tiles"), ct.bwd_configs("roll")
+    assert tiles and roll and all(c[0] > 1 for c in tiles) and all(c[0] == 1 for c in roll)
+    assert sorted(tiles + roll) == sorted(ct.bwd_configs("auto")) == sorted(ct.BWD_CONFIGS)
+    monkeypatch.setenv("K3_CONV_BWD", "roll")
+    assert ct.bwd_configs() == roll
+    monkeypatch.setenv("K3_CONV_BWD", "fast")
+    with pytest.raises(ValueError, match="K3_CONV_BWD"):
+        ct.bwd_configs()
