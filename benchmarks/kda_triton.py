@@ -26,7 +26,8 @@ BV 32/64/128 x 4/8 warps x 1/2/3 stages, and every STATE_SWEEP option set of ops
 registers, spills, programs per SM, SASS of the loop body per 16-token step, a one-warp in-order issue simulation of
 that body (cycles per step) and a calibrated model of the sequential ms at B8 T8K.
 2d. (GPU, first shape; every shape with --state-every-shape) every STATE_SWEEP option set (--state-configs to pick,
-'none' to skip): the full forward with the c16p prep (c16 when c16p is not in --variants); sequential ms = forward - prep alone.
+'none' to skip): the full forward with the c16p prep (c16 when c16p is not in --variants); sequential ms = forward -
+prep alone.
 
 Measured on 2026-11-30 (H200, triton 3.6, B8 T8K H96 D128 bf16): fla 19.7 ms, c16 17.0 ms of which its prep kernel
 12.4 ms (the sequential pass ~4.6 ms). The prep's own memory floor: it reads q, k, v, g (256 B each) and beta, and
@@ -583,7 +584,7 @@ def static_report(sweep, json_path=None, H=96, D=128):
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
     sig = dict(q=bf, k=bf, v=bf, g=bf, beta=bf, A_log=f32, dt_bias=f32, qg_out=bf, kd_out=bf, w_out=bf, u_out=bf,
                aqk_out=bf, eg_out=f32, chunk_tok=i32, chunk_end=i32, NC="i32", NP="i32", Tseq="i32", NCT="i32",
-               scale="fp32", lower_bound="fp32", Ttot="i32")
+               T0="i32", scale="fp32", lower_bound="fp32", Ttot="i32")
 
     def build(fn, consts, launch):
         return compile_sm90(fn, consts, sig, **launch)

@@ -488,6 +488,12 @@ def test_kda_triton_pipelined_forward_full_shape():
                 o1, S1 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=piece), **kw)
                 errs[f"p{piece}_{rep}_vs_unpiped"] = max(rr(o1, o0), rr(S1, S0))
         errs.update(o_ref=rr(o1, o_ref), S_ref=rr(S1, S_ref))
+        # equal-length rows (no cu_seqlens; T not a multiple of the piece or the chunk): the prep's table-free path
+        xs = [t[:, :4004].reshape(2, 2002, *t.shape[2:]).contiguous() for t in args]
+        kw2 = dict(kw, cu_seqlens=None, initial_state=kw["initial_state"][:2])
+        o0, S0 = ops.kda_chunk_fwd(*xs, D ** -0.5, variant="c16p", state_cfg=dict(pipe=0), **kw2)
+        o1, S1 = ops.kda_chunk_fwd(*xs, D ** -0.5, variant="c16p", state_cfg=dict(pipe=512), **kw2)
+        errs["rows_p512_vs_unpiped"] = max(rr(o1, o0), rr(S1, S0))
     report("kda triton pipelined H96 D128 varlen+h0", **errs)
     assert all(e <= 1e-6 for n, e in errs.items() if n.endswith("unpiped")), errs
     assert errs["o_ref"] <= 5e-3 and errs["S_ref"] <= 5e-3, errs

@@ -173,8 +173,8 @@ def _checks() -> dict:
     # walk then stores nothing); a piece length that is not a multiple of c64's chunk is refused by name
     _, args, kw, _ = next(c for c in cases if c[0] == "varlen")
     for variant, piece in PIPE_RUNS.items():
-        o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant,
-                                   output_final_state=True, state_cfg=dict(pipe=0), **kw)
+        o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, output_final_state=True,
+                                   state_cfg=dict(pipe=0), **kw)
         o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, output_final_state=True,
                                    state_cfg=dict(pipe=piece), **kw)
         o2, _ = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, state_cfg=dict(pipe=piece), **kw)
@@ -182,6 +182,14 @@ def _checks() -> dict:
         res[f"pipe.{variant}.o_no_final"] = _rr(o2, o0)
         res[f"pipe.{variant}.used"] = float(ops.pipe_tokens(ops.state_config(dict(pipe=piece)), variant, 280, 12,
                                                             64 if variant == "c64" else 16) == piece)
+    # equal-length rows (no cu_seqlens): c16p's prep finds each piece's chunks without tables (T = 100: the last
+    # piece's chunk is partial)
+    _, args_f, kw_f, _ = next(c for c in cases if c[0] == "gate_l2_h0")
+    o0, s0 = ops.kda_chunk_fwd(*args_f, K ** -0.5, variant="c16p", output_final_state=True, state_cfg=dict(pipe=0),
+                               **kw_f)
+    o1, s1 = ops.kda_chunk_fwd(*args_f, K ** -0.5, variant="c16p", output_final_state=True,
+                               state_cfg=dict(pipe=32), **kw_f)
+    res["pipe.c16p_fixed.o"], res["pipe.c16p_fixed.S"] = _rr(o1, o0), _rr(s1, s0)
     try:
         ops.kda_chunk_fwd(*args, K ** -0.5, variant="c64", state_cfg=dict(pipe=32), **kw)
         res["pipe.c64_bad_piece_raises"] = 0.0
@@ -317,6 +325,10 @@ def test_pipelined_forward_equals_unpiped(results, variant):
     assert results[f"pipe.{variant}.used"] == 1.0
     for key in ("o", "S", "o_no_final"):
         assert results[f"pipe.{variant}.{key}"] <= 1e-6, (variant, key, results[f"pipe.{variant}.{key}"])
+
+
+def test_pipelined_forward_fixed_rows_equals_unpiped(results):
+    assert results["pipe.c16p_fixed.o"] <= 1e-6 and results["pipe.c16p_fixed.S"] <= 1e-6, results["pipe.c16p_fixed.o"]
 
 
 def test_pipe_piece_must_fit_the_chunk(results):

@@ -91,8 +91,8 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64", "kda_state_fwd c16 pairs",
-                                  "kda_recurrent_fwd",
+@pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64",
+                                  "kda_state_fwd c16 pairs", "kda_recurrent_fwd",
                                   "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw",
                                   "kda_bwd_gi2", "kda_bwd_gfin",
                                   "kda_bwd_pmat", "kda_bwd_pwu",

@@ -641,7 +641,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, gi, gend, C: tl.constexpr, VARLEN: tl.constexpr):
+def _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, gi, gend, C: tl.constexpr, VARLEN: tl.constexpr):
     """Chunk group gi = chunks gi*C .. gi*C + C - 1: chunk ids [C], their mask, token rows [C, 16] (int64) and the
     row mask (all false unless gi < gend, so a prefetch past the program's range reads nothing)."""
     o_c = gi * C + tl.arange(0, C)
@@ -649,9 +649,9 @@ def _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, gi, gend, C: tl.constexpr, VA
     if VARLEN:
         t0 = tl.load(chunk_tok + o_c, mask=m_c, other=0).to(tl.int64)
         t1 = tl.load(chunk_end + o_c, mask=m_c, other=0).to(tl.int64)
-    else:  # B sequences of Tseq tokens, NCT chunks each
+    else:  # B sequences of Tseq tokens, NCT chunks each from token T0 of each (T0 > 0: a pipelined time piece)
         s = o_c // NCT
-        t0 = s.to(tl.int64) * Tseq + (o_c - s * NCT) * 16
+        t0 = s.to(tl.int64) * Tseq + T0 + (o_c - s * NCT) * 16
         t1 = tl.where(m_c, (s + 1).to(tl.int64) * Tseq, 0)
     tok = t0[:, None] + tl.arange(0, 16)[None, :]
     return o_c, m_c, tok, tok < t1[:, None]
@@ -871,7 +871,7 @@ def _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scal
 
 @triton.jit
 def kda_prep16p_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, aqk_out, eg_out,
-                           chunk_tok, chunk_end, NC, NP, Tseq, NCT, scale, lower_bound, Ttot,
+                           chunk_tok, chunk_end, NC, NP, Tseq, NCT, T0, scale, lower_bound, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOOP: tl.constexpr,
                            REF: tl.constexpr, HEAD_FAST: tl.constexpr, VARLEN: tl.constexpr,
                            USE_GATE: tl.constexpr, L2NORM: tl.constexpr, QK_PREC: tl.constexpr, INV: tl.constexpr,
@@ -908,15 +908,15 @@ def kda_prep16p_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_o
     g0 = i_p * LOOP
     if KB < K:  # K-blocked tiles (loads inside the tile's passes; no prefetch)
         for j in range(LOOP):
-            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, g0 + j, g0 + LOOP, C, VARLEN)
+            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j, g0 + LOOP, C, VARLEN)
             _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scale,
                          qg_out, kd_out, w_out, u_out, aqk_out, eg_out, Ttot, H, K, V, REF, USE_GATE, L2NORM,
                          QK_PREC, INV, KB, VB)
     elif PREFETCH:
-        o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, g0, g0 + LOOP, C, VARLEN)
+        o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0, g0 + LOOP, C, VARLEN)
         b_q, b_k, b_v, b_f, b_b = _p16_load(q, k, v, g, beta, tok, m, i_h, H, K, V)
         for j in range(LOOP):
-            o_c2, m_c2, tok2, m2 = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, g0 + j + 1, g0 + LOOP, C,
+            o_c2, m_c2, tok2, m2 = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j + 1, g0 + LOOP, C,
                                              VARLEN)
             n_q, n_k, n_v, n_f, n_b = _p16_load(q, k, v, g, beta, tok2, m2, i_h, H, K, V)
             _p16_tile(b_q, b_k, b_v, b_f, b_b, o_c, m_c, tok, m, i_h, a2, dtb, lb2, scale,
@@ -926,7 +926,7 @@ def kda_prep16p_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_o
             b_q, b_k, b_v, b_f, b_b = n_q, n_k, n_v, n_f, n_b
     else:
         for j in range(LOOP):
-            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, g0 + j, g0 + LOOP, C, VARLEN)
+            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j, g0 + LOOP, C, VARLEN)
             b_q, b_k, b_v, b_f, b_b = _p16_load(q, k, v, g, beta, tok, m, i_h, H, K, V)
             _p16_tile(b_q, b_k, b_v, b_f, b_b, o_c, m_c, tok, m, i_h, a2, dtb, lb2, scale,
                       qg_out, kd_out, w_out, u_out, aqk_out, eg_out, Ttot, H, K, V, REF, USE_GATE, L2NORM, QK_PREC,

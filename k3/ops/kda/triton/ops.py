@@ -58,8 +58,9 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 #   fold       "v2": o = (qg - Aqk W) S + Aqk U (output off the u' chain; one more 16x16xK dot per chunk)
 #   maxnreg    None, or a register cap per thread for ptxas (8 warps at BV 128 take 234 registers: 1 program per SM)
 #   pipe       time pieces (c16 / c16p / c64): 0 = off; a token count (multiple of the chunk) = run the prep of
-#              piece p + 1 on a side CUDA stream while the sequential pass walks piece p of every sequence (state
-#              carried between pieces in fp32, so the result is the unpiped one); None = pipe_tokens' rule (on).
+#              piece p + 1 on the current stream while the sequential pass walks piece p of every sequence on a
+#              high-priority side stream (state carried between pieces in fp32, so the result is the unpiped one);
+#              None = pipe_tokens' rule (on above PIPE_AUTO tokens).
 #              Long sequences give the sequential pass few programs (B1 T128K H96: 384 at BV 32 for 132 SMs) and
 #              it ran after the memory-bound prep (12.8 + ~11 ms there); overlapping them hides the shorter one.
 # The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
@@ -325,7 +326,7 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         BV = bv or max(_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H), min(V, PIPE_MIN_BV))
         kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
         _fwd_pipelined(name, ins, gate, flags, float(scale), cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg,
-                       kern, dict(consts, BV=BV, **launch))
+                       kern, dict(consts, BV=BV, **launch), fixed_T=T if cu_seqlens is None else None)
         return o, ht
     cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt, cu_cpu)
     if name == "c64f":
@@ -364,7 +365,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
 
 def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=None, fixed=None, out=None):
     """Run the chunk-parallel prep kernel; returns the intermediates (qg, kd, w, u, aqk, eg). c16p: pcfg is its
-    validated config; fixed = (T, chunks per sequence) for equal-length sequences (no cu_seqlens), else None.
+    validated config; fixed = (T, chunks per sequence[, first token]) for equal-length sequences (no cu_seqlens;
+    the first token of each sequence's chunks: a pipelined time piece), else None (the chunk tables).
     out: the intermediates to write (_alloc_inter; eg may be a row slice: row c = chunk c of the tables)."""
     q, k, v, g, beta = ins
     B, T, H, K = q.shape
@@ -381,12 +383,12 @@ def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=
         elif name == "c16p":
             c, loop = pcfg["c"], pcfg["loop"]
             n_prog = -(-(-(-NC // c)) // loop)  # programs per head: ceil(ceil(NC / c) / loop)
-            t_seq, nct = fixed if fixed is not None else (1, 1)
+            t_seq, nct, t_off = (tuple(fixed) + (0,))[:3] if fixed is not None else (1, 1, 0)
             consts, launch = prep16p_meta(pcfg, H, K, V, varlen=fixed is None, **flags)
             if prep_warps:
                 launch["num_warps"] = prep_warps
             ck = _k.kda_prep16p_fwd_kernel[(H * n_prog,)](
-                q, k, v, g, beta, a_log, dtb, qg, kd, w, u, aqk, eg, ctok, cend, NC, n_prog, t_seq, nct, scale,
+                q, k, v, g, beta, a_log, dtb, qg, kd, w, u, aqk, eg, ctok, cend, NC, n_prog, t_seq, nct, t_off, scale,
                 lb, Tt, **consts, **launch)
         else:
             ck = _k.kda_prep64_fwd_kernel[(NC, H)](
@@ -409,13 +411,15 @@ def _alloc_inter(q, v, NC: int, bt: int):
 
 
 @torch.compiler.disable
-def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg, kern, kw):
+def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg, kern, kw,
+                   fixed_T=None):
     """The c16 / c16p / c64 forward in time pieces of `piece` tokens per sequence: piece p of every sequence is
     prepped (its own chunk tables, its rows of eg), then walked by the sequential kernel from the state piece p - 1
     left (fp32, two ping-pong buffers; CU_STRIDE=2 start/end pairs). On CUDA the preps run in order on the current
     stream and the walks on a high-priority side stream, each walk waiting only for its own piece's prep, so prep
     p + 1 overlaps walk p; the current stream waits for the last walk before returning. Elsewhere (the
-    interpreter) the same launches run one after another. Writes o and ht (if given) in place."""
+    interpreter) the same launches run one after another. Writes o and ht (if given) in place. fixed_T: the
+    sequence length when every sequence has it (no cu_seqlens): c16p's prep then finds its chunks without tables."""
     q, v = ins[0], ins[2]
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -446,7 +450,10 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
         pairs, ctok, cend, seq_chunk = torch.split(dev_tab[pos:pos + sum(sizes)], sizes)
         pos += sum(sizes)
         eg = eg_all[eg_off:eg_off + max(NC, 1)]
-        _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg, None, out=inter[:5] + (eg,))
+        fixed = None
+        if fixed_T is not None:  # chunks of every sequence's piece [p * piece, min((p + 1) * piece, T))
+            fixed = (fixed_T, -(-(min((p + 1) * piece, fixed_T) - p * piece) // bt), p * piece)
+        _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg, fixed, out=inter[:5] + (eg,))
         h_out = ht if p == P - 1 else carry[p % 2]
         dummy = eg
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
