@@ -641,7 +641,8 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, gi, gend, C: tl.constexpr, VARLEN: tl.constexpr):
+def _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, gi, gend, C: tl.constexpr, VARLEN: tl.constexpr,
+              PIECE: tl.constexpr):
     """Chunk group gi = chunks gi*C .. gi*C + C - 1: chunk ids [C], their mask, token rows [C, 16] (int64) and the
     row mask (all false unless gi < gend, so a prefetch past the program's range reads nothing)."""
     o_c = gi * C + tl.arange(0, C)
@@ -649,9 +650,11 @@ def _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, gi, gend, C: tl.constexpr
     if VARLEN:
         t0 = tl.load(chunk_tok + o_c, mask=m_c, other=0).to(tl.int64)
         t1 = tl.load(chunk_end + o_c, mask=m_c, other=0).to(tl.int64)
-    else:  # B sequences of Tseq tokens, NCT chunks each from token T0 of each (T0 > 0: a pipelined time piece)
+    else:  # B sequences of Tseq tokens, NCT chunks each (PIECE: from token T0 of each, a pipelined time piece)
         s = o_c // NCT
-        t0 = s.to(tl.int64) * Tseq + T0 + (o_c - s * NCT) * 16
+        t0 = s.to(tl.int64) * Tseq + (o_c - s * NCT) * 16
+        if PIECE:
+            t0 += T0
         t1 = tl.where(m_c, (s + 1).to(tl.int64) * Tseq, 0)
     tok = t0[:, None] + tl.arange(0, 16)[None, :]
     return o_c, m_c, tok, tok < t1[:, None]
@@ -873,7 +876,7 @@ def _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scal
 def kda_prep16p_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, aqk_out, eg_out,
                            chunk_tok, chunk_end, NC, NP, Tseq, NCT, T0, scale, lower_bound, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, LOOP: tl.constexpr,
-                           REF: tl.constexpr, HEAD_FAST: tl.constexpr, VARLEN: tl.constexpr,
+                           REF: tl.constexpr, HEAD_FAST: tl.constexpr, VARLEN: tl.constexpr, PIECE: tl.constexpr,
                            USE_GATE: tl.constexpr, L2NORM: tl.constexpr, QK_PREC: tl.constexpr, INV: tl.constexpr,
                            PREFETCH: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr):
     """c16p prep: one program = one head and LOOP consecutive groups of C 16-token chunks (NP programs per head,
@@ -908,16 +911,17 @@ def kda_prep16p_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_o
     g0 = i_p * LOOP
     if KB < K:  # K-blocked tiles (loads inside the tile's passes; no prefetch)
         for j in range(LOOP):
-            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j, g0 + LOOP, C, VARLEN)
+            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j, g0 + LOOP, C, VARLEN,
+                                         PIECE)
             _p16_tile_kb(q, k, v, g, beta, dt_bias, o_c, m_c, tok, m, i_h, a2, lb2, scale,
                          qg_out, kd_out, w_out, u_out, aqk_out, eg_out, Ttot, H, K, V, REF, USE_GATE, L2NORM,
                          QK_PREC, INV, KB, VB)
     elif PREFETCH:
-        o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0, g0 + LOOP, C, VARLEN)
+        o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0, g0 + LOOP, C, VARLEN, PIECE)
         b_q, b_k, b_v, b_f, b_b = _p16_load(q, k, v, g, beta, tok, m, i_h, H, K, V)
         for j in range(LOOP):
             o_c2, m_c2, tok2, m2 = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j + 1, g0 + LOOP, C,
-                                             VARLEN)
+                                             VARLEN, PIECE)
             n_q, n_k, n_v, n_f, n_b = _p16_load(q, k, v, g, beta, tok2, m2, i_h, H, K, V)
             _p16_tile(b_q, b_k, b_v, b_f, b_b, o_c, m_c, tok, m, i_h, a2, dtb, lb2, scale,
                       qg_out, kd_out, w_out, u_out, aqk_out, eg_out, Ttot, H, K, V, REF, USE_GATE, L2NORM, QK_PREC,
@@ -926,7 +930,8 @@ def kda_prep16p_fwd_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_o
             b_q, b_k, b_v, b_f, b_b = n_q, n_k, n_v, n_f, n_b
     else:
         for j in range(LOOP):
-            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j, g0 + LOOP, C, VARLEN)
+            o_c, m_c, tok, m = _p16_rows(chunk_tok, chunk_end, NC, Tseq, NCT, T0, g0 + j, g0 + LOOP, C, VARLEN,
+                                         PIECE)
             b_q, b_k, b_v, b_f, b_b = _p16_load(q, k, v, g, beta, tok, m, i_h, H, K, V)
             _p16_tile(b_q, b_k, b_v, b_f, b_b, o_c, m_c, tok, m, i_h, a2, dtb, lb2, scale,
                       qg_out, kd_out, w_out, u_out, aqk_out, eg_out, Ttot, H, K, V, REF, USE_GATE, L2NORM, QK_PREC,

@@ -117,12 +117,16 @@ def prep16p_config(prep_cfg: Optional[dict] = None) -> dict:
     return cfg
 
 
-def prep16p_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: bool, L2NORM: bool):
-    """(constexpr arguments, launch options) of kda_prep16p_fwd_kernel for a validated config."""
+def prep16p_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: bool, L2NORM: bool,
+                 piece: bool = False):
+    """(constexpr arguments, launch options) of kda_prep16p_fwd_kernel for a validated config. piece: equal-length
+    rows whose chunks start at a token offset (a pipelined time piece after the first; its own compiled variant, so
+    the unpiped kernel is unchanged)."""
     kb = K if pcfg["kb"] in (0, None) or pcfg["kb"] >= K else pcfg["kb"]
     consts = dict(H=H, K=K, V=V, C=pcfg["c"], LOOP=pcfg["loop"], REF=REF, HEAD_FAST=bool(pcfg["head_fast"]),
-                  VARLEN=bool(varlen), USE_GATE=bool(USE_GATE), L2NORM=bool(L2NORM), QK_PREC=pcfg["qk"],
-                  INV=pcfg["inv"], PREFETCH=bool(pcfg["prefetch"]) and pcfg["loop"] > 1, KB=kb, VB=min(kb, V))
+                  VARLEN=bool(varlen), PIECE=bool(piece) and not varlen, USE_GATE=bool(USE_GATE),
+                  L2NORM=bool(L2NORM), QK_PREC=pcfg["qk"], INV=pcfg["inv"],
+                  PREFETCH=bool(pcfg["prefetch"]) and pcfg["loop"] > 1, KB=kb, VB=min(kb, V))
     launch = dict(num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"])
     if pcfg["maxnreg"] is not None:
         launch["maxnreg"] = pcfg["maxnreg"]
@@ -384,7 +388,7 @@ def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=
             c, loop = pcfg["c"], pcfg["loop"]
             n_prog = -(-(-(-NC // c)) // loop)  # programs per head: ceil(ceil(NC / c) / loop)
             t_seq, nct, t_off = (tuple(fixed) + (0,))[:3] if fixed is not None else (1, 1, 0)
-            consts, launch = prep16p_meta(pcfg, H, K, V, varlen=fixed is None, **flags)
+            consts, launch = prep16p_meta(pcfg, H, K, V, varlen=fixed is None, piece=bool(t_off), **flags)
             if prep_warps:
                 launch["num_warps"] = prep_warps
             ck = _k.kda_prep16p_fwd_kernel[(H * n_prog,)](
