@@ -680,6 +680,9 @@ STATE_SWEEP += [  # eighth session: prep of piece p + 1 overlapped with the walk
     ("pipe16k", dict(pipe=16384, num_stages=3), None, "16,384-token pieces (B1 T128K: 8)"),
     ("pipe8k_bv64", dict(pipe=8192, bv=64, num_stages=3), None, "8,192-token pieces, BV 64 (half the walk programs, "
      "more SM room for the prep)"),
+    ("pipe8k_lpt", dict(pipe=8192, lpt=True, num_stages=3), None, "8,192-token pieces, longest documents' walks "
+     "first (varlen)"),
+    ("pipe4k_lpt", dict(pipe=4096, lpt=True, num_stages=3), None, "4,096-token pieces, longest first (varlen)"),
 ]
 STATE_ORDER = ["base", "base_s3", "v2_w4_late_s3", "v2_w8_r128_late_s3", "v2_w8_r128_pf_late", "v2_w8_pf", "base_w8_r128", "v2_w8_ch2_pf_late",
                "v2_w8_pf_late", "base_w8_s3", "v2_w4_bv64_pf_late", "v2_w4_bv64_r128_pf_late", "v2_w8_ch2_late",

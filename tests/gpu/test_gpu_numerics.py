@@ -488,6 +488,8 @@ def test_kda_triton_pipelined_forward_full_shape():
                 o1, S1 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=piece), **kw)
                 errs[f"p{piece}_{rep}_vs_unpiped"] = max(rr(o1, o0), rr(S1, S0))
         errs.update(o_ref=rr(o1, o_ref), S_ref=rr(S1, S_ref))
+        o2, S2 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=1024, lpt=True), **kw)
+        errs["lpt_p1024_vs_unpiped"] = max(rr(o2, o0), rr(S2, S0))
         # equal-length rows (no cu_seqlens; T not a multiple of the piece or the chunk): the prep's table-free path
         xs = [t[:, :4004].reshape(2, 2002, *t.shape[2:]).contiguous() for t in args]
         kw2 = dict(kw, cu_seqlens=None, initial_state=kw["initial_state"][:2])

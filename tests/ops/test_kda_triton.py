@@ -182,6 +182,13 @@ def _checks() -> dict:
         res[f"pipe.{variant}.o_no_final"] = _rr(o2, o0)
         res[f"pipe.{variant}.used"] = float(ops.pipe_tokens(ops.state_config(dict(pipe=piece)), variant, 280, 12,
                                                             64 if variant == "c64" else 16) == piece)
+    # longest documents walked first (lengths 5, 64, 1, 0, 280, 17 -> order 280, 64, 17, 5, 1, 0): same result,
+    # final states back in the caller's order
+    o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True, state_cfg=dict(pipe=0),
+                               **kw)
+    o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True,
+                               state_cfg=dict(pipe=32, lpt=True), **kw)
+    res["pipe.lpt.o"], res["pipe.lpt.S"] = _rr(o1, o0), _rr(s1, s0)
     # equal-length rows (no cu_seqlens): c16p's prep finds each piece's chunks without tables (T = 100: the last
     # piece's chunk is partial)
     _, args_f, kw_f, _ = next(c for c in cases if c[0] == "gate_l2_h0")
@@ -198,7 +205,7 @@ def _checks() -> dict:
     saved = dict(ops.PREP16P_DEFAULT)  # restored after each D128 run below
     res["state_bad_cfg_raises"] = 0.0
     for bad in (dict(ch=3), dict(prefetch=True), dict(kernel="v3"), dict(bv=24), dict(foo=1), dict(pipe=24),
-                dict(pipe=-16)):
+                dict(pipe=-16), dict(lpt=1)):
         try:
             ops.state_config(bad)
         except ValueError:
@@ -317,7 +324,7 @@ def test_state_options(results, option, name):
 
 
 def test_state_config_validated(results):
-    assert results["state_bad_cfg_raises"] == 7.0
+    assert results["state_bad_cfg_raises"] == 8.0
 
 
 @pytest.mark.parametrize("variant", list(PIPE_RUNS))
@@ -329,6 +336,11 @@ def test_pipelined_forward_equals_unpiped(results, variant):
 
 def test_pipelined_forward_fixed_rows_equals_unpiped(results):
     assert results["pipe.c16p_fixed.o"] <= 1e-6 and results["pipe.c16p_fixed.S"] <= 1e-6, results["pipe.c16p_fixed.o"]
+
+
+def test_pipelined_longest_first_equals_unpiped(results):
+    assert results["pipe.lpt.o"] <= 1e-6 and results["pipe.lpt.S"] <= 1e-6, (results["pipe.lpt.o"],
+                                                                            results["pipe.lpt.S"])
 
 
 def test_pipe_piece_must_fit_the_chunk(results):

@@ -61,6 +61,8 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 #              piece p + 1 on the current stream while the sequential pass walks piece p of every sequence on a
 #              high-priority side stream (state carried between pieces in fp32, so the result is the unpiped one);
 #              None = pipe_tokens' rule (on above PIPE_AUTO tokens).
+#   lpt        pipelined varlen walks: programs of the longest sequences first (the block scheduler starts them in
+#              grid order, so a long document's walk no longer starts in the last wave); same arithmetic. Not timed.
 #              Long sequences give the sequential pass few programs (B1 T128K H96: 384 at BV 32 for 132 SMs) and
 #              it ran after the memory-bound prep (12.8 + ~11 ms there); overlapping them hides the shorter one.
 # The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
@@ -69,7 +71,7 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 # option sets at B8 T8K on the H200 (third session: sequential pass 3.94 vs 4.58 ms at 2 stages).
 BASE16_STAGES = 3
 STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
-                         out_late=False, fold=False, maxnreg=None, pipe=None)
+                         out_late=False, fold=False, maxnreg=None, pipe=None, lpt=False)
 # pipe=None: pieces of PIPE_AUTO tokens when the longest sequence spans at least two of them and there are at most
 # PIPE_MAX_PROGS (sequence, head) pairs (the most measured: 1,152), with value blocks of at least PIPE_MIN_BV.
 # Measured on the H200 (eighth session, benchmarks/RESULTS.md; H96 D128 bf16, whole forward, same process):
@@ -153,6 +155,8 @@ def state_config(state_cfg: Optional[dict] = None) -> dict:
     pipe = cfg["pipe"]
     if pipe is not None and not (isinstance(pipe, int) and pipe >= 0 and pipe % BT == 0):
         raise ValueError(f"state_cfg['pipe']: expected None or a non-negative multiple of {BT} (tokens), got {pipe!r}")
+    if not isinstance(cfg["lpt"], bool):
+        raise ValueError(f"state_cfg['lpt']: expected True or False, got {cfg['lpt']!r}")
     if cfg["kernel"] == "base" and (cfg["ch"] != 1 or cfg["prefetch"] or cfg["out_late"] or cfg["fold"]):
         raise ValueError("state_cfg: ch / prefetch / out_late / fold need kernel='v2'")
     return cfg
@@ -330,7 +334,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         BV = bv or max(_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H), min(V, PIPE_MIN_BV))
         kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
         _fwd_pipelined(name, ins, gate, flags, float(scale), cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg,
-                       kern, dict(consts, BV=BV, **launch), fixed_T=T if cu_seqlens is None else None)
+                       kern, dict(consts, BV=BV, **launch), fixed_T=T if cu_seqlens is None else None,
+                       lpt=scfg["lpt"])
         return o, ht
     cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt, cu_cpu)
     if name == "c64f":
@@ -416,14 +421,15 @@ def _alloc_inter(q, v, NC: int, bt: int):
 
 @torch.compiler.disable
 def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg, kern, kw,
-                   fixed_T=None):
+                   fixed_T=None, lpt=False):
     """The c16 / c16p / c64 forward in time pieces of `piece` tokens per sequence: piece p of every sequence is
     prepped (its own chunk tables, its rows of eg), then walked by the sequential kernel from the state piece p - 1
     left (fp32, two ping-pong buffers; CU_STRIDE=2 start/end pairs). On CUDA the preps run in order on the current
     stream and the walks on a high-priority side stream, each walk waiting only for its own piece's prep, so prep
     p + 1 overlaps walk p; the current stream waits for the last walk before returning. Elsewhere (the
     interpreter) the same launches run one after another. Writes o and ht (if given) in place. fixed_T: the
-    sequence length when every sequence has it (no cu_seqlens): c16p's prep then finds its chunks without tables."""
+    sequence length when every sequence has it (no cu_seqlens): c16p's prep then finds its chunks without tables.
+    lpt (varlen): the sequences are walked in order of decreasing length (states permuted in and out)."""
     q, v = ins[0], ins[2]
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -431,6 +437,13 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
     lens = ends - starts
     N = lens.numel()
     P = -(-int(lens.max()) // piece)
+    perm = None
+    if lpt and fixed_T is None and N > 1:
+        perm = torch.sort(lens, descending=True, stable=True).indices
+        starts, ends, lens = starts[perm], ends[perm], lens[perm]
+        perm = perm.to(q.device)
+        h0 = h0.index_select(0, perm) if h0 is not None else None
+    ht_user, ht = ht, (torch.empty_like(ht) if ht is not None and perm is not None else ht)
     tabs, blobs = [], []
     off = 0
     for p in range(P):  # every table of every piece in one int32 host tensor, one copy to the device
@@ -470,6 +483,8 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
         h_in = h_out
     if cuda:
         main.wait_stream(side)
+    if ht is not ht_user:
+        ht_user.index_copy_(0, perm, ht)   # back to the caller's sequence order
 
 
 def _fwd_fused(ins, gate, flags, scale, o, h0, ht, cu, N, prec, num_warps):
