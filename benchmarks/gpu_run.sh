@@ -39,7 +39,7 @@ for stage in "$@"; do case $stage in
   # eighth session: the pipelined forward (prep of piece p + 1 overlapping the walk of piece p) at every shape
   pipetest) step pipetest 150 python3 -m pytest -q -s --timeout 120 tests/gpu/test_gpu_numerics.py -k "pipelined" ;;
   kdapipe) step kdapipe 290 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
-      --prep-configs '["default"]' --state-configs ${PIPE_CONFIGS:-base_s3,pipe2k,pipe4k,pipe8k,pipe16k,pipe8k_bv64} \
+      --prep-configs '["default"]' --state-configs ${PIPE_CONFIGS:-nopipe,pipe4k,pipe8k,pipe8k_lpt,pipe4k_lpt} \
       --state-every-shape --shapes ${PIPE_SHAPES:-B1_T128K,B2_T32K,varlen,B8_T8K} --json "$OUT/kda_pipe.json" \
       --budget-s 260 ;;
   kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
