@@ -396,3 +396,18 @@ def test_registered_without_importing_triton():
 
 if __name__ == "__main__":
     print(json.dumps(_checks()))
+
+
+def test_pipe_auto_rule():
+    """pipe=None: pipelined in PIPE_AUTO-token pieces only above PIPE_AUTO tokens, for variants with a separate prep,
+    up to PIPE_MAX_PROGS (sequence, head) pairs; an explicit piece length wins."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from k3.ops.kda.triton import ops
+    auto, n = ops.state_config({}), ops.PIPE_AUTO
+    assert ops.pipe_tokens(auto, "c16p", n + 1, 96) == n
+    assert ops.pipe_tokens(auto, "c16p", n, 96) == 0                       # one piece: nothing to overlap
+    assert ops.pipe_tokens(auto, "c16p", 4 * n, ops.PIPE_MAX_PROGS + 1) == 0
+    assert ops.pipe_tokens(auto, "c64f", 4 * n, 96) == 0                   # no separate prep
+    assert ops.pipe_tokens(ops.state_config(dict(pipe=0)), "c16", 4 * n, 96) == 0
+    assert ops.pipe_tokens(ops.state_config(dict(pipe=512)), "c16", 1000, 5000) == 512
