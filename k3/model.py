@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -45,7 +45,9 @@ class K3Output:
     loss: Optional[torch.Tensor] = None
     logits: Optional[torch.Tensor] = None
     hidden_states: Optional[torch.Tensor] = None
-    num_tokens: int = 0  # tokens that contributed to the loss
+    # tokens that contributed to the loss: a 0-dim int64 tensor on the labels' device (reading it on the host, e.g.
+    # int(out.num_tokens), waits for the GPU; the model itself never does, so a CUDA step has no host sync here)
+    num_tokens: Union[int, torch.Tensor] = 0
 
 
 def _mix_weight(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -222,15 +224,16 @@ class K3ForCausalLM(nn.Module):
                                  f"got {cu_seqlens.tolist()[:8]}...")
 
     def loss(self, h_BTd: torch.Tensor, labels_BT: torch.Tensor):
-        """Mean cross-entropy over non-ignored targets; computed in token chunks under checkpointing so only one
-        [chunk, vocab] logits block is alive at a time (also in backward)."""
+        """(mean cross-entropy over non-ignored targets, their count as a 0-dim int64 tensor); computed in token
+        chunks so only one [chunk, vocab] logits block is alive at a time (also in backward). No host sync: the
+        mean divides by the count on the device."""
         h = h_BTd.reshape(-1, h_BTd.shape[-1])
         y = labels_BT.reshape(-1)
-        n = int((y != IGNORE_INDEX).sum())
+        n = (y != IGNORE_INDEX).sum()
         C = self.loss_chunk_size or h.shape[0]
         if self.fused_ce and torch.is_grad_enabled() and self.lm_head.bias is None \
                 and (h.requires_grad or self.lm_head.weight.requires_grad):
-            return linear_cross_entropy_sum(h, self.lm_head.weight, y, C, self.ce_grad) / max(n, 1), n
+            return linear_cross_entropy_sum(h, self.lm_head.weight, y, C, self.ce_grad) / n.clamp_min(1), n
 
         def ce_sum(hc, yc):
             return self.ce_chunk(self.lm_head, hc, yc)
@@ -242,4 +245,4 @@ class K3ForCausalLM(nn.Module):
                 total = total + checkpoint(ce_sum, hc, yc, use_reentrant=False)
             else:
                 total = total + ce_sum(hc, yc)
-        return total / max(n, 1), n
+        return total / n.clamp_min(1), n

@@ -37,7 +37,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -658,8 +658,9 @@ class Trainer:
                 b = {k: v.to(self.device) for k, v in b.items()}
                 with self._autocast():
                     out = self.model(**b)
-                tot += float(out.loss) * out.num_tokens
-                n += out.num_tokens
+                k = int(out.num_tokens)
+                tot += float(out.loss) * k
+                n += k
             res = {"val_loss": tot / n if n else float("nan"), "val_tokens": n}
             res.update(self._recall())
         finally:
@@ -749,29 +750,33 @@ class Trainer:
         self._loader_at_step_start = self.data.train.state_dict()
         self._phase = "compute"
         batches = self._micro_batches(seq, rows)
-        n_total = sum(int((b["labels"] != -100).sum()) for b in batches)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        counts = [int((b["labels"] != -100).sum()) for b in batches]   # on the host batches: no device sync
+        n_total = sum(counts)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bad = False
         aux_total = 0.0
-        for b in batches:
+        for b, n_b in zip(batches, counts):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self._autocast():
                 out = self.model(**b)
             loss = out.loss.float()
             for cb in self.callbacks:
                 loss = cb.on_loss(self, loss)
-            w = out.num_tokens / max(n_total, 1)
+            w = n_b / max(n_total, 1)
             obj = loss * w
             if self.balancer is not None:
                 aux = self.balancer.aux_loss()
                 if isinstance(aux, torch.Tensor) and aux.requires_grad:
                     obj = obj + aux.to(obj.device) * (1.0 / len(batches))
                     aux_total += float(aux.detach())
+            # backward is queued before the host looks at the loss: a non-finite loss leaves non-finite gradients,
+            # which the skipped step below discards (checking first made the host wait for the forward while the
+            # GPU had nothing queued)
+            obj.backward()
             if not torch.isfinite(loss.detach()):
                 bad = True
                 break
-            obj.backward()
-            loss_sum += loss.detach().double().cpu() * w
+            loss_sum += loss.detach().double() * w
         grad_norm = float("nan")
         if not bad:
             params = [p for p in self.model.parameters() if p.grad is not None]
