@@ -24,8 +24,8 @@ from k3.ops import dispatch, f32
 
 
 dispatch.register("conv", "torch", lambda: True, priority=0)
-# the CUDA default (auto picks priority > 0 only on CUDA): the compiled `small` step on the H200 was 380.4 ms per
-# step with the torch path under Inductor, 376.5 with the first backward kernel (benchmarks/RESULTS.md, 2026-11-30)
+# the CUDA default (auto picks priority > 0 only on CUDA): the compiled `small` step on the H200 was 368.8 ms with
+# the torch path under Inductor, 360.6 with the Triton kernels (benchmarks/RESULTS.md, seventh session)
 dispatch.register("conv", "triton", dispatch.triton_runs, priority=10)
 
 

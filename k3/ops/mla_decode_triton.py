@@ -54,8 +54,6 @@ MAX_BH = 64            # heads per program (larger H: several head blocks)
 MIN_BLOCKS_PER_SPLIT = 2
 
 
-
-
 @triton.jit
 def _partial_kernel(
         Q, KV, LENS, ACC, MAX, SUM,

@@ -44,6 +44,7 @@ import torch
 
 from k3.config import K3Config
 from k3.errors import CheckpointError, K3ConfigError, K3Error
+from k3.ops.loss import IGNORE_INDEX
 
 log = logging.getLogger("k3.train")
 
@@ -750,7 +751,7 @@ class Trainer:
         self._loader_at_step_start = self.data.train.state_dict()
         self._phase = "compute"
         batches = self._micro_batches(seq, rows)
-        counts = [int((b["labels"] != -100).sum()) for b in batches]   # on the host batches: no device sync
+        counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in batches]   # host batches: no device sync
         n_total = sum(counts)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bad = False
