@@ -23,6 +23,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # ninth session: the default's pmat inverse went from 3-pass to one-pass tf32 (3.92 -> 1.90 ms); the former
+    # default and the losing row-tile products (measured, then removed: pmat 6.21 ms, 3.67 with the tf32 inverse)
+    ("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),
+    # gi2 with TPP row tiles per program (the chunk's columns loaded once for them; static sm_90: TPP 2 / 4 at BK 64
+    # 255 regs + 64 / 80 B spills, at BK 32 181 regs and none); gw at BK 32 / 8 warps (159 regs, no spills)
+    ("gi2_tpp2", {"gi2": {"TPP": 2}}),
+    ("gi2_tpp4", {"gi2": {"TPP": 4}}),
+    ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
+    ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
+    ("gw_bk32_w8", {"gw": {"BK": 32}}),
+    ("gw_s1", {"gw": {"num_stages": 1}}),
     ("gv_bv64", {"gv": {"BV": 64}}),
     ("gv_bk64", {"gv": {"BK": 64}}),
     ("gi2_bk128", {"gi2": {"BK": 128}}),

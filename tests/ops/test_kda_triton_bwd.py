@@ -26,7 +26,12 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_bk32_w2", {"gi2": {"BK": 32, "num_warps": 2}}),
                   ("prep_bk16", {"pmat": {"BK": 16}, "pwu": {"BK": 16, "BV": 16}}),
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
-                  ("dstates_bv32_only", {"dstates": {"BV": 32}}))  # grid from its own BV
+                  ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
+                  ("gi2_tpp1", {"gi2": {"TPP": 1}}),  # one row tile per program (the default: all of them)
+                  ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}))
+# pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
+# the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
+LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
 
 
 def _rr(a, b) -> float:
@@ -129,6 +134,11 @@ def _checks() -> dict:
     for name, launch in LAUNCH_OPTIONS:
         got = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, launch=launch, **kw)
         res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
+    lowp = [x.bfloat16() for x in (q, k, v, f, beta, do)]
+    ref = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, **kw)
+    for name, launch in LAUNCH_OPTIONS_LOWP:
+        got = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, launch=launch, **kw)
+        res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
     # 8. K3_KDA_TRITON_BWD=torch: the old recompute backward is still reachable and agrees
     prev = os.environ.get("K3_KDA_TRITON_BWD")
     os.environ["K3_KDA_TRITON_BWD"] = "torch"
@@ -183,6 +193,8 @@ def test_bf16_gradients(results, case, grad):
 def test_launch_options_match_the_default(results):
     for name, _ in LAUNCH_OPTIONS:
         assert results[f"launch.{name}"] <= 1e-5, results
+    for name, _ in LAUNCH_OPTIONS_LOWP:  # bf16 gradients: a last-bit difference in fp32 flips a few bf16 roundings
+        assert results[f"launch.{name}"] <= 1e-4, results
 
 
 def test_only_requested_gradients(results):
@@ -211,3 +223,26 @@ def test_bad_launch_options_are_refused_by_name():
     args = (x, x, x, -torch.rand(1, 20, 1, 16), torch.rand(1, 20, 1), x, None, 0.25)
     with pytest.raises(ValueError, match="unknown kernel 'nope'"):
         ops_bwd.kda_chunk_bwd(*args, launch={"nope": {"BK": 16}})
+    with pytest.raises(ValueError, match=r"unknown launch parameter\(s\) \['BQ'\] for kernel 'pmat'"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"BQ": 16}})
+    with pytest.raises(ValueError, match="gi2 TPP=3 must divide the 4 row tiles"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 3}})
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_env_launch_overrides(monkeypatch):
+    """$K3_KDA_BWD_LAUNCH: parsed, applied under a call's own launch argument, bad values refused by name."""
+    import torch
+    from k3.ops.kda.triton import ops_bwd
+    monkeypatch.setenv("K3_KDA_BWD_LAUNCH", '{"pmat": {"INV_PREC": "tf32x3"}, "gv": {"BV": 16}}')
+    lc = ops_bwd.apply_launch(ops_bwd.launch_config(128, 128, 96, torch.bfloat16), ops_bwd.env_launch(),
+                              {"gv": {"BV": 64}})
+    assert lc["pmat"]["INV_PREC"] == "tf32x3" and lc["pmat"]["BK"] == 32
+    assert lc["gv"]["BV"] == 64  # the call's own override wins
+    for bad, msg in (("{nope", "not valid JSON"), ('["pmat"]', "must be a JSON object"),
+                     ('{"pmat": 3}', "must be a JSON object")):
+        monkeypatch.setenv("K3_KDA_BWD_LAUNCH", bad)
+        with pytest.raises(ValueError, match=msg):
+            ops_bwd.env_launch()
+    monkeypatch.delenv("K3_KDA_BWD_LAUNCH")
+    assert ops_bwd.env_launch() == {}

@@ -108,10 +108,12 @@ def _intra_fwd(qs, kn, G, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
 
 
 @triton.jit
-def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr):
-    """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32; 3-pass tf32 tensor-core products, ~fp32 accurate: the
-    former exact-fp32 FMA dots held whole 64-wide operand rows in registers, 255 registers and kilobytes of spills
-    per thread in the kernels calling this at K = 128, benchmarks/kda_bwd_static.py).
+def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr,
+                    PREC: tl.constexpr):
+    """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32; tensor-core products at PREC: "tf32x3", 3-pass tf32, is
+    ~fp32 accurate, "tf32" one pass; the former exact-fp32 FMA dots held whole 64-wide operand rows in registers,
+    255 registers and kilobytes of spills per thread in the kernels calling this at K = 128,
+    benchmarks/kda_bwd_static.py).
 
     Split Nm = Nd + No into its TS-diagonal blocks and the rest. Xd = (I + Nd)^-1 = prod_j (I + (-Nd)^(2^j)) by
     repeated squaring (Nd^TS = 0), then with M = Xd No (block-nilpotent, M^(BT/TS) = 0):
@@ -125,14 +127,24 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
     pw = -nd
     p = eye + pw
     for _ in tl.static_range(LOG2_TS - 1):
-        pw = tl.dot(pw, pw, input_precision="tf32x3")
-        p = p + tl.dot(p, pw, input_precision="tf32x3")
-    pw = -tl.dot(p, no, input_precision="tf32x3")
+        pw = tl.dot(pw, pw, input_precision=PREC)
+        p = p + tl.dot(p, pw, input_precision=PREC)
+    pw = -tl.dot(p, no, input_precision=PREC)
     t = eye + pw
     for _ in tl.static_range(LOG2_NB - 1):
-        pw = tl.dot(pw, pw, input_precision="tf32x3")
-        t = t + tl.dot(t, pw, input_precision="tf32x3")
-    return tl.dot(t, p, input_precision="tf32x3")
+        pw = tl.dot(pw, pw, input_precision=PREC)
+        t = t + tl.dot(t, pw, input_precision=PREC)
+    return tl.dot(t, p, input_precision=PREC)
+
+
+@triton.jit
+def _lower_inv_at(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr,
+                  IEEE: tl.constexpr, INV_PREC: tl.constexpr):
+    """`_unit_lower_inv` at INV_PREC for low-precision inputs; fp32 inputs (IEEE) always take "tf32x3"."""
+    if IEEE:
+        return _unit_lower_inv(Nm, BT, TS, LOG2_TS, LOG2_NB, "tf32x3")
+    else:
+        return _unit_lower_inv(Nm, BT, TS, LOG2_TS, LOG2_NB, INV_PREC)
 
 
 @triton.jit
@@ -241,7 +253,7 @@ def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.co
 def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound,
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                     LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-                    L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                    L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr):
     """A chunk's (tril(Aq), tril_-1(L), T, rq, rk) in fp32 without a [BT, K] tile: Aq and L accumulate over
     BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after)."""
     o_t = tl.arange(0, BT)
@@ -260,7 +272,7 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bo
     rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
     Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
     L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
-    Tm = _unit_lower_inv(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB)
+    Tm = _lower_inv_at(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB, IEEE, INV_PREC)
     return Aq, L, Tm, rq, rk
 
 
@@ -469,15 +481,15 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-               L2NORM: tl.constexpr, IEEE: tl.constexpr):
-    """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`), stored as T / tril_-1(L)
-    (cmat slots 0, 1), tril(Aq) (aq_out in the intermediate dtype for dstates, aqf in fp32) and rq, rk (rqk).
-    Returns (T, rq, rk)."""
+               L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr):
+    """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
+    tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
+    in the intermediate dtype for dstates, aqf in fp32) and rq, rk (rqk)."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
-                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
+                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
@@ -485,7 +497,6 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m
     tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
     tl.store(rqk + i_h * Ttot + tok, rq, mask=m_t)
     tl.store(rqk + (H + i_h) * Ttot + tok, rk, mask=m_t)
-    return Tm, rq, rk
 
 
 @triton.jit
@@ -522,11 +533,11 @@ def _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, o_v, Ttot, H: tl.constexpr, V:
 def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, chunk_tok, chunk_end, scale,
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr):
     """Prep part 1 (pmat), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
-               H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE)
+               H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC)
 
 
 @triton.jit
@@ -566,18 +577,16 @@ def _dl_slice(cmat, nkp, pc0, pp, rows, cols, b_rows, NKW: tl.constexpr, BT: tl.
 @triton.jit
 def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_tok, chunk_end, scale, Ttot,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
-                       BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr):
-    """Intra-chunk backward, one program = one chunk, head, TS-row tile r and BK columns. With m = the tile's
-    reference row (decays factored through G_m as in `_intra_bwd`), for the tile's rows R:
+                       BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr):
+    """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
+    columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
+    as in `_intra_bwd`), for the tile's rows R:
     d(q scale)_R += e^(G_R - G_m) (dAq[R, :] (k e^(G_m - G))_{<= end of R}),   dk_row_R likewise from dL,
     dk_col_R = e^(G_m - G_R) (dAq[:, R]^T (q scale e^(G - G_m))_{>= start of R} + dL[:, R]^T (k e^(G - G_m))),
     then adds them to gw's terms in place (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG)."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    r = tl.program_id(2) % (BT // TS)
-    o_kb = (tl.program_id(2) // (BT // TS)) * BK + tl.arange(0, BK)
-    o_r = r * TS + tl.arange(0, TS)
-    tok_r = t0.to(tl.int64) + o_r
-    m_r = tok_r < t1
+    r0 = (tl.program_id(2) % (BT // TS // TPP)) * TPP
+    o_kb = (tl.program_id(2) // (BT // TS // TPP)) * BK + tl.arange(0, BK)
     # the chunk's columns: G (rows past the end hold G of the last token: their g is 0), normalised q, k
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
     G = tl.load(gcs + hkb, mask=m_t[:, None], other=0.)
@@ -588,43 +597,47 @@ def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_to
     pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
     kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
     qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
-    g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
-    upto = row < r * TS + TS
-    start = row >= r * TS
-    kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)
-    e_from = tl.exp(tl.where(start, G - g_ref[None, :], 0.))
-    qe = tl.where(start, qs * e_from, 0.)
-    ke = tl.where(start, kn * e_from, 0.)
-    # the tile's rows of dAq / dL and their columns (transposed): [TS, BT] slices
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
-    rr = o_r[:, None]
-    b_r = tl.load(beta + tok_r * H + i_h, mask=m_r, other=0.).to(tl.float32)
-    daq_r = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + col)
-    daq_c = tl.load(cmat + pc0 + 2 * BT * BT + col * BT + rr)          # [j, t] = dAq[t, r TS + j]
-    dl_r = _dl_slice(cmat, nkp, pc0, pp, rr, col, b_r[:, None], NKW, BT)
-    dl_c = _dl_slice(cmat, nkp, pc0, pp, col, rr, tl.load(beta + tok * H + i_h, mask=m_t, other=0.).to(tl.float32)[None, :],
-                     NKW, BT)
-    # rows R
-    hr = (i_h * Ttot + tok_r[:, None]) * K + o_kb[None, :]
-    G_r = tl.load(gcs + hr, mask=m_r[:, None], other=0.)
-    G_r = tl.where(m_r[:, None], G_r, g_end[None, :])
-    ef_r = tl.exp(G_r - g_ref[None, :])
-    cf_r = tl.exp(g_ref[None, :] - G_r)
-    dqp = ef_r * _dot(daq_r, kc, IEEE)
-    dkr = ef_r * _dot(dl_r, kc, IEEE)
-    dkc = cf_r * (_dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE))
-    pkr = (tok_r[:, None] * H + i_h) * K + o_kb[None, :]
-    rq_r = tl.load(rqk + i_h * Ttot + tok_r, mask=m_r, other=0.)
-    rk_r = tl.load(rqk + (H + i_h) * Ttot + tok_r, mask=m_r, other=0.)
-    kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
-    qs_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * (rq_r * scale)[:, None]
-    x1 = tl.load(x1s + hr, mask=m_r[:, None], other=0.)
-    x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.)
-    dg = tl.load(dgis + hr, mask=m_r[:, None], other=0.)
-    tl.store(dgis + hr, dg + dqp * qs_r + kn_r * (dkr - dkc), mask=m_r[:, None])
-    tl.store(x1s + hr, (x1 + dqp) * scale, mask=m_r[:, None])
-    tl.store(x2s + hr, x2 + dkr + dkc, mask=m_r[:, None])
+    for i_r in tl.static_range(TPP):
+        r = r0 + i_r
+        o_r = r * TS + tl.arange(0, TS)
+        tok_r = t0.to(tl.int64) + o_r
+        m_r = tok_r < t1
+        g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
+        upto = row < r * TS + TS
+        start = row >= r * TS
+        kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)
+        e_from = tl.exp(tl.where(start, G - g_ref[None, :], 0.))
+        qe = tl.where(start, qs * e_from, 0.)
+        ke = tl.where(start, kn * e_from, 0.)
+        # the tile's rows of dAq / dL and their columns (transposed): [TS, BT] slices
+        rr = o_r[:, None]
+        b_r = tl.load(beta + tok_r * H + i_h, mask=m_r, other=0.).to(tl.float32)
+        daq_r = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + col)
+        daq_c = tl.load(cmat + pc0 + 2 * BT * BT + col * BT + rr)          # [j, t] = dAq[t, r TS + j]
+        dl_r = _dl_slice(cmat, nkp, pc0, pp, rr, col, b_r[:, None], NKW, BT)
+        dl_c = _dl_slice(cmat, nkp, pc0, pp, col, rr, b_b[None, :], NKW, BT)
+        # rows R
+        hr = (i_h * Ttot + tok_r[:, None]) * K + o_kb[None, :]
+        G_r = tl.load(gcs + hr, mask=m_r[:, None], other=0.)
+        G_r = tl.where(m_r[:, None], G_r, g_end[None, :])
+        ef_r = tl.exp(G_r - g_ref[None, :])
+        cf_r = tl.exp(g_ref[None, :] - G_r)
+        dqp = ef_r * _dot(daq_r, kc, IEEE)
+        dkr = ef_r * _dot(dl_r, kc, IEEE)
+        dkc = cf_r * (_dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE))
+        pkr = (tok_r[:, None] * H + i_h) * K + o_kb[None, :]
+        rq_r = tl.load(rqk + i_h * Ttot + tok_r, mask=m_r, other=0.)
+        rk_r = tl.load(rqk + (H + i_h) * Ttot + tok_r, mask=m_r, other=0.)
+        kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
+        qs_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * (rq_r * scale)[:, None]
+        x1 = tl.load(x1s + hr, mask=m_r[:, None], other=0.)
+        x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.)
+        dg = tl.load(dgis + hr, mask=m_r[:, None], other=0.)
+        tl.store(dgis + hr, dg + dqp * qs_r + kn_r * (dkr - dkc), mask=m_r[:, None])
+        tl.store(x1s + hr, (x1 + dqp) * scale, mask=m_r[:, None])
+        tl.store(x2s + hr, x2 + dkr + dkc, mask=m_r[:, None])
 
 
 @triton.jit

@@ -15,6 +15,7 @@ path on a CUDA device at K3 head shapes.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Optional
@@ -53,7 +54,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
     seq_stages = 2 if lowp else 1
     return dict(
         # prep in two kernels: 4.12 + 1.83 ms vs 6.78 ms as one (chunk, head) kernel (removed, fifth session)
-        pmat=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        # INV_PREC: the 64 x 64 inverse's tensor-core precision at bf16/fp16 inputs (fp32 inputs: always "tf32x3"):
+        # one-pass "tf32" 1.90 ms vs "tf32x3" 3.92 at gradients within 5e-4 of each other (ninth session)
+        pmat=dict(BK=min(K, 32), num_warps=4, num_stages=1, INV_PREC="tf32"),
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
         states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
@@ -63,9 +66,44 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # gw: BK 64 / 8 warps 3.78 ms vs 4.33 at BK 32 / 4 warps
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1),
+        # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
+        # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS),
         gfin=dict(BK=min(K, 32), num_warps=4, num_stages=1),
     )
+
+
+ENV_LAUNCH = "K3_KDA_BWD_LAUNCH"
+
+
+def env_launch() -> dict:
+    """Launch overrides from $K3_KDA_BWD_LAUNCH: JSON {kernel name: {param: value}} (e.g. '{"pmat": {"INV_PREC":
+    "tf32"}}'), applied under a call's own `launch` argument; {} when unset."""
+    raw = os.environ.get(ENV_LAUNCH, "").strip()
+    if not raw:
+        return {}
+    try:
+        val = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"${ENV_LAUNCH} is not valid JSON ({e}): {raw!r}") from None
+    if not isinstance(val, dict) or not all(isinstance(v, dict) for v in val.values()):
+        raise ValueError(f"${ENV_LAUNCH} must be a JSON object {{kernel: {{param: value}}}}, got {raw!r}")
+    return val
+
+
+def apply_launch(lc: dict, *overrides) -> dict:
+    """`launch_config` result lc with each override dict ({kernel: {param: value}}, None = none) applied in order;
+    unknown kernels or parameters are refused by name."""
+    for over in overrides:
+        for name, params in (over or {}).items():
+            if name not in lc:
+                raise ValueError(f"kda_chunk_bwd: launch override for unknown kernel {name!r} (known: {sorted(lc)})")
+            bad = sorted(set(params) - set(lc[name]))
+            if bad:
+                raise ValueError(f"kda_chunk_bwd: unknown launch parameter(s) {bad} for kernel {name!r} "
+                                 f"(known: {sorted(lc[name])})")
+            lc[name] = {**lc[name], **params}
+    return lc
 
 
 def kernel_table(kb=_k):
@@ -120,11 +158,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         u = torch.empty(H, Tt, V, device=dev, dtype=dt)
         aq = torch.empty(H, Tt, BT, device=dev, dtype=dt)
         eg = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-        lc = launch_config(K, V, N * H, dt)
-        for name, over in (launch or {}).items():
-            if name not in lc:
-                raise ValueError(f"kda_chunk_bwd: launch override for unknown kernel {name!r} (known: {sorted(lc)})")
-            lc[name] = {**lc[name], **over}
+        lc = apply_launch(launch_config(K, V, N * H, dt), env_launch(), launch)
+        tpp = lc["gi2"]["TPP"]
+        if not isinstance(tpp, int) or tpp < 1 or (BT // TS) % tpp:
+            raise ValueError(f"kda_chunk_bwd: gi2 TPP={tpp!r} must divide the {BT // TS} row tiles of a chunk")
         # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq), G, norms
         cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
         ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
@@ -185,7 +222,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
     BKI = lc["gi2"]["BK"]
-    _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"]) * (K // BKI))](
+    _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * (K // BKI))](
         qc, kc, bc, cmat, nkp, gcs, rqk, x1s, x2s, dgis, ctok, cend, scale, Tt, H=H, K=K, BT=BT, TS=const["TS"],
         REF=const["REF"], NKW=NKW, IEEE=ieee, **lc["gi2"])
     _k.kda_bwd_gfin_kernel[(NC, H)](
