@@ -26,14 +26,16 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # ninth session: the default's pmat inverse went from 3-pass to one-pass tf32 (3.92 -> 1.90 ms); the former
     # default and the losing row-tile products (measured, then removed: pmat 6.21 ms, 3.67 with the tf32 inverse)
     ("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),
-    # gi2 with TPP row tiles per program (the chunk's columns loaded once for them; static sm_90: TPP 2 / 4 at BK 64
-    # 255 regs + 64 / 80 B spills, at BK 32 181 regs and none); gw at BK 32 / 8 warps (159 regs, no spills)
+    # gi2 with TPP row tiles per program (the chunk's columns loaded once for them; the default is all four since
+    # the ninth session: 3.52 ms vs 4.64 at TPP 1, 4.12 at 2, 3.92 at 4 / BK 32, 5.56 at 2 / BK 32); gw at BK 32 /
+    # 8 warps (static sm_90 159 regs, no spills; measured 5.90 ms vs 3.81)
+    ("gi2_tpp1", {"gi2": {"TPP": 1}}),
     ("gi2_tpp2", {"gi2": {"TPP": 2}}),
-    ("gi2_tpp4", {"gi2": {"TPP": 4}}),
     ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
-    ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
     ("gw_bk32_w8", {"gw": {"BK": 32}}),
-    ("gw_s1", {"gw": {"num_stages": 1}}),
+    # not timed yet: gv loads T, T^T and Aq^T in every value block (static sm_90: spills 208 -> 160 B, still 255 regs)
+    ("gv_reload", {"gv": {"RELOAD": True}}),
+    ("gw_s1", {"gw": {"num_stages": 1}}),  # 4.32 ms vs 3.82 (ninth session)
     ("gv_bv64", {"gv": {"BV": 64}}),
     ("gv_bk64", {"gv": {"BK": 64}}),
     ("gi2_bk128", {"gi2": {"BK": 128}}),
