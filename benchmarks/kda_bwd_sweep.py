@@ -33,8 +33,7 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gi2_tpp2", {"gi2": {"TPP": 2}}),
     ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
     ("gw_bk32_w8", {"gw": {"BK": 32}}),
-    # not timed yet: gv loads T, T^T and Aq^T in every value block (static sm_90: spills 208 -> 160 B, still 255 regs)
-    ("gv_reload", {"gv": {"RELOAD": True}}),
+    # (ninth session, measured then removed: gv loading T, T^T and Aq^T in every value block, 3.26 ms vs 2.98)
     ("gw_s1", {"gw": {"num_stages": 1}}),  # 4.32 ms vs 3.82 (ninth session)
     ("gv_bv64", {"gv": {"BV": 64}}),
     ("gv_bk64", {"gv": {"BK": 64}}),

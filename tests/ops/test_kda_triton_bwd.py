@@ -28,8 +28,7 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
                   ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
                   ("gi2_tpp1", {"gi2": {"TPP": 1}}),  # one row tile per program (the default: all of them)
-                  ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
-                  ("gv_reload", {"gv": {"RELOAD": True}}))
+                  ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)

@@ -277,31 +277,22 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bo
 
 
 @triton.jit
-def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, aqf, cdb, dv, b_b, tok, m_t, i_c, i_h, Ttot,
+def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                BK: tl.constexpr, IEEE: tl.constexpr, RELOAD: tl.constexpr):
-    """The value side of a chunk's gradient, given T (cmat slot 0), Aq (aqf) and W / k e^(G_l - G) in the fp32
+                BK: tl.constexpr, IEEE: tl.constexpr):
+    """The value side of a chunk's gradient, given T, Aq^T (fp32, in registers) and W / k e^(G_l - G) in the fp32
     scratch ws / ks: per value block U = T diag(beta) v, u' = U - W S0, du' = Aq^T do + (k e^(G_l - G)) dS (K in BK
     blocks against the stored states), dv = diag(beta) T^T du'; stores u', du' (uns / dus), and per chunk
-    tril(dAq) = tril(do u'^T), sum_V dXv U^T and sum_V dXv v (cmat slots 2, 3; cdb). RELOAD: T, T^T and Aq^T are
-    loaded (L1 / L2) in every value block instead of held in registers across them."""
+    tril(dAq) = tril(do u'^T), sum_V dXv U^T and sum_V dXv v (cmat slots 2, 3; cdb)."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
-    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
-    pa = (i_c * H + i_h).to(tl.int64) * BT * BT
-    if not RELOAD:
-        Tm = tl.load(cmat + pc + row * BT + col)
-        TmT = tl.trans(Tm)
-        AqT = tl.trans(tl.load(aqf + pa + row * BT + col))
+    TmT = tl.trans(Tm)
     d_aq = tl.zeros([BT, BT], dtype=tl.float32)
     d_n = tl.zeros([BT, BT], dtype=tl.float32)
     d_b = tl.zeros([BT], dtype=tl.float32)
     ps = (i_c * H + i_h).to(tl.int64) * K * V
     for iv in range(0, V // BV):
-        if RELOAD:
-            Tm = tl.load(cmat + pc + row * BT + col)
-            AqT = tl.load(aqf + pa + col * BT + row)
         o_v = iv * BV + tl.arange(0, BV)
         pv = (tok[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
@@ -319,15 +310,13 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, aqf, cdb, dv, b_
         tl.store(uns + hv, un, mask=m_t[:, None])
         tl.store(dus + hv, du, mask=m_t[:, None])
         d_aq += _dot(b_do, tl.trans(un), IEEE)
-        if RELOAD:
-            TmT = tl.load(cmat + pc + col * BT + row)
         dxv = _dot(TmT, du, IEEE)
         tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
         d_b += tl.sum(dxv * b_v, 1)
         d_n += _dot(dxv, tl.trans(U), IEEE)
-    pm = pc + row * BT + col
-    tl.store(cmat + pm + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
-    tl.store(cmat + pm + 3 * BT * BT, d_n)
+    pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
+    tl.store(cmat + pc + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
+    tl.store(cmat + pc + 3 * BT * BT, d_n)
     tl.store(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, d_b)
 
 
@@ -343,12 +332,14 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, aqf, cdb, dv, b_
 @triton.jit
 def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, IEEE: tl.constexpr, RELOAD: tl.constexpr):
+                      BK: tl.constexpr, IEEE: tl.constexpr):
     """Value side: `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the prep
     (fp32). One program = one chunk of one head."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, aqf, cdb, dv, b_b, tok, m_t, i_c, i_h, Ttot,
-                H, K, V, BT, BV, BK, IEEE, RELOAD)
+    Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
+    AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
+    _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
+                H, K, V, BT, BV, BK, IEEE)
 
 
 @triton.jit

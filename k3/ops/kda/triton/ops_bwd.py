@@ -62,7 +62,7 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
-        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, RELOAD=False),
+        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
         # gw: BK 64 / 8 warps 3.78 ms vs 4.33 at BK 32 / 4 warps
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
