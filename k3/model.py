@@ -219,7 +219,13 @@ class K3ForCausalLM(nn.Module):
         if cu_seqlens is not None:
             if ref.shape[0] != 1:
                 raise ValueError(f"cu_seqlens (packed sequences) needs batch size 1, got {ref.shape[0]}")
-            if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != ref.shape[1] or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+                raise ValueError(f"cu_seqlens must be 1-D with at least 2 boundaries, got shape "
+                                 f"{tuple(cu_seqlens.shape)}")
+            # one host read (a CUDA cu_seqlens costs one sync, not three)
+            first, last, falls = torch.stack((cu_seqlens[0], cu_seqlens[-1],
+                                              (cu_seqlens[1:] < cu_seqlens[:-1]).any().to(cu_seqlens.dtype))).tolist()
+            if first != 0 or last != ref.shape[1] or falls:
                 raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {ref.shape[1]}, "
                                  f"got {cu_seqlens.tolist()[:8]}...")
 

@@ -155,8 +155,14 @@ def test_bad_inputs(model):
         model(torch.tensor([[1, 600]]))
     with pytest.raises(ValueError, match="batch size 1"):
         model(torch.zeros(2, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 4]))
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
         model(torch.zeros(1, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        model(torch.zeros(1, 4, dtype=torch.long), cu_seqlens=torch.tensor([0, 3, 2, 4]))
+    with pytest.raises(ValueError, match="cu_seqlens must rise"):
+        model(torch.zeros(1, 4, dtype=torch.long), cu_seqlens=torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match="at least 2 boundaries"):
+        model(torch.zeros(1, 4, dtype=torch.long), cu_seqlens=torch.tensor([4]))
     with pytest.raises(ValueError, match="labels shape"):
         model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 3, dtype=torch.long))
 
