@@ -37,8 +37,9 @@ optionally in place).
 
 Backward (ops_bwd.kda_chunk_bwd, kernels in kernels_bwd.py) works on 64-token chunks, WY form with a 64x64
 T = (I + diag(beta) L)^-1 (16-row diagonal blocks inverted by repeated squaring, then a block-level Neumann
-product; one-pass tf32 tensor-core products for bf16/fp16 inputs, 3-pass for fp32), every pairwise decay e^(G_t - G_i) factored per 16-row tile through that tile's reference row (the
-same overflow bound as the forward, while a 64-token span may decay by e^-320). Nothing is recomputed:
+product; one-pass tf32 tensor-core products for bf16/fp16 inputs, 3-pass for fp32), every pairwise decay
+e^(G_t - G_i) factored per 16-row tile through that tile's reference row (the same overflow bound as the forward,
+while a 64-token span may decay by e^-320). Nothing is recomputed:
 1. `kda_bwd_pmat_kernel` (chunk, head): tril(Aq), tril_-1(L) over K-column blocks (no [64, K] fp32 tile), T and
    the L2-norm factors, in fp32 (Aq also in the input dtype for step 4).
 2. `kda_bwd_pwu_kernel` (chunk, head, column block): q e^G, k e^(G_l - G), W, U, e^(G_l) for the sequential passes
@@ -57,9 +58,10 @@ Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K 
 scratch per token-head at K = V = 128 (~49 GB at B8 T8K H96). Measured on the H200 at B1 T8K H96 D128
 (benchmarks/RESULTS.md): 19.5 ms in the fifth session, 17.3-17.5 ms in the ninth (the one-pass tf32 inverse:
 pmat 3.92 -> 1.90 ms); fwd+bwd 0.66-0.67× fla's. Launch parameters: `ops_bwd.launch_config`, overridden per
-call (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g. '{"pmat": {"INV_PREC": "tf32x3"}}'). The earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and
-was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs
-5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms) and gv reloading T per value block (3.26 vs 2.98 ms). Its numbers stay in benchmarks/RESULTS.md.
+call (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g. '{"pmat": {"INV_PREC": "tf32x3"}}'). The earlier
+recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and was removed, as were the per-chunk intra backward
+(gi, 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms) and
+gv reloading T per value block (3.26 vs 2.98 ms). Their numbers stay in benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
