@@ -5,10 +5,11 @@ and one change of it per row, at a K3 head shape (H=96, D=128, bf16, gate + L2 n
 
 Per configuration: the backward alone (`kda_chunk_bwd`, do_bench median), each kernel's CUDA time (one call under
 torch.profiler), non-finite counts, and each gradient's relative RMSE against the first configuration's (a broken
-option shows up here; the accuracy against the fp32 reference is tests/gpu's selfcheck). Also times our forward (c16p) once, so fwd + bwd
-can be set against fla's fwd+bwd; --fla times fla's chunk_kda(safe_gate=True) fwd+bwd on the same inputs after
-the sweep (its first backward at a new shape autotunes for minutes, so it goes last: the sweep's rows are printed
-and saved before). Rows are printed as they finish; configurations left when --budget-s runs out are skipped.
+option shows up here; the accuracy against the fp32 reference is tests/gpu's selfcheck). Also times our forward
+(c16p) once, so fwd + bwd can be set against fla's fwd+bwd; --fla times fla's chunk_kda(safe_gate=True) fwd+bwd on
+the same inputs after the sweep (its first backward at a new shape autotunes for minutes, so it goes last: the
+sweep's rows are printed and saved before). Rows are printed as they finish; configurations left when --budget-s
+runs out are skipped.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
 from k3.errors import K3ConfigError
 

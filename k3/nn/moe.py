@@ -3,7 +3,6 @@ experts in a latent width l (down-projection, stacked experts, RMSNorm, up-proje
 width. Expert weights are stacked [E, ...] (see docs/CONTRACTS.md)."""
 from __future__ import annotations
 
-import math
 
 import torch
 from torch import nn
