@@ -42,6 +42,11 @@ for stage in "$@"; do case $stage in
       --prep-configs '["default"]' --state-configs ${PIPE_CONFIGS:-nopipe,pipe4k,pipe8k,pipe8k_lpt,pipe4k_lpt} \
       --state-every-shape --shapes ${PIPE_SHAPES:-B1_T128K,B2_T32K,varlen,B8_T8K} --json "$OUT/kda_pipe.json" \
       --budget-s 260 ;;
+  # ninth session's next-run item 4: the varlen prep with several chunk groups per program and the next group's
+  # loads (chunk table included) in flight during the current one's compute
+  kdavarlen) step kdavarlen 200 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --state-configs none \
+      --prep-configs '["default", {"loop2_pf": {"loop": 2, "prefetch": true}}, {"loop4_pf": {"loop": 4, "prefetch": true}}, {"loop2": {"loop": 2}}]' \
+      --top 4 --shapes varlen,B8_T8K --json "$OUT/kda_varlen.json" --budget-s 170 ;;
   kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
       --state-configs none --shapes B8_T8K,varlen,B2_T32K,B1_T128K --json "$OUT/kda_triton_fwd4.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
