@@ -36,10 +36,10 @@ FWD = (32, 64, 4)
 # x re-read at each of 16 tap positions, 206 registers) 0.76 ms; this one 0.377 ms dense / 0.490 varlen with
 # (8, 64, 2) picked (the other options 0.49-1.01 ms). The compiled `small` step: 368.8 ms with the torch path
 # under Inductor, 360.6 with these kernels.
-# BT = 1 launches the rolling backward (_conv4_bwd_roll: one token row at a time, each x and dy row read once; eighth
-# session, not yet timed on a GPU: it competes in the same autotune, so the first GPU call keeps the faster). The
-# profiled compiled step of the eighth session spent 18.5 ms in the tiled backward (54 calls, 0.34 ms each, ~18%
-# of the H200's bandwidth for its ~200 MB per call).
+# BT = 1 launches the rolling backward (_conv4_bwd_roll: one token row at a time, each x and dy row read once; it
+# competes in the same autotune, so a GPU's first call keeps the faster). H200, ninth session (B8 T4096 C1024
+# bf16): 0.129 ms dense / 0.140 varlen with (1, 256, 4) / (1, 256, 2) picked, against 0.371 / 0.482 for the best
+# tiled option (the eighth session's profiled step spent 18.5 ms in the tiled backward over 54 calls).
 SPAN = 64
 BWD_CONFIGS = [(8, 64, 4), (16, 64, 8), (16, 64, 4), (32, 64, 8), (8, 128, 4), (16, 128, 8), (64, 64, 8),
                (8, 64, 2), (1, 128, 1), (1, 256, 2), (1, 256, 4), (1, 512, 4)]

@@ -13,7 +13,7 @@ gather kernel, gather_dot with one dout load); eighth session (benchmarks/moe_gp
 TB/s and the combine forward takes 0.083 ms against Inductor's 0.351, but the compiled step moved by -2.1 ms,
 inside its run-to-run spread.
 Opaque custom ops (`torch.ops.k3.moe_gather_sum`, `k3.moe_gather_dot`); backend "triton" of the dispatch family
-"moe_combine" (k3/ops/moe.py), opt-in (`K3_BACKEND=moe_combine:triton`) until timed on a GPU.
+"moe_combine" (k3/ops/moe.py), opt-in (`K3_BACKEND=moe_combine:triton`): its step-level gain is not established.
 """
 from __future__ import annotations
 

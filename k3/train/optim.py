@@ -413,6 +413,7 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
     copies of parameters stored below fp32 (see MuonAdamW). `fused`: Muon's momentum and apply as Triton kernels
     (k3/train/optim_triton.py); default: K3_MUON_FUSED=1 / 0 if set, else on when the parameters are on CUDA and
     Triton is installed (H200, `small`: the optimizer 106.8 -> 82.4 ms, the recipe's step 488.8 -> 450.8 ms)."""
+    from k3.ops.dispatch import triton_runs
     if fused is None:
         env = os.environ.get("K3_MUON_FUSED", "").strip()
         if env not in ("", "0", "1"):
@@ -420,10 +421,8 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
         if env:
             fused = env == "1"
         else:
-            from k3.ops.dispatch import triton_runs
             fused = any(p.is_cuda for p in model.parameters() if p.requires_grad) and triton_runs()
     if fused:
-        from k3.ops.dispatch import triton_runs
         if not triton_runs():
             raise K3ConfigError("fused Muon (K3_MUON_FUSED=1) needs Triton with CUDA (or TRITON_INTERPRET=1)")
     adamw_lr = lr if adamw_lr is None else adamw_lr
