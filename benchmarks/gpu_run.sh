@@ -54,6 +54,8 @@ for stage in "$@"; do case $stage in
   bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 + ${BWDSWEEP_FLA:-0} )) python3 benchmarks/kda_bwd_sweep.py \
       --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} \
       $( [ "${BWDSWEEP_FLA:-0}" != 0 ] && echo --fla ) ;;
+  # tenth session: the backward's bf16 scratch options, accuracy against the fp32 torch path
+  bwdscratch) step bwdscratch 300 python3 benchmarks/kda_bwd_scratch.py ;;
   bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;

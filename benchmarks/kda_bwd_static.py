@@ -132,7 +132,8 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
     lc = ob.launch_config(K, V, N * H, dtype)
     const = dict(H=H, K=K, V=V, BT=BT, TS=ob.TS, REF=ob.REF, LOG2_TS=int(math.log2(ob.TS)),
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
-                 NKW=K // lc["gw"]["BK"])
+                 NKW=K // lc["gw"]["BK"], UPCAST=False, F32_WK=True, FUSED=lc["gi2"]["FIN"],
+                 NKI=K // lc["gi2"]["BK"])
     seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False)
     out = []
     for name, fn, extra in ob.kernel_table(kb):

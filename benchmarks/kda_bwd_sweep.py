@@ -24,6 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # tenth session: the gradient kernels' scratch (W, k e^(G_l - G), u', du', states, dS) in bf16 instead of fp32:
+    # 16.41 ms vs 17.28 (opt-in: its accuracy); only the states or only W / u' in bf16 (measured, then removed:
+    # 30.97 / 29.19 ms, the mixed-dtype dots spill)
+    ("scratch_input", {"scratch": {"DTYPE": "input"}}),
+    # tenth session: gi2 also finishing the columns (gate, suffix sum, dq / dk): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
+    ("gi2_fin", {"gi2": {"FIN": True}}),
     # ninth session: the default's pmat inverse went from 3-pass to one-pass tf32 (3.92 -> 1.90 ms); the former
     # default and the losing row-tile products (measured, then removed: pmat 6.21 ms, 3.67 with the tf32 inverse)
     ("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),

@@ -39,15 +39,15 @@ def _bwd_cases(kb, cb, cg):
     gk = {n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")}
     consts = {
         "states": dict(cb, HAS_H0=True), "dstates": dict(cb, HAS_DHT=True),
-        "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False),
-        "gw": {n: c for n, c in cg.items() if n not in ("TS", "REF")},
+        "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
+        "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, UPCAST=False),
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2),
-        "pwu": {n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")},
-        "gi2": dict(gk, NKW=2), "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")},
-                                             NKW=2)}
+        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")}, F32_WK=True),
+        "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True),
+        "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, FUSED=False, NKI=2)}
     out = {}
     for name, c in consts.items():
-        launch = dict(lc[name])
+        launch = dict(lc[name])  # (lc["scratch"] is not a kernel)
         opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
         out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
     return out

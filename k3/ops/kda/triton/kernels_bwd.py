@@ -56,6 +56,16 @@ def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _dot_s(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """Dot of gradient-kernel scratch operands (fp32, or the input dtype with the "input" scratch): `_dot`, in fp32
+    under the interpreter (UPCAST: its tl.dot multiplies the raw bits of bf16/fp16 tensors)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return _dot(a, b, IEEE)
+
+
+@triton.jit
 def _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_k, K: tl.constexpr):
     """Gate pre-activation x = exp(A_log[h]) (f + dt_bias[h]) of a chunk's rows at the columns o_k (pk: their
     addresses; zero rows past the end)."""
@@ -279,7 +289,7 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bo
 @triton.jit
 def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                BK: tl.constexpr, IEEE: tl.constexpr):
+                BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """The value side of a chunk's gradient, given T, Aq^T (fp32, in registers) and W / k e^(G_l - G) in the fp32
     scratch ws / ks: per value block U = T diag(beta) v, u' = U - W S0, du' = Aq^T do + (k e^(G_l - G)) dS (K in BK
     blocks against the stored states), dv = diag(beta) T^T du'; stores u', du' (uns / dus), and per chunk
@@ -304,8 +314,8 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
             o_kb = jb * BK + tl.arange(0, BK)
             hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
             kv = ps + o_kb[:, None] * V + o_v[None, :]
-            un -= _dot(tl.load(ws + hkb, mask=m_t[:, None], other=0.), tl.load(states + kv), IEEE)
-            du += _dot(tl.load(ks + hkb, mask=m_t[:, None], other=0.), tl.load(dstates + kv), IEEE)
+            un -= _dot_s(tl.load(ws + hkb, mask=m_t[:, None], other=0.), tl.load(states + kv), IEEE, UPCAST)
+            du += _dot_s(tl.load(ks + hkb, mask=m_t[:, None], other=0.), tl.load(dstates + kv), IEEE, UPCAST)
         hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
         tl.store(uns + hv, un, mask=m_t[:, None])
         tl.store(dus + hv, du, mask=m_t[:, None])
@@ -332,21 +342,22 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
 @triton.jit
 def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, IEEE: tl.constexpr):
+                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Value side: `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the prep
     (fp32). One program = one chunk of one head."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
     _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
-                H, K, V, BT, BV, BK, IEEE)
+                H, K, V, BT, BV, BK, IEEE, UPCAST)
 
 
 @triton.jit
 def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, uns, dus, cmat,
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr):
+                      BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
+                      UPCAST: tl.constexpr):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
@@ -365,18 +376,19 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
         hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
         du = tl.load(dus + hv, mask=m_t[:, None], other=0.)
         un = tl.load(uns + hv, mask=m_t[:, None], other=0.)
-        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+        b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None],
+                       other=0.).to(dus.dtype.element_ty)
         kv = ps + o_kb[:, None] * V + o_v[None, :]
         S0 = tl.load(states + kv)
         dS = tl.load(dstates + kv)
-        d_w -= _dot(du, tl.trans(S0), IEEE)
-        d_qg += _dot(b_do, tl.trans(S0), IEEE)
-        d_kd += _dot(un, tl.trans(dS), IEEE)
-        d_gl += tl.sum(S0 * dS, 1)
+        d_w -= _dot_s(du, tl.trans(S0), IEEE, UPCAST)
+        d_qg += _dot_s(b_do, tl.trans(S0), IEEE, UPCAST)
+        d_kd += _dot_s(un, tl.trans(dS), IEEE, UPCAST)
+        d_gl += tl.sum(S0.to(tl.float32) * dS.to(tl.float32), 1)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     dxk = _dot(tl.trans(tl.load(cmat + pc)), d_w, IEEE)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-    b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.)
+    b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.).to(tl.float32)
     pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
     tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
@@ -408,13 +420,13 @@ def _grad_cols_start(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BT: 
 
 
 @triton.jit
-def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dqs, dks, dG, dqn, dkn, qn, kn, pk, hkb, m_t, i_c, i_h,
+def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dG, dqn, dkn, qn, kn, pk, m_t, i_c, i_h,
                    o_kb, lower_bound, d_al, s_q, s_k, H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr,
                    L2NORM: tl.constexpr):
     """The end of one K-column block of a chunk's gradient: dG -> dg by the in-chunk suffix sum (g_t enters G_s for
     all s >= t), through the gate to df (with this chunk's dA_log / ddt_bias partials), and dq, dk: stored, or with
-    the L2 norm stored pre-norm to dqs / dks (fp32 scratch, which the caller read at hkb before) with the row sums
-    s_q, s_k the norm's backward needs. Returns the updated (d_al, s_q, s_k)."""
+    the L2 norm (the pre-norm dqn / dkn stay where the caller read them) the row sums s_q, s_k the norm's backward
+    needs. Returns the updated (d_al, s_q, s_k)."""
     dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG
     if USE_GATE:
         x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
@@ -429,9 +441,6 @@ def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dqs, dks, dG, dqn, d
     if L2NORM:
         s_q += tl.sum(qn * dqn, 1)
         s_k += tl.sum(kn * dkn, 1)
-        tl.debug_barrier()  # every thread has read the scratch at hkb before the pre-norm gradients replace it
-        tl.store(dqs + hkb, dqn, mask=m_t[:, None])
-        tl.store(dks + hkb, dkn, mask=m_t[:, None])
     else:
         tl.store(dq + pk, dqn.to(dq.dtype.element_ty), mask=m_t[:, None])
         tl.store(dk + pk, dkn.to(dk.dtype.element_ty), mask=m_t[:, None])
@@ -445,7 +454,7 @@ def _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, dqs, dks, tok, m_t, i_c, i_h,
     """The end of a chunk's gradient after its column blocks (`_grad_cols_out`): the dA_log partial, dbeta, and
     with the L2 norm dq / dk from the pre-norm gradients in dqs / dks."""
     if USE_GATE:
-        tl.store(dal_part + i_c * H + i_h, d_al)
+        tl.store(dal_part + (i_c * H + i_h) * K, d_al)
     tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
     if L2NORM:
         tl.debug_barrier()
@@ -502,7 +511,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m
 @triton.jit
 def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
                 tok, m_t, o_kb, scale, lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                USE_GATE: tl.constexpr, IEEE: tl.constexpr):
+                USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_WK: tl.constexpr):
     """Prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; k e^(G_l
     - G) and W also fp32), e^(G_l) and the cumsum G (fp32)."""
     dt = w_out.dtype.element_ty
@@ -515,8 +524,9 @@ def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, 
     b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
     tl.store(kd_out + hkb, b_kd.to(dt), mask=m_t[:, None])
     tl.store(w_out + hkb, b_w.to(dt), mask=m_t[:, None])
-    tl.store(ks + hkb, b_kd, mask=m_t[:, None])
-    tl.store(ws + hkb, b_w, mask=m_t[:, None])
+    if F32_WK:  # fp32 scratch (else the gradient kernels read the intermediate-dtype copies above)
+        tl.store(ks + hkb, b_kd, mask=m_t[:, None])
+        tl.store(ws + hkb, b_w, mask=m_t[:, None])
     tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
     tl.store(gcs + hkb, G, mask=m_t[:, None])
 
@@ -544,7 +554,7 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, c
 def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, eg_out, cmat, ws, ks, gcs, rqk,
                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr):
+                       BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_WK: tl.constexpr):
     """Prep part 2 (pwu), per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
     K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk read back from part 1."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
@@ -554,7 +564,7 @@ def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, 
         rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
         rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
         _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
-                    tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE)
+                    tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE, F32_WK)
     else:
         _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, (j - K // BK) * BV + tl.arange(0, BV), Ttot, H, V, IEEE)
 
@@ -575,15 +585,21 @@ def _dl_slice(cmat, nkp, pc0, pp, rows, cols, b_rows, NKW: tl.constexpr, BT: tl.
 
 
 @triton.jit
-def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_tok, chunk_end, scale, Ttot,
+def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part,
+                       ddt_part, sqk, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
-                       BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr):
+                       BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr,
+                       FIN: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
     """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
     columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
     as in `_intra_bwd`), for the tile's rows R:
     d(q scale)_R += e^(G_R - G_m) (dAq[R, :] (k e^(G_m - G))_{<= end of R}),   dk_row_R likewise from dL,
     dk_col_R = e^(G_m - G_R) (dAq[:, R]^T (q scale e^(G - G_m))_{>= start of R} + dL[:, R]^T (k e^(G - G_m))),
-    then adds them to gw's terms in place (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG)."""
+    then adds them to gw's terms (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG). Tiles go last to
+    first. FIN (needs all of a chunk's tiles in the program, TPP = BT / TS) also finishes the columns (what gfin
+    does otherwise; 7.23 ms vs 3.46 + 1.67 for gi2 + gfin on the H200, tenth session: off by default): dG -> dg by the suffix sum carried across the tiles, the gate (dg, this block's
+    dA_log / ddt_bias partials), and dq / dk, or with the L2 norm the pre-norm dq / dk in x1s / x2s plus this K
+    block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H, Ttot]; dgis is then not written."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     r0 = (tl.program_id(2) % (BT // TS // TPP)) * TPP
     o_kb = (tl.program_id(2) // (BT // TS // TPP)) * BK + tl.arange(0, BK)
@@ -599,8 +615,11 @@ def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_to
     qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
+    carry = tl.zeros([BK], dtype=tl.float32)  # FIN: sum of dG over the rows after the current tile
+    d_al = tl.sum(carry, 0)
+    d_dt = tl.zeros([BK], dtype=tl.float32)
     for i_r in tl.static_range(TPP):
-        r = r0 + i_r
+        r = r0 + TPP - 1 - i_r
         o_r = r * TS + tl.arange(0, TS)
         tok_r = t0.to(tl.int64) + o_r
         m_r = tok_r < t1
@@ -631,22 +650,50 @@ def kda_bwd_gi2_kernel(q, k, beta, cmat, nkp, gcs, rqk, x1s, x2s, dgis, chunk_to
         rq_r = tl.load(rqk + i_h * Ttot + tok_r, mask=m_r, other=0.)
         rk_r = tl.load(rqk + (H + i_h) * Ttot + tok_r, mask=m_r, other=0.)
         kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
-        qs_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * (rq_r * scale)[:, None]
-        x1 = tl.load(x1s + hr, mask=m_r[:, None], other=0.)
-        x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.)
-        dg = tl.load(dgis + hr, mask=m_r[:, None], other=0.)
-        tl.store(dgis + hr, dg + dqp * qs_r + kn_r * (dkr - dkc), mask=m_r[:, None])
-        tl.store(x1s + hr, (x1 + dqp) * scale, mask=m_r[:, None])
-        tl.store(x2s + hr, x2 + dkr + dkc, mask=m_r[:, None])
+        qn_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rq_r[:, None]
+        x1 = (tl.load(x1s + hr, mask=m_r[:, None], other=0.) + dqp) * scale
+        x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.) + dkr + dkc
+        dG = tl.load(dgis + hr, mask=m_r[:, None], other=0.) + dqp * (qn_r * scale) + kn_r * (dkr - dkc)
+        if FIN:
+            dG = tl.where(m_r[:, None], dG, 0.)
+            dgs = carry[None, :] + tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG
+            carry += tl.sum(dG, 0)
+            if USE_GATE:
+                xg = _gate_x_cols(g, A_log, dt_bias, pkr, m_r, i_h, o_kb, K)
+                sg = tl.sigmoid(xg)
+                dx = tl.where(m_r[:, None], dgs * (lower_bound * sg * (1. - sg)), 0.)
+                df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+                tl.store(dg + pkr, df.to(dg.dtype.element_ty), mask=m_r[:, None])
+                d_al += tl.sum(tl.sum(dx * xg, 1), 0)
+                d_dt += tl.sum(df, 0)
+            else:
+                tl.store(dg + pkr, dgs.to(dg.dtype.element_ty), mask=m_r[:, None])
+            if L2NORM:
+                i_kb = tl.program_id(2) // (BT // TS // TPP)
+                tl.store(sqk + (i_kb * H + i_h) * Ttot + tok_r, tl.sum(qn_r * x1, 1), mask=m_r)
+                tl.store(sqk + (((K // BK) + i_kb) * H + i_h) * Ttot + tok_r, tl.sum(kn_r * x2, 1), mask=m_r)
+                tl.store(x1s + hr, x1, mask=m_r[:, None])
+                tl.store(x2s + hr, x2, mask=m_r[:, None])
+            else:
+                tl.store(dq + pkr, x1.to(dq.dtype.element_ty), mask=m_r[:, None])
+                tl.store(dk + pkr, x2.to(dk.dtype.element_ty), mask=m_r[:, None])
+        else:
+            tl.store(dgis + hr, dG, mask=m_r[:, None])
+            tl.store(x1s + hr, x1, mask=m_r[:, None])
+            tl.store(x2s + hr, x2, mask=m_r[:, None])
+    if FIN and USE_GATE:
+        tl.store(dal_part + (i_c * H + i_h) * K + tl.program_id(2) // (BT // TS // TPP), d_al)
+        tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, d_dt)
 
 
 @triton.jit
-def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis,
+def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk,
                         dq, dk, dg, dbeta, dal_part, ddt_part, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NKW: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr, NKI: tl.constexpr):
     """After gi2: per chunk and head, dbeta (value part + gw's partials + sum_i dN_ti L_ti), and per BK columns
-    dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s / x2s."""
+    dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s / x2s. FUSED (gi2 finished
+    the columns): with the L2 norm only dq / dk from x1s / x2s and gi2's NKI row-sum partials in sqk."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
@@ -655,12 +702,24 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
                                                                                            + col), 1)
     for j in tl.static_range(NKW):
         d_b += tl.load(dbp + pp + j * BT + o_t)
+    if FUSED:
+        tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
+        if L2NORM:
+            rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
+            rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+            s_q = tl.zeros([BT], dtype=tl.float32)
+            s_k = tl.zeros([BT], dtype=tl.float32)
+            for j in tl.static_range(NKI):
+                s_q += tl.load(sqk + (j * H + i_h) * Ttot + tok, mask=m_t, other=0.)
+                s_k += tl.load(sqk + ((NKI + j) * H + i_h) * Ttot + tok, mask=m_t, other=0.)
+            _l2norm_bwd_cols(q, k, dq, dk, x1s, x2s, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
+        return
     rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, x1s, x2s, tok, m_t, i_h, o_kb, rq, rk, Ttot, H, K)
         dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.)
-        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, x1s, x2s, dG, dqn, dkn, qn, kn, pk,
-                                        hkb, m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
+        d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dG, dqn, dkn, qn, kn, pk,
+                                        m_t, i_c, i_h, o_kb, lower_bound, d_al, s_q, s_k, H, K, USE_GATE, L2NORM)
     _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, x1s, x2s, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b, Ttot,
                     H, K, BK, USE_GATE, L2NORM)

@@ -68,12 +68,21 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
         # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
         # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS),
+        # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False),
         gfin=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        # not a kernel: the dtype of the gradient kernels' scratch W, k e^(G_l - G), u', du' and per-chunk states /
+        # state gradients: "fp32", or "input" (the input dtype at bf16/fp16 inputs, as fla keeps h / dh and the WY
+        # operands; fp32 inputs always fp32). "input": 16.41 ms vs 17.28 at dk / dv 2.95e-3 vs 2.04e-3 from the
+        # fp32 path on the H200, but up to ~9e-3 (over the 8e-3 bf16 limit) in the interpreter's small-head cases:
+        # opt-in. Only the parts (states alone 30.97 ms, W / u' alone 29.19: mixed-dtype dots spill) lost (tenth
+        # session)
+        scratch=dict(DTYPE="fp32"),
     )
 
 
 ENV_LAUNCH = "K3_KDA_BWD_LAUNCH"
+SCRATCH = ("fp32", "input")  # launch_config's scratch DTYPE options
 
 
 def env_launch() -> dict:
@@ -145,7 +154,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     dq, dk, dg = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(gc)
     dv, dbeta = torch.empty_like(vc), torch.empty_like(bc)
     dh0 = torch.empty(N, H, K, V, device=dev, dtype=torch.float32)
-    dal_part = torch.zeros(max(NC, 1), H, device=dev, dtype=torch.float32)
+    dal_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)  # per chunk, head and gi2 K block
     ddt_part = torch.zeros(max(NC, 1), H, K, device=dev, dtype=torch.float32)
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     dS0 = dht.float().contiguous() if dht is not None else None
@@ -162,9 +171,17 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         tpp = lc["gi2"]["TPP"]
         if not isinstance(tpp, int) or tpp < 1 or (BT // TS) % tpp:
             raise ValueError(f"kda_chunk_bwd: gi2 TPP={tpp!r} must divide the {BT // TS} row tiles of a chunk")
+        if lc["gi2"]["FIN"] and tpp != BT // TS:
+            raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
+        scr = lc["scratch"]["DTYPE"]
+        if scr not in SCRATCH:
+            raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
+        sdt = dt if scr == "input" else torch.float32  # the scratch dtype (fp32 at fp32 inputs either way)
         # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq), G, norms
         cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
-        ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
+        f32_wk = sdt == torch.float32
+        # W / k e^(G_l - G) for the gradient kernels: fp32 copies, or the intermediate-dtype ones (w, kd)
+        ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2)) if f32_wk else (w, kd)
         aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
         rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
@@ -174,8 +191,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
             qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ks, gcs, rqk, ctok, cend,
-            float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, **pw)
-        states = torch.empty(NC, H, K, V, device=dev, dtype=torch.float32)
+            float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_WK=f32_wk, **pw)
+        states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
         _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
             kd, w, u, eg, h0 if h0 is not None else eg, states, cu, seq_chunk, Tt,
@@ -185,10 +202,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
         del qg, kd, w, u, aq, eg
         _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
-               dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const)
+               dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
     dA_log = ddt_bias = None
     if gate:
-        dA_log = dal_part.sum(0)
+        dA_log = dal_part.sum((0, 2))
         ddt_bias = ddt_part.sum(0).reshape(H * K)
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
@@ -200,15 +217,15 @@ def _nonfinite(**tensors) -> None:
 
 
 def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
-           dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const):
+           dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const, upcast):
     """The gradient kernels gv, gw, gi2, gfin (kernels_bwd.py) after the prep and the sequential passes."""
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
     _nonfinite(T=cmat[:, :, 0], L=cmat[:, :, 1], ws=ws, ks=ks, aqf=aqf, states=states, dstates=dstates)
     dev = qc.device
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
-    uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=torch.float32) for _ in range(2))
+    uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))  # the W / U scratch dtype
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
-                                  H=H, K=K, V=V, BT=BT, IEEE=ieee, **lc["gv"])
+                                  H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **lc["gv"])
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
     NKW = K // BKW
@@ -218,16 +235,22 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     _k.kda_bwd_gw_kernel[(NC, H, NKW)](
         qc, kc, gc, bc, a_log, dtb, doc, ws, states, dstates, uns, dus, cmat, x1s, x2s, dgis, nkp, dbp,
         ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
-        IEEE=ieee, **lc["gw"])
+        IEEE=ieee, UPCAST=upcast, **lc["gw"])
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
     BKI = lc["gi2"]["BK"]
-    _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * (K // BKI))](
-        qc, kc, bc, cmat, nkp, gcs, rqk, x1s, x2s, dgis, ctok, cend, scale, Tt, H=H, K=K, BT=BT, TS=const["TS"],
-        REF=const["REF"], NKW=NKW, IEEE=ieee, **lc["gi2"])
+    NKI = K // BKI
+    # FIN: gi2 (all of a chunk's row tiles per program) also finishes the columns (dg, the gate, dq / dk or their
+    # pre-norm form with row-sum partials sqk), leaving dbeta and the L2 norm's backward to gfin
+    fused = bool(lc["gi2"]["FIN"])
+    sqk = torch.empty(2, NKI, H, Tt, device=dev, dtype=torch.float32) if fused and const["L2NORM"] else cdb
+    _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * NKI)](
+        qc, kc, gc, bc, a_log, dtb, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part, ddt_part, sqk,
+        ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee, **gate,
+        **lc["gi2"])
     _k.kda_bwd_gfin_kernel[(NC, H)](
-        qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, dq, dk, dg, dbeta, dal_part, ddt_part,
-        ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, **gate, **lc["gfin"])
+        qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk, dq, dk, dg, dbeta, dal_part,
+        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, FUSED=fused, NKI=NKI, **gate, **lc["gfin"])
 
 
 def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda",
