@@ -595,11 +595,12 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     as in `_intra_bwd`), for the tile's rows R:
     d(q scale)_R += e^(G_R - G_m) (dAq[R, :] (k e^(G_m - G))_{<= end of R}),   dk_row_R likewise from dL,
     dk_col_R = e^(G_m - G_R) (dAq[:, R]^T (q scale e^(G - G_m))_{>= start of R} + dL[:, R]^T (k e^(G - G_m))),
-    then adds them to gw's terms (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG). Tiles go last to
-    first. FIN (needs all of a chunk's tiles in the program, TPP = BT / TS) also finishes the columns (what gfin
-    does otherwise; 7.23 ms vs 3.46 + 1.67 for gi2 + gfin on the H200, tenth session: off by default): dG -> dg by the suffix sum carried across the tiles, the gate (dg, this block's
-    dA_log / ddt_bias partials), and dq / dk, or with the L2 norm the pre-norm dq / dk in x1s / x2s plus this K
-    block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H, Ttot]; dgis is then not written."""
+    then adds them to gw's terms (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG). Tiles go last to first.
+    FIN (needs all of a chunk's tiles in the program, TPP = BT / TS) also finishes the columns (what gfin does
+    otherwise; 7.23 ms vs 3.46 + 1.67 for gi2 + gfin on the H200, tenth session: off by default): dG -> dg by the suffix
+    sum carried across the tiles, the gate (dg, this block's dA_log / ddt_bias partials), and dq / dk, or with the L2
+    norm the pre-norm dq / dk in x1s / x2s plus this K block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H,
+    Ttot]; dgis is then not written."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     r0 = (tl.program_id(2) % (BT // TS // TPP)) * TPP
     o_kb = (tl.program_id(2) // (BT // TS // TPP)) * BK + tl.arange(0, BK)
