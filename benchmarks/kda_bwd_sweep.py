@@ -28,6 +28,20 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # 16.41 ms vs 17.28 (opt-in: its accuracy); only the states or only W / u' in bf16 (measured, then removed:
     # 30.97 / 29.19 ms, the mixed-dtype dots spill)
     ("scratch_input", {"scratch": {"DTYPE": "input"}}),
+    # tenth session: launch changes on top of the bf16 scratch (its tiles take half the registers / shared memory)
+    ("scr_gv_bv64", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),
+    ("scr_gv_bk64", {"scratch": {"DTYPE": "input"}, "gv": {"BK": 64}}),
+    ("scr_gw_w4", {"scratch": {"DTYPE": "input"}, "gw": {"num_warps": 4}}),
+    ("scr_gw_bv64", {"scratch": {"DTYPE": "input"}, "gw": {"BV": 64}}),
+    ("scr_gw_s3", {"scratch": {"DTYPE": "input"}, "gw": {"num_stages": 3}}),
+    ("scr_states_bv64", {"scratch": {"DTYPE": "input"}, "states": {"BV": 64}, "dstates": {"BV": 64}}),
+    # the same two launch changes with the fp32 scratch
+    ("gw_w4", {"gw": {"num_warps": 4}}),
+    ("states_bv64", {"states": {"BV": 64}, "dstates": {"BV": 64}}),
+    # all three winners above together (gw at 4 warps and the states at BV 64 are the default since; the bf16
+    # scratch with gv at BV 64 is ops_bwd.SCRATCH_INPUT_LAUNCH)
+    ("scr_tuned", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}, "gw": {"num_warps": 4}, "states": {"BV": 64},
+                   "dstates": {"BV": 64}}),
     # tenth session: gi2 also finishing the columns (gate, suffix sum, dq / dk): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
     ("gi2_fin", {"gi2": {"FIN": True}}),
     # ninth session: the default's pmat inverse went from 3-pass to one-pass tf32 (3.92 -> 1.90 ms); the former
@@ -39,7 +53,8 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gi2_tpp1", {"gi2": {"TPP": 1}}),
     ("gi2_tpp2", {"gi2": {"TPP": 2}}),
     ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
-    ("gw_bk32_w8", {"gw": {"BK": 32}}),
+    ("gw_bk32_w8", {"gw": {"BK": 32, "num_warps": 8}}),
+    ("gw_w8", {"gw": {"num_warps": 8}}),  # the default until the tenth session (3.78 ms vs 3.01 at 4 warps)
     # (ninth session, measured then removed: gv loading T, T^T and Aq^T in every value block, 3.26 ms vs 2.98)
     ("gw_s1", {"gw": {"num_stages": 1}}),  # 4.32 ms vs 3.82 (ninth session)
     ("gv_bv64", {"gv": {"BV": 64}}),

@@ -36,9 +36,10 @@ REF = 7   # reference row inside a tile: factored exponents <= max(REF, TS-1-REF
 
 
 def _pick_bv(V: int, nprog: int) -> int:
-    """Value block of the sequential passes: split V while there are too few (sequence, head) programs."""
+    """Value block of the sequential passes: split V while there are fewer programs than SMs (132 on an H200;
+    B1 H96 at BV 64, 192 programs: states + dstates -0.5 ms against BV 32, tenth session)."""
     bv = min(V, 64)
-    while bv > 16 and nprog * (V // bv) < 264:
+    while bv > 16 and nprog * (V // bv) < 132:
         bv //= 2
     return bv
 
@@ -63,8 +64,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
         gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
-        # gw: BK 64 / 8 warps 3.78 ms vs 4.33 at BK 32 / 4 warps
-        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=8, num_stages=2),
+        # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
+        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
         # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
         # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
@@ -83,6 +84,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
 
 ENV_LAUNCH = "K3_KDA_BWD_LAUNCH"
 SCRATCH = ("fp32", "input")  # launch_config's scratch DTYPE options
+# the bf16 scratch with the launches that measured fastest on it at B1 T8K H96 D128 (tenth session): pass as
+# `launch=` or as $K3_KDA_BWD_LAUNCH (json.dumps of it)
+SCRATCH_INPUT_LAUNCH = {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}
 
 
 def env_launch() -> dict:
@@ -177,6 +181,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         if scr not in SCRATCH:
             raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
         sdt = dt if scr == "input" else torch.float32  # the scratch dtype (fp32 at fp32 inputs either way)
+        if sdt != torch.float32 and lc["gv"]["BK"] > 32:
+            # correct in the interpreter, but an illegal memory access on the H200 (triton 3.6, tenth session)
+            raise ValueError(f"kda_chunk_bwd: gv BK={lc['gv']['BK']} with the bf16 scratch is refused (an illegal "
+                             "memory access on the H200 with triton 3.6); use BK <= 32")
         # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq), G, norms
         cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
         f32_wk = sdt == torch.float32
