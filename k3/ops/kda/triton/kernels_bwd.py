@@ -420,6 +420,25 @@ def _grad_cols_start(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BT: 
 
 
 @triton.jit
+def _gate_bwd_rows(g, A_log, dt_bias, dg, dgs, pk, m, i_h, o_kb, lower_bound, K: tl.constexpr,
+                   USE_GATE: tl.constexpr):
+    """Stores dg of some rows (m: their mask, pk: their token-layout addresses at the columns o_kb) from dgs, the
+    gradient w.r.t. the log-decay: through the gate (df) when USE_GATE, else dgs itself. Returns the rows' dA_log
+    partial (scalar) and ddt_bias partial per column (0 without the gate)."""
+    if USE_GATE:
+        x = _gate_x_cols(g, A_log, dt_bias, pk, m, i_h, o_kb, K)
+        s = tl.sigmoid(x)
+        dx = tl.where(m[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
+        df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m[:, None])
+        return tl.sum(tl.sum(dx * x, 1), 0), tl.sum(df, 0)
+    else:
+        tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m[:, None])
+        z = tl.zeros(dgs.shape, dtype=tl.float32)
+        return tl.sum(tl.sum(z, 1), 0), tl.sum(z, 0)
+
+
+@triton.jit
 def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dG, dqn, dkn, qn, kn, pk, m_t, i_c, i_h,
                    o_kb, lower_bound, d_al, s_q, s_k, H: tl.constexpr, K: tl.constexpr, USE_GATE: tl.constexpr,
                    L2NORM: tl.constexpr):
@@ -428,16 +447,10 @@ def _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dG, dqn, dkn, qn, kn
     the L2 norm (the pre-norm dqn / dkn stay where the caller read them) the row sums s_q, s_k the norm's backward
     needs. Returns the updated (d_al, s_q, s_k)."""
     dgs = tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG
+    al, dt_cols = _gate_bwd_rows(g, A_log, dt_bias, dg, dgs, pk, m_t, i_h, o_kb, lower_bound, K, USE_GATE)
     if USE_GATE:
-        x = _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_kb, K)
-        s = tl.sigmoid(x)
-        dx = tl.where(m_t[:, None], dgs * (lower_bound * s * (1. - s)), 0.)
-        df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-        tl.store(dg + pk, df.to(dg.dtype.element_ty), mask=m_t[:, None])
-        d_al += tl.sum(tl.sum(dx * x, 1), 0)
-        tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, tl.sum(df, 0))
-    else:
-        tl.store(dg + pk, dgs.to(dg.dtype.element_ty), mask=m_t[:, None])
+        d_al += al
+        tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, dt_cols)
     if L2NORM:
         s_q += tl.sum(qn * dqn, 1)
         s_k += tl.sum(kn * dkn, 1)
@@ -659,16 +672,9 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
             dG = tl.where(m_r[:, None], dG, 0.)
             dgs = carry[None, :] + tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG
             carry += tl.sum(dG, 0)
-            if USE_GATE:
-                xg = _gate_x_cols(g, A_log, dt_bias, pkr, m_r, i_h, o_kb, K)
-                sg = tl.sigmoid(xg)
-                dx = tl.where(m_r[:, None], dgs * (lower_bound * sg * (1. - sg)), 0.)
-                df = dx * tl.exp(tl.load(A_log + i_h).to(tl.float32))
-                tl.store(dg + pkr, df.to(dg.dtype.element_ty), mask=m_r[:, None])
-                d_al += tl.sum(tl.sum(dx * xg, 1), 0)
-                d_dt += tl.sum(df, 0)
-            else:
-                tl.store(dg + pkr, dgs.to(dg.dtype.element_ty), mask=m_r[:, None])
+            al, dt_cols = _gate_bwd_rows(g, A_log, dt_bias, dg, dgs, pkr, m_r, i_h, o_kb, lower_bound, K, USE_GATE)
+            d_al += al
+            d_dt += dt_cols
             if L2NORM:
                 i_kb = tl.program_id(2) // (BT // TS // TPP)
                 tl.store(sqk + (i_kb * H + i_h) * Ttot + tok_r, tl.sum(qn_r * x1, 1), mask=m_r)
