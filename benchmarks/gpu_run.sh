@@ -56,6 +56,12 @@ for stage in "$@"; do case $stage in
       $( [ "${BWDSWEEP_FLA:-0}" != 0 ] && echo --fla ) ;;
   # tenth session: the backward's bf16 scratch options, accuracy against the fp32 torch path
   bwdscratch) step bwdscratch 300 python3 benchmarks/kda_bwd_scratch.py ;;
+  # eleventh session: fwd+bwd vs fla at every K3 shape (one sequence of 8K / 32K / 128K tokens, the varlen batch),
+  # with both sides' per-kernel CUDA times; then fla's autotune winners packed for the next run's .tcache
+  bwdall) step bwdall $(( ${KDAFB_BUDGET:-420} + 30 )) python3 benchmarks/kda_triton.py --bwd-only \
+      --shapes ${BWDALL_SHAPES:-B8_T8K,varlen,B2_T32K,B1_T128K} --json "$OUT/kda_triton_bwdall.json" \
+      --budget-s ${KDAFB_BUDGET:-420}
+    step pack 60 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import fla_warmup as f; print(f.pack('$OUT/autotune.tgz'))" ;;
   bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;

@@ -24,6 +24,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # eleventh session: gw adds its per-K-block dN / dbeta parts into gv's with fp32 atomics (gi2 and gfin then read
+    # one dN instead of three sources), alone, with gw's launch changes, and on the bf16 scratch preset
+    ("gw_atomic", {"gw": {"ATOMIC": True}}),
+    ("gw_atomic_s1", {"gw": {"ATOMIC": True, "num_stages": 1}}),
+    ("scr_preset", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),
+    ("scr_preset_atomic", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}, "gw": {"ATOMIC": True}}),
     # tenth session: the gradient kernels' scratch (W, k e^(G_l - G), u', du', states, dS) in bf16 instead of fp32:
     # 16.41 ms vs 17.28 (opt-in: its accuracy); only the states or only W / u' in bf16 (measured, then removed:
     # 30.97 / 29.19 ms, the mixed-dtype dots spill)

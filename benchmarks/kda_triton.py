@@ -16,7 +16,8 @@ and --budget-s skips whatever is left (the sweep is ordered by how much each row
    (by prep time) plus the default at the others; registers/spills of each prep kernel; then every variant's full
    forward (c16: BV configs; c16p: default; c64*: their configs when asked for), o vs fla, floor fraction.
 3. --decode: one token, fp32 state updated in place, B1 and B64, ours vs fla fused_recurrent_kda.
-4. --bwd: fwd+bwd at B1 T8K and varlen (default forward variant + the backend's backward) vs fla.
+4. --bwd: fwd+bwd at every --shapes shape (default forward variant + the backend's backward) vs fla, one sequence
+   of T tokens for the fixed shapes (B1 T8K / T32K / T128K), the whole batch for varlen; per-kernel CUDA times of both.
 --smoke: the same plumbing on CPU under TRITON_INTERPRET=1 with tiny shapes and GPU-like rounding (checks that the
 script runs, not speed; a 4-config sweep). fla is skipped (with a warning) wherever it does not import.
 --static: no GPU needed: compile the old prep and every sweep config for sm_90 (triton's bundled ptxas) and print
@@ -508,7 +509,9 @@ def main():
 
     # 4. fwd+bwd (default forward variant + the backend's backward) vs fla
     if args.bwd or args.bwd_only:
-        for name, B, T, cu_list in [s for s in shapes if s[0] in ("B8_T8K", "varlen", "B2_T200")]:
+        # every requested shape, one sequence of T tokens for the fixed ones (B1 T8K / T32K / T128K) and the whole
+        # varlen batch (the fp32 backward scratch at B8 T8K would be ~50 GB next to fla's buffers)
+        for name, B, T, cu_list in shapes:
             if over():
                 add(dict(op="chunk_fwd_bwd", shape=name, error="skipped: time budget"))
                 continue
@@ -519,18 +522,37 @@ def main():
                 ins = make(Bb, T, grad=True)
                 do = torch.randn(Bb, T, H, D, device=dev, dtype=torch.bfloat16)
 
+                def no_grads():
+                    # each call's input grads land in fresh tensors on both sides: no accumulation add, and no
+                    # second set of 16 GB grads live at T128K (eleventh session; before, both sides included a
+                    # grad += add of ~0.55 ms at B1 T8K)
+                    for x in ins:
+                        x.grad = None
+
                 def fb_ours():
+                    no_grads()
                     chunk_kda_triton(*ins[:5], scale=scale, cu_seqlens=cu, **gk(ins))[0].backward(do)
+
+                def fb_fla():
+                    no_grads()
+                    fla_fwd(ins, cu=cu)[0].backward(do)
                 if fla_chunk is not None:
-                    rowb["fla_fwdbwd_ms"] = bench(lambda: fla_fwd(ins, cu=cu)[0].backward(do))
+                    rowb["fla_fwdbwd_ms"] = bench(fb_fla)
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+                        no_grads()
+                        rowb["fla_peak_gb"] = peak_gb(fb_fla)
                 rowb["ours_fwdbwd_ms"] = bench(fb_ours)
+                if dev == "cuda":
+                    no_grads()
+                    rowb["ours_peak_gb"] = peak_gb(fb_ours)
                 if "fla_fwdbwd_ms" in rowb:
                     rowb["speedup_fwdbwd"] = rowb["fla_fwdbwd_ms"] / rowb["ours_fwdbwd_ms"]
                 if dev == "cuda":  # where the time goes, kernel by kernel (one fwd+bwd under torch.profiler)
                     try:
                         rowb["ours_kernels_ms"] = kernel_breakdown(fb_ours)
                         if fla_chunk is not None:
-                            rowb["fla_kernels_ms"] = kernel_breakdown(lambda: fla_fwd(ins, cu=cu)[0].backward(do))
+                            rowb["fla_kernels_ms"] = kernel_breakdown(fb_fla)
                     except Exception as e:  # noqa: BLE001 - keep the timings above
                         rowb["kernels_error"] = repr(e)[:300]
             except Exception as e:  # noqa: BLE001
@@ -543,6 +565,18 @@ def main():
     save()
     summary(res, variants, sweep, H, D)
     print(f"total {res['total_s']} s; json: {args.json}")
+
+
+def peak_gb(fn) -> float:
+    """Peak CUDA memory allocated (GB) during one call of fn (fwd + bwd: saved tensors, scratch, the input grads it
+    leaves), above what was allocated before it."""
+    import torch
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return round((torch.cuda.max_memory_allocated() - base) / 1e9, 2)
 
 
 def kernel_breakdown(fn, top: int = 12) -> dict:

@@ -30,7 +30,10 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_tpp1", {"gi2": {"TPP": 1}}),  # one row tile per program (the default: all of them)
                   ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
                   ("gi2_fin", {"gi2": {"FIN": True}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm only)
-                  ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32}}))
+                  ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32}}),
+                  # gw adds its dN / dbeta parts into gv's with atomics (gi2 / gfin read one source)
+                  ("gw_atomic", {"gw": {"ATOMIC": True}}),
+                  ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)

@@ -353,16 +353,18 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
 
 
 @triton.jit
-def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, uns, dus, cmat,
+def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, uns, dus, cmat, cdb, rqk,
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
-                      UPCAST: tl.constexpr):
+                      UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
     chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
-    nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta)."""
+    nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta); ATOMIC: those two added into gv's dN
+    (cmat slot 3) and dbeta part (cdb) instead (fp32 atomics: the sum's order, so its last bits, vary between runs).
+    The L2-norm row factors come from the prep (rqk)."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     o_kb = tl.program_id(2) * BK + tl.arange(0, BK)
     i_k = tl.program_id(2)
@@ -390,31 +392,41 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
     b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.).to(tl.float32)
     pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
-    tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+    if ATOMIC:
+        tl.atomic_add(cmat + pc + 3 * BT * BT, _dot(dxk, tl.trans(b_w), IEEE), sem="relaxed")
+    else:
+        tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
+    rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
+    rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
     qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
                                          USE_GATE)
     eG = tl.exp(G)
     ed = tl.exp(g_last[None, :] - G)
     keg = kn * eG
-    tl.store(dbp + pp + o_t, tl.sum(dxk * keg, 1))
+    if ATOMIC:
+        tl.atomic_add(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, tl.sum(dxk * keg, 1), sem="relaxed")
+    else:
+        tl.store(dbp + pp + o_t, tl.sum(dxk * keg, 1))
     x1 = d_qg * eG
     kd = kn * ed
     dgi = x1 * (qn * scale) + dxk * keg * b_b[:, None] - d_kd * kd
     d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
     # on the chunk's last token (rows past a sequence end are not stored; their g is 0, so G there is G_l)
     dgi += tl.where(row == tl.minimum(t1 - t0, BT) - 1, d_gl[None, :], 0.)
+    # x1s may be ws itself (the fp32 scratch: this program's block of W is its last reader): every thread's load
+    # of it above before any store
+    tl.debug_barrier()
     tl.store(x1s + hkb, x1, mask=m_t[:, None])
     tl.store(x2s + hkb, dxk * (b_b[:, None] * eG) + d_kd * ed, mask=m_t[:, None])
     tl.store(dgis + hkb, dgi, mask=m_t[:, None])
 
 
 @triton.jit
-def _grad_cols_start(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     L2NORM: tl.constexpr):
-    """Before a chunk's gradient column blocks (`_grad_cols_out`): the rows' L2-norm factors rq, rk and zeroed
-    accumulators s_q, s_k (row sums for the norm's backward) and d_al (the dA_log partial)."""
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+def _grad_cols_start(rqk, tok, m_t, i_h, Ttot, H: tl.constexpr, BT: tl.constexpr):
+    """Before a chunk's gradient column blocks (`_grad_cols_out`): the rows' L2-norm factors rq, rk (from the prep's
+    rqk) and zeroed accumulators s_q, s_k (row sums for the norm's backward) and d_al (the dA_log partial)."""
+    rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
+    rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
     z = tl.zeros([BT], dtype=tl.float32)
     return rq, rk, z, z, tl.sum(z, 0)
 
@@ -721,7 +733,7 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
                 s_k += tl.load(sqk + ((NKI + j) * H + i_h) * Ttot + tok, mask=m_t, other=0.)
             _l2norm_bwd_cols(q, k, dq, dk, x1s, x2s, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
         return
-    rq, rk, s_q, s_k, d_al = _grad_cols_start(q, k, tok, m_t, i_h, H, K, BT, BK, L2NORM)
+    rq, rk, s_q, s_k, d_al = _grad_cols_start(rqk, tok, m_t, i_h, Ttot, H, BT)
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, x1s, x2s, tok, m_t, i_h, o_kb, rq, rk, Ttot, H, K)

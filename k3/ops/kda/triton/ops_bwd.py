@@ -65,12 +65,16 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
         gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
-        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2),
+        # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
+        # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
+        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=False),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
         # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
         # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
         # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
         gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False),
+        # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
+        # (gw 3.02 -> 2.96; eleventh session)
         gfin=dict(BK=min(K, 32), num_warps=4, num_stages=1),
         # not a kernel: the dtype of the gradient kernels' scratch W, k e^(G_l - G), u', du' and per-chunk states /
         # state gradients: "fp32", or "input" (the input dtype at bf16/fp16 inputs, as fla keeps h / dh and the WY
@@ -236,12 +240,18 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
                                   H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **lc["gv"])
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
-    NKW = K // BKW
-    x1s, x2s, dgis = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(3))
-    nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32)
-    dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32)
-    _k.kda_bwd_gw_kernel[(NC, H, NKW)](
-        qc, kc, gc, bc, a_log, dtb, doc, ws, states, dstates, uns, dus, cmat, x1s, x2s, dgis, nkp, dbp,
+    NKB = K // BKW  # gw's K blocks, and (NKW) how many per-block parts of dN / dbeta gi2 and gfin add up
+    NKW = 0 if lc["gw"]["ATOMIC"] else NKB
+    # gw's fp32 outputs x1s / x2s take the places of the fp32 W / k e^(G_l - G) copies: gv (done) reads them whole,
+    # gw reads only its own block of W before it writes x1s there (-2 x 4 B per token-head and K column, 12.9 GB at
+    # B1 T128K H96 D128: fwd+bwd peak 103.6 GB there against fla's 97.0 on the H200, eleventh session)
+    f32 = ws.dtype == torch.float32
+    x1s, x2s = (ws, ks) if f32 else (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
+    dgis = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
+    nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32) if NKW else cdb
+    dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32) if NKW else cdb
+    _k.kda_bwd_gw_kernel[(NC, H, NKB)](
+        qc, kc, gc, bc, a_log, dtb, doc, ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis, nkp, dbp,
         ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
         IEEE=ieee, UPCAST=upcast, **lc["gw"])
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
