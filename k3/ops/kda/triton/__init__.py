@@ -54,20 +54,20 @@ while a 64-token span may decay by e^-320). Nothing is recomputed:
    everything landing on each tile's rows, from [16, 64] slices of dAq / dL.
 8. `kda_bwd_gfin_kernel` (chunk, head): dbeta, dg through the suffix sum and the gate (per-chunk partials of
    dA_log / ddt_bias that torch sums), dq / dk through the L2 norm and the q scale.
-Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K = V = 128) plus ~6.8 KB of fp32
-scratch per token-head at K = V = 128 (~43 GB at B8 T8K H96; 7.8 KB before the eleventh session's x1s / x2s reuse).
-Measured on the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md): 19.5 ms in the fifth session, 17.3-17.5 ms in the
-ninth (the one-pass tf32 inverse: pmat 3.92 -> 1.90 ms), 16.0 in the tenth (gfin 1.67 -> 1.50 ms, gw at 4 warps, the sequential passes at BV 64), 15.7 in
-the eleventh (gw / gfin take the L2-norm factors from the prep: gfin 1.28 ms); fwd+bwd 0.70-0.74× fla's at B1 T8K /
-T32K / T128K and varlen 64K, at a peak memory 1.07× fla's (103.6 vs 97.0 GB at T128K; x1s / x2s reuse the fp32 W /
-k e^(G_l - G) scratch). Launch parameters: `ops_bwd.launch_config`, overridden per call (`launch=`) or by
-$K3_KDA_BWD_LAUNCH (JSON, e.g. '{"pmat": {"INV_PREC": "tf32x3"}}'). Opt-in: the scratch in bf16
+Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K = V = 128) plus ~6.8 KB of fp32 scratch
+per token-head at K = V = 128 (~43 GB at B8 T8K H96; 7.8 KB before the eleventh session's x1s / x2s reuse). Measured on
+the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md): 19.5 ms in the fifth session, 17.3-17.5 ms in the ninth (the
+one-pass tf32 inverse: pmat 3.92 -> 1.90 ms), 16.0 in the tenth (gfin 1.67 -> 1.50 ms, gw at 4 warps, the sequential
+passes at BV 64), 15.7 in the eleventh (gw / gfin take the L2-norm factors from the prep: gfin 1.28 ms); fwd+bwd
+0.70-0.74× fla's at B1 T8K / T32K / T128K and varlen 64K, at a peak memory 1.07× fla's (103.6 vs 97.0 GB at T128K; x1s /
+x2s reuse the fp32 W / k e^(G_l - G) scratch). Launch parameters: `ops_bwd.launch_config`, overridden per call
+(`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g. '{"pmat": {"INV_PREC": "tf32x3"}}'). Opt-in: the scratch in bf16
 (`ops_bwd.SCRATCH_INPUT_LAUNCH`: 14.2-14.5 ms, fwd+bwd 0.78-0.80×, dk / dv ~1.4× the error), gi2 finishing the columns
 ('{"gi2": {"FIN": true}}': slower, 7.2 ms vs 3.4 + 1.5) and gw adding its dN / dbeta parts with atomics ('{"gw":
-{"ATOMIC": true}}': 15.69 vs 15.70 ms). The earlier recomputing pair ("v1": prep, grad_v, grad_k)
-took 41 ms and was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8
-ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms) and gv reloading T per value block (3.26 vs 2.98 ms). Their
-numbers stay in benchmarks/RESULTS.md.
+{"ATOMIC": true}}': 15.69 vs 15.70 ms). The earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and was
+removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs 5.9 for pmat +
+pwu), pmat by 16-row tiles (6.2 ms) and gv reloading T per value block (3.26 vs 2.98 ms). Their numbers stay in
+benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
