@@ -25,6 +25,8 @@ GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}, "gv": {"BK": 16, "BV": 16}}),
                   ("gi2_bk32_w2", {"gi2": {"BK": 32, "num_warps": 2}}),
                   ("prep_bk16", {"pmat": {"BK": 16}, "pwu": {"BK": 16, "BV": 16}}),
+                  # the default until the eleventh session
+                  ("pmat_gfin_bk32", {"pmat": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
                   ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
                   ("gi2_tpp1", {"gi2": {"TPP": 1}}),  # one row tile per program (the default: all of them)
@@ -270,7 +272,8 @@ def test_env_launch_overrides(monkeypatch):
     monkeypatch.setenv("K3_KDA_BWD_LAUNCH", '{"pmat": {"INV_PREC": "tf32x3"}, "gv": {"BV": 16}}')
     lc = ops_bwd.apply_launch(ops_bwd.launch_config(128, 128, 96, torch.bfloat16), ops_bwd.env_launch(),
                               {"gv": {"BV": 64}})
-    assert lc["pmat"]["INV_PREC"] == "tf32x3" and lc["pmat"]["BK"] == 32
+    default = ops_bwd.launch_config(128, 128, 96, torch.bfloat16)
+    assert lc["pmat"]["INV_PREC"] == "tf32x3" and lc["pmat"]["BK"] == default["pmat"]["BK"]
     assert lc["gv"]["BV"] == 64  # the call's own override wins
     for bad, msg in (("{nope", "not valid JSON"), ('["pmat"]', "must be a JSON object"),
                      ('{"pmat": 3}', "must be a JSON object")):

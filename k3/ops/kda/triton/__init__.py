@@ -58,8 +58,8 @@ Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K 
 per token-head at K = V = 128 (~43 GB at B8 T8K H96; 7.8 KB before the eleventh session's x1s / x2s reuse). Measured on
 the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md): 19.5 ms in the fifth session, 17.3-17.5 ms in the ninth (the
 one-pass tf32 inverse: pmat 3.92 -> 1.90 ms), 16.0 in the tenth (gfin 1.67 -> 1.50 ms, gw at 4 warps, the sequential
-passes at BV 64), 15.7 in the eleventh (gw / gfin take the L2-norm factors from the prep: gfin 1.28 ms); fwd+bwd
-0.70-0.74× fla's at B1 T8K / T32K / T128K and varlen 64K, at a peak memory 1.07× fla's (103.6 vs 97.0 GB at T128K; x1s /
+passes at BV 64), 15.2 in the eleventh (gw / gfin take the L2-norm factors from the prep, pmat / gfin at BK 64); fwd+bwd
+0.70-0.75× fla's at B1 T8K / T32K / T128K and varlen 64K, at a peak memory 1.07× fla's (103.6 vs 97.0 GB at T128K; x1s /
 x2s reuse the fp32 W / k e^(G_l - G) scratch). Launch parameters: `ops_bwd.launch_config`, overridden per call
 (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g. '{"pmat": {"INV_PREC": "tf32x3"}}'). Opt-in: the scratch in bf16
 (`ops_bwd.SCRATCH_INPUT_LAUNCH`: 14.2-14.5 ms, fwd+bwd 0.78-0.80×, dk / dv ~1.4× the error), gi2 finishing the columns

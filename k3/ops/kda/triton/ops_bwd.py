@@ -57,7 +57,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # prep in two kernels: 4.12 + 1.83 ms vs 6.78 ms as one (chunk, head) kernel (removed, fifth session)
         # INV_PREC: the 64 x 64 inverse's tensor-core precision at bf16/fp16 inputs (fp32 inputs: always "tf32x3"):
         # one-pass "tf32" 1.90 ms vs "tf32x3" 3.92 at gradients within 5e-4 of each other (ninth session)
-        pmat=dict(BK=min(K, 32), num_warps=4, num_stages=1, INV_PREC="tf32"),
+        # BK: 64 1.68 ms vs 1.89 at 32 since the tf32 inverse (eleventh session; 4.48 vs 3.92 with the 3-pass one)
+        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32"),
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
         states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
@@ -74,8 +75,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
         gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
-        # (gw 3.02 -> 2.96; eleventh session)
-        gfin=dict(BK=min(K, 32), num_warps=4, num_stages=1),
+        # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
+        gfin=dict(BK=min(K, 64), num_warps=4, num_stages=1),
         # not a kernel: the dtype of the gradient kernels' scratch W, k e^(G_l - G), u', du' and per-chunk states /
         # state gradients: "fp32", or "input" (the input dtype at bf16/fp16 inputs, as fla keeps h / dh and the WY
         # operands; fp32 inputs always fp32). "input": 16.41 ms vs 17.28 at dk / dv 2.95e-3 vs 2.04e-3 from the
