@@ -61,7 +61,8 @@ for stage in "$@"; do case $stage in
   bwdall) step bwdall $(( ${KDAFB_BUDGET:-420} + 30 )) python3 benchmarks/kda_triton.py --bwd-only \
       --shapes ${BWDALL_SHAPES:-B8_T8K,varlen,B2_T32K,B1_T128K} --json "$OUT/kda_triton_bwdall.json" \
       --budget-s ${KDAFB_BUDGET:-420}
-    step pack 60 python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import fla_warmup as f; print(f.pack('$OUT/autotune.tgz'))" ;;
+    step pack 60 python3 -c \
+      "import sys; sys.path.insert(0, 'benchmarks'); import fla_warmup as f; print(f.pack('$OUT/autotune.tgz'))" ;;
   bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;

@@ -510,7 +510,7 @@ def main():
     # 4. fwd+bwd (default forward variant + the backend's backward) vs fla
     if args.bwd or args.bwd_only:
         # every requested shape, one sequence of T tokens for the fixed ones (B1 T8K / T32K / T128K) and the whole
-        # varlen batch (the fp32 backward scratch at B8 T8K would be ~50 GB next to fla's buffers)
+        # varlen batch (the fp32 backward scratch at B8 T8K would be ~43 GB next to fla's buffers)
         for name, B, T, cu_list in shapes:
             if over():
                 add(dict(op="chunk_fwd_bwd", shape=name, error="skipped: time budget"))
