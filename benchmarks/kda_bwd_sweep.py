@@ -26,6 +26,10 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
     # eleventh session: gw adds its per-K-block dN / dbeta parts into gv's with fp32 atomics (gi2 and gfin then read
     # one dN instead of three sources), alone, with gw's launch changes, and on the bf16 scratch preset
+    # eleventh session: gv reading u' / du' as the sequential passes formed them (bf16 operands; opt-in accuracy class
+    # of the bf16 scratch), alone and on the bf16 scratch preset
+    ("gv_pre", {"gv": {"PRE": True}}),
+    ("scr_preset_pre", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": True}}),
     ("gw_atomic", {"gw": {"ATOMIC": True}}),
     ("gw_atomic_s1", {"gw": {"ATOMIC": True, "num_stages": 1}}),
     ("scr_preset", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),

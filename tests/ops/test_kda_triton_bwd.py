@@ -35,11 +35,17 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32}}),
                   # gw adds its dN / dbeta parts into gv's with atomics (gi2 / gfin read one source)
                   ("gw_atomic", {"gw": {"ATOMIC": True}}),
-                  ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True}}))
+                  ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True}}),
+                  # u' / du' from the sequential passes (fp32 here: their 3-pass tf32 dots, ~fp32)
+                  ("gv_pre", {"gv": {"PRE": True}}),
+                  ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
+                                               "dstates": {"BV": 16}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
-SCRATCH_LOWP = ("input",)  # the bf16 scratch option (opt-in)
+# opt-in launches with bf16-level u' / du' (checked against the fp64 reference with twice the bf16 tolerances): the bf16
+# scratch, and gv reading u' / du' as the sequential passes formed them from bf16 operands (PRE)
+SCRATCH_LOWP = {"input": {"scratch": {"DTYPE": "input"}}, "pre": {"gv": {"PRE": True}}}
 
 
 def _rr(a, b) -> float:
@@ -127,8 +133,8 @@ def _checks() -> dict:
     run("bf16_varlen_bound", 1, 90, H, 16, 16, gate=False, l2=True, h0=True, dht=True, dtype=torch.bfloat16,
         cu=[0, 65, 66, 90], g_const=-5.0)
     # 6b. the same with the scratch (W, k e^(G_l - G), u', du', states, state gradients) in bf16
-    for scr in SCRATCH_LOWP:
-        os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps({"scratch": {"DTYPE": scr}})
+    for scr, launch in SCRATCH_LOWP.items():
+        os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps(launch)
         try:
             run(f"bf16_{scr}", 1, 100, H, 32, 32, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
             run(f"bf16_varlen_bound_{scr}", 1, 90, H, 16, 16, gate=False, l2=True, h0=True, dht=True,
@@ -200,10 +206,10 @@ def test_fp32_gradients(results, case, grad):
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
 
 
-@pytest.mark.parametrize("scr", SCRATCH_LOWP)
+@pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
 def test_bf16_scratch_options(results, scr):
-    """The bf16 scratch against the fp64 reference within twice the bf16 tolerances (its dk / dv reach ~9e-3 in
-    these small-head cases, 3e-3 at K3 heads on the H200: opt-in, not the default)."""
+    """The bf16 scratch and PRE against the fp64 reference within twice the bf16 tolerances (their dk / dv reach
+    ~9e-3 in these small-head cases, the bf16 scratch 3e-3 at K3 heads on the H200: opt-in, not the default)."""
     slack = 2.
     for case, grads in (("bf16", GRADS), ("bf16_varlen_bound", ("dq", "dk", "dv", "dg", "dbeta", "dh0"))):
         for grad in grads:

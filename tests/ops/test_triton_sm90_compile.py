@@ -38,7 +38,7 @@ def _bwd_cases(kb, cb, cg):
     lc = launch_config(128, 128, 8 * 96, torch.bfloat16)
     gk = {n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")}
     consts = {
-        "states": dict(cb, HAS_H0=True), "dstates": dict(cb, HAS_DHT=True),
+        "states": dict(cb, HAS_H0=True, STORE_U=False), "dstates": dict(cb, HAS_DHT=True, STORE_U=False),
         "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
         "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, UPCAST=False),
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2),

@@ -158,11 +158,12 @@ def _lower_inv_at(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr,
 
 
 @triton.jit
-def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
+def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr):
     """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
-    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S)."""
+    start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S). STORE_U: also stores u' = U - W S
+    (from the intermediate-dtype operands) into uns [H, Ttot, V]."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -179,16 +180,20 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, cu, seq_chunk, Ttot,
         b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
         b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
+        if STORE_U:
+            tl.store(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_vn.to(uns.dtype.element_ty),
+                     mask=m_t[:, None])
         S = S * b_e[:, None] + _dot_lp(tl.trans(b_kd), b_vn.to(dt), IEEE, UPCAST)
 
 
 @triton.jit
-def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chunk, Ttot,
+def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, seq_chunk, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr):
     """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
     gradient dS (starting from dht): stores dS at each chunk's end, then
-    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS."""
+    du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS.
+    STORE_U: also stores du' into dus [H, Ttot, V]."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -208,6 +213,9 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, cu, seq_chu
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
         b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
+        if STORE_U:
+            tl.store(dus + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_du.to(dus.dtype.element_ty),
+                     mask=m_t[:, None])
         dS = dS * b_e[:, None] + _dot_lp(tl.trans(b_qg), b_do, IEEE, UPCAST) \
             - _dot_lp(tl.trans(b_w), b_du.to(dt), IEEE, UPCAST)
     tl.store(dh0 + ps, dS)
@@ -289,11 +297,12 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bo
 @triton.jit
 def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PRE: tl.constexpr):
     """The value side of a chunk's gradient, given T, Aq^T (fp32, in registers) and W / k e^(G_l - G) in the fp32
     scratch ws / ks: per value block U = T diag(beta) v, u' = U - W S0, du' = Aq^T do + (k e^(G_l - G)) dS (K in BK
     blocks against the stored states), dv = diag(beta) T^T du'; stores u', du' (uns / dus), and per chunk
-    tril(dAq) = tril(do u'^T), sum_V dXv U^T and sum_V dXv v (cmat slots 2, 3; cdb)."""
+    tril(dAq) = tril(do u'^T), sum_V dXv U^T and sum_V dXv v (cmat slots 2, 3; cdb). PRE: u' / du' were stored by
+    the sequential passes (their STORE_U): read from uns / dus instead of formed against the states."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
@@ -308,17 +317,21 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
         b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
         b_do = tl.load(do + pv, mask=m_t[:, None], other=0.).to(tl.float32)
         U = _dot(Tm, b_v * b_b[:, None], IEEE)
-        un = U
-        du = _dot(AqT, b_do, IEEE)
-        for jb in tl.static_range(K // BK):
-            o_kb = jb * BK + tl.arange(0, BK)
-            hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-            kv = ps + o_kb[:, None] * V + o_v[None, :]
-            un -= _dot_s(tl.load(ws + hkb, mask=m_t[:, None], other=0.), tl.load(states + kv), IEEE, UPCAST)
-            du += _dot_s(tl.load(ks + hkb, mask=m_t[:, None], other=0.), tl.load(dstates + kv), IEEE, UPCAST)
         hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
-        tl.store(uns + hv, un, mask=m_t[:, None])
-        tl.store(dus + hv, du, mask=m_t[:, None])
+        if PRE:
+            un = tl.load(uns + hv, mask=m_t[:, None], other=0.).to(tl.float32)
+            du = tl.load(dus + hv, mask=m_t[:, None], other=0.).to(tl.float32)
+        else:
+            un = U
+            du = _dot(AqT, b_do, IEEE)
+            for jb in tl.static_range(K // BK):
+                o_kb = jb * BK + tl.arange(0, BK)
+                hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+                kv = ps + o_kb[:, None] * V + o_v[None, :]
+                un -= _dot_s(tl.load(ws + hkb, mask=m_t[:, None], other=0.), tl.load(states + kv), IEEE, UPCAST)
+                du += _dot_s(tl.load(ks + hkb, mask=m_t[:, None], other=0.), tl.load(dstates + kv), IEEE, UPCAST)
+            tl.store(uns + hv, un, mask=m_t[:, None])
+            tl.store(dus + hv, du, mask=m_t[:, None])
         d_aq += _dot(b_do, tl.trans(un), IEEE)
         dxv = _dot(TmT, du, IEEE)
         tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
@@ -342,14 +355,14 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
 @triton.jit
 def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PRE: tl.constexpr):
     """Value side: `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the prep
-    (fp32). One program = one chunk of one head."""
+    (fp32), or with PRE u' / du' as the sequential passes stored them. One program = one chunk of one head."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
     _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
-                H, K, V, BT, BV, BK, IEEE, UPCAST)
+                H, K, V, BT, BV, BK, IEEE, UPCAST, PRE)
 
 
 @triton.jit

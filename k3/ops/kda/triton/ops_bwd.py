@@ -64,7 +64,12 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
-        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1),
+        # PRE: u' / du' stored by the sequential passes (formed there from the intermediate-dtype W, U and states, as
+        # fla keeps v_new / dv) and read by gv, instead of gv forming them in fp32 against the stored states: gv 2.99
+        # -> 0.98 ms, backward 15.25 -> 13.46 ms (12.51 on the bf16 scratch preset; eleventh session), at the bf16
+        # scratch's accuracy (H200 selfcheck dv 2.95e-3 vs 2.12e-3; the interpreter's unit-state small-head cases
+        # ~9e-3, over the 8e-3 line): opt-in
+        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=False),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
         # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
@@ -207,14 +212,16 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_WK=f32_wk, **pw)
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
+        uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=sdt) for _ in range(2))  # u', du' (gv's PRE: stored here)
+        pre = bool(lc["gv"]["PRE"])
         _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
-            kd, w, u, eg, h0 if h0 is not None else eg, states, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, **lc["states"])
+            kd, w, u, eg, h0 if h0 is not None else eg, states, uns, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, **lc["states"])
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
-            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, **lc["dstates"])
+            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, **lc["dstates"])
         del qg, kd, w, u, aq, eg
-        _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
+        _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
                dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
     dA_log = ddt_bias = None
     if gate:
@@ -229,14 +236,13 @@ def _nonfinite(**tensors) -> None:
         print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items()}, flush=True)
 
 
-def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, cmat,
+def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
            dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const, upcast):
     """The gradient kernels gv, gw, gi2, gfin (kernels_bwd.py) after the prep and the sequential passes."""
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
     _nonfinite(T=cmat[:, :, 0], L=cmat[:, :, 1], ws=ws, ks=ks, aqf=aqf, states=states, dstates=dstates)
     dev = qc.device
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
-    uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))  # the W / U scratch dtype
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
                                   H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **lc["gv"])
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
