@@ -134,7 +134,8 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
                  NKW=K // lc["gw"]["BK"], UPCAST=False, F32_WK=True, FUSED=lc["gi2"]["FIN"],
                  NKI=K // lc["gi2"]["BK"])
-    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"])
+    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"],
+               SF32=lc["gv"]["PRE"] and lc["gv"]["PRE_F32"])
     out = []
     for name, fn, extra in ob.kernel_table(kb):
         cfg = dict(lc[name])

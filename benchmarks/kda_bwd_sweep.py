@@ -30,6 +30,11 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # of the bf16 scratch), alone and on the bf16 scratch preset
     ("gv_pre", {"gv": {"PRE": True}}),
     ("scr_preset_pre", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": True}}),
+    # eleventh session, not yet timed: PRE with the sequential passes' u' / du' products against the fp32 state
+    # (within the bf16 tolerances in the interpreter, where PRE alone is not; static sm_90: states / dstates spill
+    # 152 / 232 B, 2104 / 2544 SASS instructions vs 1208 / 1552)
+    ("gv_pre_f32", {"gv": {"PRE": True, "PRE_F32": True}}),
+    ("scr_preset_pre_f32", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": True, "PRE_F32": True}}),
     ("gw_atomic", {"gw": {"ATOMIC": True}}),
     ("gw_atomic_s1", {"gw": {"ATOMIC": True, "num_stages": 1}}),
     ("scr_preset", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),

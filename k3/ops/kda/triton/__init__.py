@@ -65,10 +65,11 @@ x2s reuse the fp32 W / k e^(G_l - G) scratch). Launch parameters: `ops_bwd.launc
 (`ops_bwd.SCRATCH_INPUT_LAUNCH`: 14.2-14.5 ms, fwd+bwd 0.78-0.80×, dk / dv ~1.4× the error), gi2 finishing the columns
 ('{"gi2": {"FIN": true}}': slower, 7.2 ms vs 3.4 + 1.5), gw adding its dN / dbeta parts with atomics ('{"gw": {"ATOMIC":
 true}}': 15.69 vs 15.70 ms) and gv reading u' / du' as the sequential passes formed them from bf16 operands ('{"gv":
-{"PRE": true}}': 13.46 ms vs 15.25, fwd+bwd ~0.81× fla; 12.51 ms with the bf16 scratch; the bf16 scratch's accuracy).
-The earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and was removed, as were the per-chunk intra
-backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms)
-and gv reloading T per value block (3.26 vs 2.98 ms). Their numbers stay in benchmarks/RESULTS.md.
+{"PRE": true}}': 13.46 ms vs 15.25, fwd+bwd ~0.81× fla; 12.51 ms with the bf16 scratch; the bf16 scratch's accuracy;
+with "PRE_F32": true the passes multiply by the fp32 state, within the bf16 tolerances in the interpreter, untimed). The
+earlier recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and was removed, as were the per-chunk intra backward
+(gi, 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms) and gv
+reloading T per value block (3.26 vs 2.98 ms). Their numbers stay in benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:

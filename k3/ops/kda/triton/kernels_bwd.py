@@ -160,10 +160,12 @@ def _lower_inv_at(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr,
 @triton.jit
 def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr):
+                          HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr,
+                          SF32: tl.constexpr):
     """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
     start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S). STORE_U: also stores u' = U - W S
-    (from the intermediate-dtype operands) into uns [H, Ttot, V]."""
+    (from the intermediate-dtype operands) into uns [H, Ttot, V]. SF32: W S with the fp32 state (tf32 products at
+    bf16 inputs) instead of its intermediate-dtype rounding."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -179,7 +181,10 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
         b_kd = tl.load(kd + hk, mask=m_t[:, None], other=0.)
         b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
-        b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
+        if SF32:
+            b_vn = b_u.to(tl.float32) - _dot_lp(b_w.to(tl.float32), S, IEEE, UPCAST)
+        else:
+            b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
         if STORE_U:
             tl.store(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_vn.to(uns.dtype.element_ty),
                      mask=m_t[:, None])
@@ -189,11 +194,12 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
 @triton.jit
 def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, seq_chunk, Ttot,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr):
+                           HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr,
+                           SF32: tl.constexpr):
     """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
     gradient dS (starting from dht): stores dS at each chunk's end, then
     du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS.
-    STORE_U: also stores du' into dus [H, Ttot, V]."""
+    STORE_U: also stores du' into dus [H, Ttot, V]. SF32: (k e^(G_l - G)) dS with the fp32 dS (tf32 products)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -212,7 +218,10 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, se
         b_a = tl.load(aq + (i_h * Ttot + tok[:, None]) * BT + o_t[None, :], mask=m_t[:, None], other=0.)
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
-        b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
+        if SF32:
+            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd.to(tl.float32), dS, IEEE, UPCAST)
+        else:
+            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
         if STORE_U:
             tl.store(dus + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_du.to(dus.dtype.element_ty),
                      mask=m_t[:, None])

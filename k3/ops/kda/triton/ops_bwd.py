@@ -69,7 +69,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # -> 0.98 ms, backward 15.25 -> 13.46 ms (12.51 on the bf16 scratch preset; eleventh session), at the bf16
         # scratch's accuracy (H200 selfcheck dv 2.95e-3 vs 2.12e-3; the interpreter's unit-state small-head cases
         # ~9e-3, over the 8e-3 line): opt-in
-        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=False),
+        # PRE_F32 (with PRE): the sequential passes form u' / du' against the fp32 state / state gradient (tf32
+        # products), not their bf16 rounding: in the interpreter's unit-state small-head cases dq / dk / dv <= 6.7e-3
+        # (inside the bf16 tolerances) where PRE alone reaches dv 9.2e-3 (the default 3.3e-3); static sm_90: the
+        # passes spill (152 / 232 B) at ~1.7x the instructions; not yet timed
+        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=False, PRE_F32=False),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
         # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
@@ -214,12 +218,15 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         dstates = torch.empty_like(states)
         uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=sdt) for _ in range(2))  # u', du' (gv's PRE: stored here)
         pre = bool(lc["gv"]["PRE"])
+        sf32 = pre and bool(lc["gv"]["PRE_F32"])
         _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
             kd, w, u, eg, h0 if h0 is not None else eg, states, uns, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, **lc["states"])
+            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
+            **lc["states"])
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, **lc["dstates"])
+            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre,
+            SF32=sf32, **lc["dstates"])
         del qg, kd, w, u, aq, eg
         _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
                dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
@@ -244,7 +251,8 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     dev = qc.device
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
-                                  H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **lc["gv"])
+                                  H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast,
+                                  **{n: c for n, c in lc["gv"].items() if n != "PRE_F32"})  # (for the passes above)
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
     NKB = K // BKW  # gw's K blocks, and (NKW) how many per-block parts of dN / dbeta gi2 and gfin add up
