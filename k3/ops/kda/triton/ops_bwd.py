@@ -216,15 +216,17 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_WK=f32_wk, **pw)
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
-        uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=sdt) for _ in range(2))  # u', du' (gv's PRE: stored here)
         pre = bool(lc["gv"]["PRE"])
         sf32 = pre and bool(lc["gv"]["PRE_F32"])
+        # u', du': with gv's PRE stored by the sequential passes, else allocated by _grads once the passes' bf16
+        # operands are freed (not to raise the peak)
+        uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=sdt) for _ in range(2)) if pre else (None, None)
         _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
-            kd, w, u, eg, h0 if h0 is not None else eg, states, uns, cu, seq_chunk, Tt,
+            kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
             **lc["states"])
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
-            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus, cu, seq_chunk, Tt,
+            qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus if pre else eg, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre,
             SF32=sf32, **lc["dstates"])
         del qg, kd, w, u, aq, eg
@@ -250,6 +252,8 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     _nonfinite(T=cmat[:, :, 0], L=cmat[:, :, 1], ws=ws, ks=ks, aqf=aqf, states=states, dstates=dstates)
     dev = qc.device
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
+    if uns is None:  # the W / U scratch dtype
+        uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
                                   H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast,
                                   **{n: c for n, c in lc["gv"].items() if n != "PRE_F32"})  # (for the passes above)
