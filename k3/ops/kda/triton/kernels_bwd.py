@@ -277,6 +277,13 @@ def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.co
 
 
 @triton.jit
+def _row_factors(rqk, tok, m, i_h, Ttot, H: tl.constexpr):
+    """The L2-norm row factors (rq, rk) the prep stored in rqk [2, H, Ttot] at tokens tok (0 where m is false)."""
+    return (tl.load(rqk + i_h * Ttot + tok, mask=m, other=0.),
+            tl.load(rqk + (H + i_h) * Ttot + tok, mask=m, other=0.))
+
+
+@triton.jit
 def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound,
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                     LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
@@ -418,8 +425,7 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
         tl.atomic_add(cmat + pc + 3 * BT * BT, _dot(dxk, tl.trans(b_w), IEEE), sem="relaxed")
     else:
         tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
-    rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
-    rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+    rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
     qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
                                          USE_GATE)
     eG = tl.exp(G)
@@ -447,8 +453,7 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
 def _grad_cols_start(rqk, tok, m_t, i_h, Ttot, H: tl.constexpr, BT: tl.constexpr):
     """Before a chunk's gradient column blocks (`_grad_cols_out`): the rows' L2-norm factors rq, rk (from the prep's
     rqk) and zeroed accumulators s_q, s_k (row sums for the norm's backward) and d_al (the dA_log partial)."""
-    rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
-    rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+    rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
     z = tl.zeros([BT], dtype=tl.float32)
     return rq, rk, z, z, tl.sum(z, 0)
 
@@ -608,8 +613,7 @@ def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, 
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     j = tl.program_id(2)
     if j < K // BK:
-        rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
-        rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+        rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
         _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
                     tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE, F32_WK)
     else:
@@ -656,8 +660,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     G = tl.load(gcs + hkb, mask=m_t[:, None], other=0.)
     g_end = tl.sum(tl.where(row == tl.minimum(t1 - t0, BT) - 1, G, 0.), 0)
     G = tl.where(m_t[:, None], G, g_end[None, :])
-    rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
-    rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+    rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
     pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
     kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
     qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
@@ -695,8 +698,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
         dkr = ef_r * _dot(dl_r, kc, IEEE)
         dkc = cf_r * (_dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE))
         pkr = (tok_r[:, None] * H + i_h) * K + o_kb[None, :]
-        rq_r = tl.load(rqk + i_h * Ttot + tok_r, mask=m_r, other=0.)
-        rk_r = tl.load(rqk + (H + i_h) * Ttot + tok_r, mask=m_r, other=0.)
+        rq_r, rk_r = _row_factors(rqk, tok_r, m_r, i_h, Ttot, H)
         kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
         qn_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rq_r[:, None]
         x1 = (tl.load(x1s + hr, mask=m_r[:, None], other=0.) + dqp) * scale
@@ -746,8 +748,7 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
     if FUSED:
         tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
         if L2NORM:
-            rq = tl.load(rqk + i_h * Ttot + tok, mask=m_t, other=0.)
-            rk = tl.load(rqk + (H + i_h) * Ttot + tok, mask=m_t, other=0.)
+            rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
             s_q = tl.zeros([BT], dtype=tl.float32)
             s_k = tl.zeros([BT], dtype=tl.float32)
             for j in tl.static_range(NKI):
