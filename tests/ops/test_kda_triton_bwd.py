@@ -268,6 +268,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 2, "FIN": True}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
         ops_bwd.kda_chunk_bwd(*args, launch={"scratch": {"DTYPE": "bf16"}})
+    with pytest.raises(ValueError, match="gv PRE_F32 .* needs gv PRE"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"gv": {"PRE_F32": True}})
     lowp = tuple(a.bfloat16() if a is not None and a.dtype == torch.float32 else a for a in args[:7]) + args[7:]
     with pytest.raises(ValueError, match="gv BK=64 with the bf16 scratch is refused"):
         ops_bwd.kda_chunk_bwd(*lowp, launch={"scratch": {"DTYPE": "input"}, "gv": {"BK": 64}})

@@ -189,6 +189,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         tpp = lc["gi2"]["TPP"]
         if not isinstance(tpp, int) or tpp < 1 or (BT // TS) % tpp:
             raise ValueError(f"kda_chunk_bwd: gi2 TPP={tpp!r} must divide the {BT // TS} row tiles of a chunk")
+        if lc["gv"]["PRE_F32"] and not lc["gv"]["PRE"]:
+            raise ValueError("kda_chunk_bwd: gv PRE_F32 (how the sequential passes form u' / du' for gv) needs gv PRE")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         scr = lc["scratch"]["DTYPE"]
@@ -217,7 +219,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
         pre = bool(lc["gv"]["PRE"])
-        sf32 = pre and bool(lc["gv"]["PRE_F32"])
+        sf32 = bool(lc["gv"]["PRE_F32"])
         # u', du': with gv's PRE stored by the sequential passes, else allocated by _grads once the passes' bf16
         # operands are freed (not to raise the peak)
         uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=sdt) for _ in range(2)) if pre else (None, None)
