@@ -24,17 +24,29 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # twelfth session: the default since is gv's PRE + PRE_F32 (the sequential passes store u' / du', formed against
+    # the fp32 state as two bf16 halves; 13.89 ms): without PRE (the default until then, 15.33), PRE against the
+    # state's bf16 rounding (13.53, opt-in accuracy class of the bf16 scratch), and both on the bf16 scratch preset
+    # (the eleventh session's rows gv_pre / scr_preset_pre / gv_pre_f32 / scr_preset_pre_f32; gv_pre_f32 measured
+    # 14.36 ms as tf32 products of fp32 operands, NaN at BV 16)
+    ("no_pre", {"gv": {"PRE": False}}),
+    # twelfth session: the sequential passes with PRE + PRE_F32 at BV 64 (states 0.62 ms, dstates 1.10: 192 programs,
+    # dstates at one CTA per SM in 160 KB of shared memory, so two waves), 13.57 ms: dstates at BV 128 on 8 warps
+    # (96 programs, one wave) 13.27, the default since (dstates 0.84); the states pass on a side stream next to
+    # dstates (independent walks) 13.57; dstates at one stage (96 KB: two CTAs per SM, 8 B of spills) 13.49, with
+    # the side stream 13.41; both passes at BV 32 13.97, with the side stream 13.83
+    ("dstates_bv64", {"dstates": {"BV": 64, "num_warps": 4}}),
+    ("states_concurrent", {"states": {"CONCURRENT": True}}),
+    ("dstates_bv64_s1", {"dstates": {"BV": 64, "num_warps": 4, "num_stages": 1}}),
+    ("dstates_bv64_s1_concurrent", {"dstates": {"BV": 64, "num_warps": 4, "num_stages": 1},
+                                    "states": {"CONCURRENT": True}}),
+    ("seq_bv32", {"states": {"BV": 32}, "dstates": {"BV": 32, "num_warps": 4}}),
+    ("seq_bv32_concurrent", {"states": {"BV": 32, "CONCURRENT": True}, "dstates": {"BV": 32, "num_warps": 4}}),
+    ("pre_bf16_state", {"gv": {"PRE_F32": False}}),
+    ("scr_preset_no_pre", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": False}}),
+    ("scr_preset_pre_bf16_state", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE_F32": False}}),
     # eleventh session: gw adds its per-K-block dN / dbeta parts into gv's with fp32 atomics (gi2 and gfin then read
     # one dN instead of three sources), alone, with gw's launch changes, and on the bf16 scratch preset
-    # eleventh session: gv reading u' / du' as the sequential passes formed them (bf16 operands; opt-in accuracy class
-    # of the bf16 scratch), alone and on the bf16 scratch preset
-    ("gv_pre", {"gv": {"PRE": True}}),
-    ("scr_preset_pre", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": True}}),
-    # eleventh session, not yet timed: PRE with the sequential passes' u' / du' products against the fp32 state
-    # (within the bf16 tolerances in the interpreter, where PRE alone is not; static sm_90: states / dstates spill
-    # 152 / 232 B, 2104 / 2544 SASS instructions vs 1208 / 1552)
-    ("gv_pre_f32", {"gv": {"PRE": True, "PRE_F32": True}}),
-    ("scr_preset_pre_f32", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": True, "PRE_F32": True}}),
     ("gw_atomic", {"gw": {"ATOMIC": True}}),
     ("gw_atomic_s1", {"gw": {"ATOMIC": True, "num_stages": 1}}),
     ("scr_preset", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),

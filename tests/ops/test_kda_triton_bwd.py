@@ -36,18 +36,22 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # gw adds its dN / dbeta parts into gv's with atomics (gi2 / gfin read one source)
                   ("gw_atomic", {"gw": {"ATOMIC": True}}),
                   ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True}}),
-                  # u' / du' from the sequential passes (fp32 here: their 3-pass tf32 dots, ~fp32)
-                  ("gv_pre", {"gv": {"PRE": True}}),
-                  ("gv_pre_f32", {"gv": {"PRE": True, "PRE_F32": True}}),
+                  # gv forming u' / du' itself against the stored states (the default until the twelfth session:
+                  # the sequential passes store them, fp32 here: their 3-pass tf32 dots, ~fp32), and PRE with the
+                  # passes' products against the state's rounding (equal to the default at fp32 inputs)
+                  ("gv_no_pre", {"gv": {"PRE": False}}),
+                  ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
+                  ("states_concurrent_s1", {"states": {"CONCURRENT": True}, "dstates": {"num_stages": 1}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
 # opt-in launches with bf16-level u' / du' (checked against the fp64 reference with twice the bf16 tolerances): the bf16
-# scratch, and gv reading u' / du' as the sequential passes formed them from bf16 operands (PRE)
-SCRATCH_LOWP = {"input": {"scratch": {"DTYPE": "input"}}, "pre": {"gv": {"PRE": True}},
-                "pre_f32": {"gv": {"PRE": True, "PRE_F32": True}}}
+# scratch, and the sequential passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32); and
+# the former default, gv forming u' / du' in fp32 (no PRE), within the bf16 tolerances themselves
+SCRATCH_LOWP = {"input": {"scratch": {"DTYPE": "input"}}, "pre_bf16_state": {"gv": {"PRE_F32": False}},
+                "no_pre": {"gv": {"PRE": False}}}
 
 
 def _rr(a, b) -> float:
@@ -130,6 +134,12 @@ def _checks() -> dict:
     # 5. wide heads: K = 128, V = 256 (value loop over 8 blocks); K = 256 (32-token chunks)
     run("wide_K128_V256", 1, 40, 1, 128, 256, gate=True, l2=True, h0=True, dht=True)
     run("wide_K256", 1, 45, 1, 256, 32, gate=True, l2=True, h0=True, dht=True)
+    # 5b. the dstates pass at 128 value columns on 8 warps (the default from 67 (sequence, head) pairs at V >= 128)
+    os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps({"dstates": {"BV": 128, "num_warps": 8}})
+    try:
+        run("wide_K128_V256_dstates_bv128", 1, 40, 1, 128, 256, gate=True, l2=True, h0=True, dht=True)
+    finally:
+        del os.environ["K3_KDA_BWD_LAUNCH"]
     # 6. bf16 token inputs (fp32 h0 / A_log / dt_bias), gate + L2 + h0 + dht; bf16 varlen with precomputed g = -5
     run("bf16", 1, 100, H, 32, 32, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
     run("bf16_varlen_bound", 1, 90, H, 16, 16, gate=False, l2=True, h0=True, dht=True, dtype=torch.bfloat16,
@@ -199,6 +209,7 @@ def results():
 
 FP32 = {"gate_l2_h0_dht": GRADS, "varlen": GRADS, "g_at_bound": ("dq", "dk", "dv", "dg", "dbeta"),
         "precomputed_g_l2": ("dq", "dk", "dv", "dg", "dbeta", "dh0"), "wide_K128_V256": GRADS, "wide_K256": GRADS,
+        "wide_K128_V256_dstates_bv128": GRADS,
         "torch_fallback": GRADS}
 
 
@@ -210,10 +221,10 @@ def test_fp32_gradients(results, case, grad):
 
 @pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
 def test_bf16_scratch_options(results, scr):
-    """The bf16 scratch and PRE against the fp64 reference within twice the bf16 tolerances (their dk / dv reach
-    ~9e-3 in these small-head cases, the bf16 scratch 3e-3 at K3 heads on the H200: opt-in, not the default);
-    PRE with the fp32 state in the u' / du' products (PRE_F32) within the bf16 tolerances themselves."""
-    slack = 1. if scr == "pre_f32" else 2.
+    """The bf16 scratch and PRE against the state's bf16 rounding against the fp64 reference within twice the bf16
+    tolerances (their dk / dv reach ~9e-3 in these small-head cases, the bf16 scratch 3e-3 at K3 heads on the H200:
+    opt-in, not the default); gv forming u' / du' in fp32 (no PRE) within the bf16 tolerances themselves."""
+    slack = 1. if scr == "no_pre" else 2.
     for case, grads in (("bf16", GRADS), ("bf16_varlen_bound", ("dq", "dk", "dv", "dg", "dbeta", "dh0"))):
         for grad in grads:
             tol = slack * (TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB)
@@ -242,7 +253,7 @@ def test_only_requested_gradients(results):
 
 
 def test_triton_backward_used_and_torch_fallback_reachable(results):
-    assert results["calls.triton_bwd"] == 9.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
+    assert results["calls.triton_bwd"] == 10.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
     assert results["calls.during_fallback"] == 0.0
     assert "K3_KDA_TRITON_BWD='v9'" in results["bad_name_error"] and "triton" in results["bad_name_error"]
 
@@ -269,10 +280,23 @@ def test_bad_launch_options_are_refused_by_name():
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
         ops_bwd.kda_chunk_bwd(*args, launch={"scratch": {"DTYPE": "bf16"}})
     with pytest.raises(ValueError, match="gv PRE_F32 .* needs gv PRE"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gv": {"PRE_F32": True}})
+        ops_bwd.kda_chunk_bwd(*args, launch={"gv": {"PRE": False, "PRE_F32": True}})
     lowp = tuple(a.bfloat16() if a is not None and a.dtype == torch.float32 else a for a in args[:7]) + args[7:]
     with pytest.raises(ValueError, match="gv BK=64 with the bf16 scratch is refused"):
         ops_bwd.kda_chunk_bwd(*lowp, launch={"scratch": {"DTYPE": "input"}, "gv": {"BK": 64}})
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_dstates_block_follows_the_program_count():
+    """dstates takes 128 value columns on 8 warps once BV 64 would leave a second partial wave (nprog > 66), at
+    K <= 128 and V >= 128; otherwise the sequential passes' shared value block on 4 warps."""
+    import torch
+    from k3.ops.kda.triton.ops_bwd import launch_config
+    for K, V, nprog, want in ((128, 128, 96, (128, 8)), (128, 256, 768, (128, 8)), (128, 128, 66, (64, 4)),
+                              (128, 128, 8, (16, 4)), (256, 256, 96, (64, 4)), (64, 64, 96, (32, 4))):
+        lc = launch_config(K, V, nprog, torch.bfloat16)
+        assert (lc["dstates"]["BV"], lc["dstates"]["num_warps"]) == want, (K, V, nprog, lc["dstates"])
+        assert lc["states"]["num_warps"] == 4
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

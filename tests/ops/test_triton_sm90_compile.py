@@ -38,18 +38,21 @@ def _bwd_cases(kb, cb, cg):
     lc = launch_config(128, 128, 8 * 96, torch.bfloat16)
     gk = {n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")}
     consts = {
-        "states": dict(cb, HAS_H0=True, STORE_U=False, SF32=False),
-        "dstates": dict(cb, HAS_DHT=True, STORE_U=False, SF32=False),
+        # STORE_U / SF32 from gv's PRE / PRE_F32, as launched (the forms without: benchmarks/kda_bwd_static.py)
+        "states": dict(cb, HAS_H0=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
+        "dstates": dict(cb, HAS_DHT=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
         "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
         "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF")}, UPCAST=False),
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2),
-        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")}, F32_WK=True),
+        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")}, F32_W=True,
+                    F32_K=not lc["gv"]["PRE"]),
         "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True),
         "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, FUSED=False, NKI=2)}
     out = {}
     for name, c in consts.items():
         launch = dict(lc[name])  # (lc["scratch"] is not a kernel)
         launch.pop("PRE_F32", None)  # gv's entry for the sequential passes (their SF32)
+        launch.pop("CONCURRENT", None)  # states': which stream, not a kernel parameter
         opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
         out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
     return out

@@ -56,6 +56,20 @@ def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _dot_split(a, s, dt: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """a s for an intermediate-dtype a and an fp32 state s, with s as two intermediate-dtype halves (s_hi = s
+    rounded, s_lo = the rounding error, rounded): two low-precision tensor-core products summed in fp32, ~16
+    mantissa bits of s where one product against s.to(dt) keeps 8 (and a tf32 product of fp32 operands 11, at
+    twice the shared-memory bytes). At fp32 intermediates (IEEE) it is `_dot_lp` of s itself."""
+    if IEEE:
+        return _dot_lp(a, s, IEEE, UPCAST)
+    else:
+        s_hi = s.to(dt)
+        s_lo = (s - s_hi.to(tl.float32)).to(dt)
+        return _dot_lp(a, s_hi, IEEE, UPCAST) + _dot_lp(a, s_lo, IEEE, UPCAST)
+
+
+@triton.jit
 def _dot_s(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Dot of gradient-kernel scratch operands (fp32, or the input dtype with the "input" scratch): `_dot`, in fp32
     under the interpreter (UPCAST: its tl.dot multiplies the raw bits of bf16/fp16 tensors)."""
@@ -164,8 +178,8 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
                           SF32: tl.constexpr):
     """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
     start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S). STORE_U: also stores u' = U - W S
-    (from the intermediate-dtype operands) into uns [H, Ttot, V]. SF32: W S with the fp32 state (tf32 products at
-    bf16 inputs) instead of its intermediate-dtype rounding."""
+    (from the intermediate-dtype operands) into uns [H, Ttot, V]. SF32: W S against the fp32 state as two
+    intermediate-dtype halves (`_dot_split`) instead of its intermediate-dtype rounding."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -182,7 +196,7 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
         b_u = tl.load(u + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], mask=m_t[:, None], other=0.)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
         if SF32:
-            b_vn = b_u.to(tl.float32) - _dot_lp(b_w.to(tl.float32), S, IEEE, UPCAST)
+            b_vn = b_u.to(tl.float32) - _dot_split(b_w, S, dt, IEEE, UPCAST)
         else:
             b_vn = b_u.to(tl.float32) - _dot_lp(b_w, S.to(dt), IEEE, UPCAST)
         if STORE_U:
@@ -199,7 +213,7 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, se
     """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
     gradient dS (starting from dht): stores dS at each chunk's end, then
     du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS.
-    STORE_U: also stores du' into dus [H, Ttot, V]. SF32: (k e^(G_l - G)) dS with the fp32 dS (tf32 products)."""
+    STORE_U: also stores du' into dus [H, Ttot, V]. SF32: (k e^(G_l - G)) dS against the fp32 dS (`_dot_split`)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
@@ -219,7 +233,7 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, se
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None], other=0.).to(dt)
         b_e = tl.load(eg + ((c0 + j) * H + i_h) * K + o_k)
         if SF32:
-            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd.to(tl.float32), dS, IEEE, UPCAST)
+            b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_split(b_kd, dS, dt, IEEE, UPCAST)
         else:
             b_du = _dot_lp(tl.trans(b_a), b_do, IEEE, UPCAST) + _dot_lp(b_kd, dS.to(dt), IEEE, UPCAST)
         if STORE_U:
@@ -563,9 +577,9 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m
 @triton.jit
 def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
                 tok, m_t, o_kb, scale, lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_WK: tl.constexpr):
-    """Prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; k e^(G_l
-    - G) and W also fp32), e^(G_l) and the cumsum G (fp32)."""
+                USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr, F32_K: tl.constexpr):
+    """Prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; W also
+    fp32 with F32_W, k e^(G_l - G) with F32_K), e^(G_l) and the cumsum G (fp32)."""
     dt = w_out.dtype.element_ty
     qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
                                          USE_GATE)
@@ -576,8 +590,11 @@ def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, 
     b_w = _dot(Tm, kn * eG * b_b[:, None], IEEE)
     tl.store(kd_out + hkb, b_kd.to(dt), mask=m_t[:, None])
     tl.store(w_out + hkb, b_w.to(dt), mask=m_t[:, None])
-    if F32_WK:  # fp32 scratch (else the gradient kernels read the intermediate-dtype copies above)
+    # the fp32 scratch (else the gradient kernels read the intermediate-dtype copies above); k e^(G_l - G) only for
+    # gv forming du' itself (without its PRE)
+    if F32_K:
         tl.store(ks + hkb, b_kd, mask=m_t[:, None])
+    if F32_W:
         tl.store(ws + hkb, b_w, mask=m_t[:, None])
     tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
     tl.store(gcs + hkb, G, mask=m_t[:, None])
@@ -606,7 +623,8 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, c
 def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, eg_out, cmat, ws, ks, gcs, rqk,
                        chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_WK: tl.constexpr):
+                       BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr,
+                       F32_K: tl.constexpr):
     """Prep part 2 (pwu), per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
     K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk read back from part 1."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
@@ -615,7 +633,8 @@ def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, 
     if j < K // BK:
         rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
         _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
-                    tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE, F32_WK)
+                    tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE, F32_W,
+                    F32_K)
     else:
         _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, (j - K // BK) * BV + tl.arange(0, BV), Ttot, H, V, IEEE)
 

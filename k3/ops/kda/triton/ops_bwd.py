@@ -3,10 +3,12 @@
 `kda_chunk_bwd` runs eight kernels (see kernels_bwd.py for the math):
 1. kda_bwd_pmat_kernel    (chunk, head)              T, tril_-1(L), tril(Aq) (fp32 and intermediate dtype), norms
 2. kda_bwd_pwu_kernel     (chunk, head, col. block)  q e^G, k e^(G_l - G), W, U (sequential passes' operands) and
-                                                     W, k e^(G_l - G), G in fp32
-3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32)
-4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), and dh0
-5. kda_bwd_gv_kernel      (chunk, head)              value side: u', du', dv, dAq, value parts of dN / dbeta
+                                                     W, G in fp32 (k e^(G_l - G) too without gv's PRE)
+3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32), and
+                                                     u' = U - W S (gv's PRE)
+4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), dh0, and du' (PRE)
+5. kda_bwd_gv_kernel      (chunk, head)              value side: dv, dAq, value parts of dN / dbeta (and u', du'
+                                                     without PRE)
 6. kda_bwd_gw_kernel      (chunk, head, K block)     state side: dXk, the state terms of dq / dk / dG, partial dN
 7. kda_bwd_gi2_kernel     (chunk, head, tile, K blk) intra-chunk backward of each 16-row tile
 8. kda_bwd_gfin_kernel    (chunk, head)              dbeta, dg (suffix sum, gate), dq / dk through the L2 norm
@@ -15,6 +17,7 @@ path on a CUDA device at K3 head shapes.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,7 +26,7 @@ from typing import Optional
 import torch
 
 from . import kernels_bwd as _k
-from .ops import _seq_tables  # chunk tables shared with the forward
+from .ops import _seq_tables, _side_stream  # chunk tables and the side stream shared with the forward
 
 BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
@@ -44,12 +47,24 @@ def _pick_bv(V: int, nprog: int) -> int:
     return bv
 
 
+def _dstates_bv(K: int, V: int, nprog: int) -> tuple:
+    """(BV, num_warps) of the dstates pass: 128 value columns on 8 warps (one program per (sequence, head) at V =
+    128, one CTA per SM in 208 KB of shared memory) once BV 64 would need a second partial wave of its one-CTA
+    programs (nprog > 66 on 132 SMs): at B1 H96 T8K 0.84 ms vs 1.10 at BV 64 (192 programs, two waves; twelfth
+    session); per program BV 128 costs ~1.5x BV 64 for twice the columns, so it stays ahead at larger nprog too.
+    Else `_pick_bv` on 4 warps. K > 128 (32-token chunks, wider tiles) keeps the latter."""
+    if K <= 128 and V >= 128 and nprog > 66:
+        return 128, 8
+    return _pick_bv(V, nprog), 4
+
+
 def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
     """Per-kernel launch parameters {kernel name: dict(BV=, BK=, num_warps=, num_stages=)} at head dims K, V with
     nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py.
     Block sizes: the H200 sweep at B1 T8K H96 D128 (benchmarks/kda_bwd_sweep.py, benchmarks/RESULTS.md)."""
     lowp = dtype in (torch.bfloat16, torch.float16)
     BV = _pick_bv(V, nprog)
+    dBV, dW = _dstates_bv(K, V, nprog)
     # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
     # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
     seq_stages = 2 if lowp else 1
@@ -61,19 +76,19 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32"),
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
-        states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
-        dstates=dict(BV=BV, num_warps=4, num_stages=seq_stages),
+        # CONCURRENT (not a kernel parameter): the states pass on a high-priority side stream alongside the dstates
+        # pass (they are independent; on CUDA only), where both walks leave SMs idle (192 programs at B1 H96)
+        states=dict(BV=BV, num_warps=4, num_stages=seq_stages, CONCURRENT=False),
+        dstates=dict(BV=dBV, num_warps=dW, num_stages=seq_stages),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
-        # PRE: u' / du' stored by the sequential passes (formed there from the intermediate-dtype W, U and states, as
-        # fla keeps v_new / dv) and read by gv, instead of gv forming them in fp32 against the stored states: gv 2.99
-        # -> 0.98 ms, backward 15.25 -> 13.46 ms (12.51 on the bf16 scratch preset; eleventh session), at the bf16
-        # scratch's accuracy (H200 selfcheck dv 2.95e-3 vs 2.12e-3; the interpreter's unit-state small-head cases
-        # ~9e-3, over the 8e-3 line): opt-in
-        # PRE_F32 (with PRE): the sequential passes form u' / du' against the fp32 state / state gradient (tf32
-        # products), not their bf16 rounding: in the interpreter's unit-state small-head cases dq / dk / dv <= 6.7e-3
-        # (inside the bf16 tolerances) where PRE alone reaches dv 9.2e-3 (the default 3.3e-3); static sm_90: the
-        # passes spill (152 / 232 B) at ~1.7x the instructions; not yet timed
-        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=False, PRE_F32=False),
+        # PRE: u' / du' stored by the sequential passes (as fla keeps v_new / dv) and read by gv, instead of gv
+        # forming them in fp32 against the stored states: gv 2.99 -> 0.98 ms (eleventh session). PRE_F32 (with PRE):
+        # the passes' W S / (k e^(G_l - G)) dS products against the fp32 state as two bf16 halves (`_dot_split`), not
+        # its bf16 rounding, which put dv at 9.2e-3 (over the 8e-3 bf16 line) in the interpreter's unit-state
+        # small-head cases (6.4e-3 with it). Twelfth session, B1 T8K H96: backward 13.89 ms vs 15.33 without PRE,
+        # 13.53 with PRE alone (as tf32 products of fp32 operands: 14.36, and NaN at BV 16 with triton 3.6); H200
+        # selfcheck dq 3.07e-3, dv 2.44e-3 (2.76e-3 / 2.12e-3 without PRE). PRE=False: the former default
+        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=True, PRE_F32=True),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
         # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
@@ -189,8 +204,12 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         tpp = lc["gi2"]["TPP"]
         if not isinstance(tpp, int) or tpp < 1 or (BT // TS) % tpp:
             raise ValueError(f"kda_chunk_bwd: gi2 TPP={tpp!r} must divide the {BT // TS} row tiles of a chunk")
-        if lc["gv"]["PRE_F32"] and not lc["gv"]["PRE"]:
-            raise ValueError("kda_chunk_bwd: gv PRE_F32 (how the sequential passes form u' / du' for gv) needs gv PRE")
+        if not lc["gv"]["PRE"]:
+            asked = {**env_launch().get("gv", {}), **((launch or {}).get("gv") or {})}
+            if asked.get("PRE_F32"):
+                raise ValueError("kda_chunk_bwd: gv PRE_F32 (how the sequential passes form u' / du' for gv) needs "
+                                 "gv PRE")
+            lc["gv"]["PRE_F32"] = False  # the default's PRE_F32 has nothing to act on without PRE
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         scr = lc["scratch"]["DTYPE"]
@@ -204,8 +223,12 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq), G, norms
         cmat = torch.empty(NC, H, 4, BT, BT, device=dev, dtype=torch.float32)
         f32_wk = sdt == torch.float32
-        # W / k e^(G_l - G) for the gradient kernels: fp32 copies, or the intermediate-dtype ones (w, kd)
-        ws, ks = (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2)) if f32_wk else (w, kd)
+        pre = bool(lc["gv"]["PRE"])
+        sf32 = bool(lc["gv"]["PRE_F32"])
+        # W / k e^(G_l - G) for the gradient kernels: fp32 copies, or the intermediate-dtype ones (w, kd); with gv's
+        # PRE only gw reads W and nothing k e^(G_l - G) (gw's fp32 x2s is then allocated by _grads)
+        ws = torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else w
+        ks = None if pre else torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else kd
         aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
         rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
@@ -214,24 +237,35 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             **{n: c for n, c in const.items() if n != "V"})
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
-            qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ks, gcs, rqk, ctok, cend,
-            float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_WK=f32_wk, **pw)
+            qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok,
+            cend, float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_W=f32_wk,
+            F32_K=f32_wk and not pre, **pw)
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
-        pre = bool(lc["gv"]["PRE"])
-        sf32 = bool(lc["gv"]["PRE_F32"])
-        # u', du': with gv's PRE stored by the sequential passes, else allocated by _grads once the passes' bf16
-        # operands are freed (not to raise the peak)
-        uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=sdt) for _ in range(2)) if pre else (None, None)
-        _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
-            kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
-            **lc["states"])
+        # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
+        # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
+        uns = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
+        conc = bool(lc["states"]["CONCURRENT"]) and dev.type == "cuda"
+        main = torch.cuda.current_stream(dev) if conc else None
+        if conc:
+            side = _side_stream(dev)
+            side.wait_stream(main)  # pwu's operands, the buffers above
+        with torch.cuda.stream(side) if conc else contextlib.nullcontext():
+            _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
+                kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
+                H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
+                **{n: c for n, c in lc["states"].items() if n != "CONCURRENT"})
+        if not conc:  # (else U stays referenced until the side stream is joined: no block reuse under it)
+            del u
+        dus = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus if pre else eg, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre,
             SF32=sf32, **lc["dstates"])
-        del qg, kd, w, u, aq, eg
+        if conc:
+            main.wait_stream(side)
+            del u
+        del qg, kd, w, aq, eg
         _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
                dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
     dA_log = ddt_bias = None
@@ -256,8 +290,8 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
     if uns is None:  # the W / U scratch dtype
         uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))
-    _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt,
-                                  H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast,
+    _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ws if ks is None else ks, states, dstates, uns, dus, cmat,
+                                  cdb, dv, ctok, cend, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast,
                                   **{n: c for n, c in lc["gv"].items() if n != "PRE_F32"})  # (for the passes above)
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
@@ -267,7 +301,8 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     # gw reads only its own block of W before it writes x1s there (-2 x 4 B per token-head and K column, 12.9 GB at
     # B1 T128K H96 D128: fwd+bwd peak 103.6 GB there against fla's 97.0 on the H200, eleventh session)
     f32 = ws.dtype == torch.float32
-    x1s, x2s = (ws, ks) if f32 else (torch.empty(H, Tt, K, device=dev, dtype=torch.float32) for _ in range(2))
+    x1s = ws if f32 else torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
+    x2s = ks if f32 and ks is not None else torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     dgis = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32) if NKW else cdb
     dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32) if NKW else cdb
