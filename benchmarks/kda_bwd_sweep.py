@@ -30,18 +30,19 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # (the eleventh session's rows gv_pre / scr_preset_pre / gv_pre_f32 / scr_preset_pre_f32; gv_pre_f32 measured
     # 14.36 ms as tf32 products of fp32 operands, NaN at BV 16)
     ("no_pre", {"gv": {"PRE": False}}),
+    # twelfth session, measured then removed: gw's and gi2's partial gradients of d(q scale) / d(kn) (x1s, x2s) in
+    # bf16 (a scratch PARTS option): 13.19 ms vs 13.34 (gi2 -0.09, gfin -0.03), 12.29 vs 12.45 on the bf16 scratch
+    # preset, at H200 selfcheck dq / dk 3.49e-3 / 3.46e-3 (3.07e-3 / 2.59e-3) and ~1.1e-2 dk in the interpreter's
+    # small-head bf16 cases; dgis in bf16 too put ddt_bias at 0.11 there. Their traffic is not what holds gi2 back
     # twelfth session: the sequential passes with PRE + PRE_F32 at BV 64 (states 0.62 ms, dstates 1.10: 192 programs,
     # dstates at one CTA per SM in 160 KB of shared memory, so two waves), 13.57 ms: dstates at BV 128 on 8 warps
     # (96 programs, one wave) 13.27, the default since (dstates 0.84); the states pass on a side stream next to
-    # dstates (independent walks) 13.57; dstates at one stage (96 KB: two CTAs per SM, 8 B of spills) 13.49, with
-    # the side stream 13.41; both passes at BV 32 13.97, with the side stream 13.83
+    # dstates (independent walks; a CONCURRENT option, removed after) 13.57, and 13.28 vs 13.35 at the new default;
+    # dstates at one stage (96 KB: two CTAs per SM, 8 B of spills) 13.49, with the side stream 13.41; both passes at
+    # BV 32 13.97, with the side stream 13.83
     ("dstates_bv64", {"dstates": {"BV": 64, "num_warps": 4}}),
-    ("states_concurrent", {"states": {"CONCURRENT": True}}),
     ("dstates_bv64_s1", {"dstates": {"BV": 64, "num_warps": 4, "num_stages": 1}}),
-    ("dstates_bv64_s1_concurrent", {"dstates": {"BV": 64, "num_warps": 4, "num_stages": 1},
-                                    "states": {"CONCURRENT": True}}),
     ("seq_bv32", {"states": {"BV": 32}, "dstates": {"BV": 32, "num_warps": 4}}),
-    ("seq_bv32_concurrent", {"states": {"BV": 32, "CONCURRENT": True}, "dstates": {"BV": 32, "num_warps": 4}}),
     ("pre_bf16_state", {"gv": {"PRE_F32": False}}),
     ("scr_preset_no_pre", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": False}}),
     ("scr_preset_pre_bf16_state", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE_F32": False}}),

@@ -41,7 +41,7 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # passes' products against the state's rounding (equal to the default at fp32 inputs)
                   ("gv_no_pre", {"gv": {"PRE": False}}),
                   ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
-                  ("states_concurrent_s1", {"states": {"CONCURRENT": True}, "dstates": {"num_stages": 1}}),
+                  ("dstates_s1", {"dstates": {"num_stages": 1}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals

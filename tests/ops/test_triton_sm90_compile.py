@@ -52,7 +52,6 @@ def _bwd_cases(kb, cb, cg):
     for name, c in consts.items():
         launch = dict(lc[name])  # (lc["scratch"] is not a kernel)
         launch.pop("PRE_F32", None)  # gv's entry for the sequential passes (their SF32)
-        launch.pop("CONCURRENT", None)  # states': which stream, not a kernel parameter
         opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
         out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
     return out

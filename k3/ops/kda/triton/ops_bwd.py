@@ -17,7 +17,6 @@ path on a CUDA device at K3 head shapes.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import kernels_bwd as _k
-from .ops import _seq_tables, _side_stream  # chunk tables and the side stream shared with the forward
+from .ops import _seq_tables  # chunk tables shared with the forward
 
 BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
@@ -76,9 +75,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32"),
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
-        # CONCURRENT (not a kernel parameter): the states pass on a high-priority side stream alongside the dstates
-        # pass (they are independent; on CUDA only), where both walks leave SMs idle (192 programs at B1 H96)
-        states=dict(BV=BV, num_warps=4, num_stages=seq_stages, CONCURRENT=False),
+        # the states pass on a high-priority side stream next to dstates (independent walks; a CONCURRENT option,
+        # measured then removed, twelfth session): 13.28 ms vs 13.35, 13.57 vs 13.57 with dstates at BV 64
+        states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         dstates=dict(BV=dBV, num_warps=dW, num_stages=seq_stages),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
         # PRE: u' / du' stored by the sequential passes (as fla keeps v_new / dv) and read by gv, instead of gv
@@ -245,26 +244,16 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
         # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
         uns = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
-        conc = bool(lc["states"]["CONCURRENT"]) and dev.type == "cuda"
-        main = torch.cuda.current_stream(dev) if conc else None
-        if conc:
-            side = _side_stream(dev)
-            side.wait_stream(main)  # pwu's operands, the buffers above
-        with torch.cuda.stream(side) if conc else contextlib.nullcontext():
-            _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
-                kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
-                H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
-                **{n: c for n, c in lc["states"].items() if n != "CONCURRENT"})
-        if not conc:  # (else U stays referenced until the side stream is joined: no block reuse under it)
-            del u
+        _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
+            kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
+            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
+            **lc["states"])
+        del u
         dus = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus if pre else eg, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre,
             SF32=sf32, **lc["dstates"])
-        if conc:
-            main.wait_stream(side)
-            del u
         del qg, kd, w, aq, eg
         _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
                dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
