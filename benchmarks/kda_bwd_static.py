@@ -110,9 +110,10 @@ def _signature(fn, consts, dtype="bf16"):
     return sig
 
 
-def compile_sm90(fn, consts, num_warps, num_stages, dtype="bf16"):
+def compile_sm90(fn, consts, num_warps, num_stages, dtype="bf16", maxnreg=None):
     from k3.ops.triton_sm90 import compile_sm90 as comp
-    return comp(fn, consts, _signature(fn, consts, dtype), num_warps, num_stages)
+    extra = {} if maxnreg is None else dict(maxnreg=maxnreg)
+    return comp(fn, consts, _signature(fn, consts, dtype), num_warps, num_stages, **extra)
 
 
 def measure(ck, num_warps):
@@ -144,9 +145,10 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
             consts["HAS_H0"] = True
         elif extra == "dstates":
             consts["HAS_DHT"] = True
-        consts.update({k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages")})
+        consts.update({k: v for k, v in cfg.items() if k not in ("num_warps", "num_stages", "maxnreg")})
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-        out.append((name, fn, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])))
+        out.append((name, fn, consts, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                                           maxnreg=cfg["maxnreg"])))
     return out
 
 

@@ -30,6 +30,19 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # (the eleventh session's rows gv_pre / scr_preset_pre / gv_pre_f32 / scr_preset_pre_f32; gv_pre_f32 measured
     # 14.36 ms as tf32 products of fp32 operands, NaN at BV 16)
     ("no_pre", {"gv": {"PRE": False}}),
+    # twelfth session: register caps (maxnreg) for more resident programs per SM where the sm_90 static compile
+    # spills little (benchmarks/kda_bwd_static.py; gi2 / gw / gfin / pmat run 2 CTAs of 4 warps at 255 registers).
+    # At 13.33 ms: pwu_r168 13.07 (pwu 1.67 -> 1.37; its default since), every other row slower (gi2 3.40 -> 3.85-
+    # 4.42, gw 2.92 -> 3.24, gfin 1.22 -> 1.26, gv 0.98 -> 1.00)
+    ("pwu_r128", {"pwu": {"maxnreg": 128}}),                   # 4 CTAs, 416 B
+    ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
+    ("pmat_r168", {"pmat": {"maxnreg": 168}}),                 # 3 CTAs, 504 B
+    ("gi2_bk32_r168", {"gi2": {"BK": 32, "maxnreg": 168}}),     # 3 CTAs / SM, 24 B of spills
+    ("gi2_w8_r128", {"gi2": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 104 B
+    ("gi2_bk32_r128", {"gi2": {"BK": 32, "maxnreg": 128}}),     # 4 CTAs, 256 B
+    ("gfin_w8_r128", {"gfin": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 128 B
+    ("gw_bk32_r168", {"gw": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
+    ("gv_r168", {"gv": {"maxnreg": 168}}),
     # twelfth session, measured then removed: gw's and gi2's partial gradients of d(q scale) / d(kn) (x1s, x2s) in
     # bf16 (a scratch PARTS option): 13.19 ms vs 13.34 (gi2 -0.09, gfin -0.03), 12.29 vs 12.45 on the bf16 scratch
     # preset, at H200 selfcheck dq / dk 3.49e-3 / 3.46e-3 (3.07e-3 / 2.59e-3) and ~1.1e-2 dk in the interpreter's

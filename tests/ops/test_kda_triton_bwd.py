@@ -42,6 +42,7 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gv_no_pre", {"gv": {"PRE": False}}),
                   ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
                   ("dstates_s1", {"dstates": {"num_stages": 1}}),
+                  ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
@@ -273,6 +274,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"nope": {"BK": 16}})
     with pytest.raises(ValueError, match=r"unknown launch parameter\(s\) \['BQ'\] for kernel 'pmat'"):
         ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"BQ": 16}})
+    with pytest.raises(ValueError, match=r"gi2 maxnreg=300: expected None or an int in \[24, 255\]"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"maxnreg": 300}})
     with pytest.raises(ValueError, match="gi2 TPP=3 must divide the 4 row tiles"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 3}})
     with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):
@@ -297,6 +300,19 @@ def test_dstates_block_follows_the_program_count():
         lc = launch_config(K, V, nprog, torch.bfloat16)
         assert (lc["dstates"]["BV"], lc["dstates"]["num_warps"]) == want, (K, V, nprog, lc["dstates"])
         assert lc["states"]["num_warps"] == 4
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_pwu_register_cap():
+    """pwu runs under a 168-register cap at bf16 / fp16 inputs with K <= 128 (the measured case); elsewhere and for
+    every other kernel no cap."""
+    import torch
+    from k3.ops.kda.triton.ops_bwd import launch_config
+    lc = launch_config(128, 128, 96, torch.bfloat16)
+    assert lc["pwu"]["maxnreg"] == 168
+    assert all(c["maxnreg"] is None for n, c in lc.items() if n not in ("pwu", "scratch"))
+    assert launch_config(128, 128, 96, torch.float32)["pwu"]["maxnreg"] is None
+    assert launch_config(256, 256, 96, torch.bfloat16)["pwu"]["maxnreg"] is None
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

@@ -53,6 +53,8 @@ def _bwd_cases(kb, cb, cg):
         launch = dict(lc[name])  # (lc["scratch"] is not a kernel)
         launch.pop("PRE_F32", None)  # gv's entry for the sequential passes (their SF32)
         opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
+        if launch.pop("maxnreg", None) is not None:
+            opts["maxnreg"] = lc[name]["maxnreg"]
         out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
     return out
 

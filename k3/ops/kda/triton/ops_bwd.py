@@ -58,8 +58,8 @@ def _dstates_bv(K: int, V: int, nprog: int) -> tuple:
 
 
 def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
-    """Per-kernel launch parameters {kernel name: dict(BV=, BK=, num_warps=, num_stages=)} at head dims K, V with
-    nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py.
+    """Per-kernel launch parameters {kernel name: dict(BV=, BK=, num_warps=, num_stages=, maxnreg=)} at head dims K,
+    V with nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py.
     Block sizes: the H200 sweep at B1 T8K H96 D128 (benchmarks/kda_bwd_sweep.py, benchmarks/RESULTS.md)."""
     lowp = dtype in (torch.bfloat16, torch.float16)
     BV = _pick_bv(V, nprog)
@@ -67,12 +67,15 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
     # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
     # (sm_90 AOT compile at K = 128, fp32 intermediates: 96 KB at 1 stage, 224 KB at 2, 352 KB at 3)
     seq_stages = 2 if lowp else 1
-    return dict(
+    # maxnreg (every kernel): None, or a per-thread register cap for ptxas (more resident programs, maybe spills)
+    cfg = dict(
         # prep in two kernels: 4.12 + 1.83 ms vs 6.78 ms as one (chunk, head) kernel (removed, fifth session)
         # INV_PREC: the 64 x 64 inverse's tensor-core precision at bf16/fp16 inputs (fp32 inputs: always "tf32x3"):
         # one-pass "tf32" 1.90 ms vs "tf32x3" 3.92 at gradients within 5e-4 of each other (ninth session)
         # BK: 64 1.68 ms vs 1.89 at 32 since the tf32 inverse (eleventh session; 4.48 vs 3.92 with the 3-pass one)
         pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32"),
+        # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
+        # the same caps on gi2, gw, gfin, gv lost)
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
         # the states pass on a high-priority side stream next to dstates (independent walks; a CONCURRENT option,
@@ -108,6 +111,12 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # session)
         scratch=dict(DTYPE="fp32"),
     )
+    for name, c in cfg.items():
+        if name != "scratch":
+            c["maxnreg"] = None
+    if lowp and K <= 128:
+        cfg["pwu"]["maxnreg"] = 168
+    return cfg
 
 
 ENV_LAUNCH = "K3_KDA_BWD_LAUNCH"
@@ -145,6 +154,12 @@ def apply_launch(lc: dict, *overrides) -> dict:
                                  f"(known: {sorted(lc[name])})")
             lc[name] = {**lc[name], **params}
     return lc
+
+
+def _kw(cfg: dict, *drop) -> dict:
+    """A kernel's launch keywords from its launch_config entry: without the entries in `drop` (not kernel
+    parameters), and without maxnreg when it is None (no register cap)."""
+    return {n: c for n, c in cfg.items() if n not in drop and not (n == "maxnreg" and c is None)}
 
 
 def kernel_table(kb=_k):
@@ -209,6 +224,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
                 raise ValueError("kda_chunk_bwd: gv PRE_F32 (how the sequential passes form u' / du' for gv) needs "
                                  "gv PRE")
             lc["gv"]["PRE_F32"] = False  # the default's PRE_F32 has nothing to act on without PRE
+        for name, c in lc.items():
+            n = c.get("maxnreg")
+            if n is not None and not (isinstance(n, int) and 24 <= n <= 255):
+                raise ValueError(f"kda_chunk_bwd: {name} maxnreg={n!r}: expected None or an int in [24, 255]")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         scr = lc["scratch"]["DTYPE"]
@@ -232,13 +251,13 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
         rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
         _k.kda_bwd_pmat_kernel[(NC, H)](
-            qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, ctok, cend, float(scale), lb, Tt, **lc["pmat"],
+            qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
             **{n: c for n, c in const.items() if n != "V"})
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
             qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok,
             cend, float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_W=f32_wk,
-            F32_K=f32_wk and not pre, **pw)
+            F32_K=f32_wk and not pre, **_kw(pw))
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
         # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
@@ -247,13 +266,13 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
             kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
-            **lc["states"])
+            **_kw(lc["states"]))
         del u
         dus = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus if pre else eg, cu, seq_chunk, Tt,
             H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre,
-            SF32=sf32, **lc["dstates"])
+            SF32=sf32, **_kw(lc["dstates"]))
         del qg, kd, w, aq, eg
         _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
                dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
@@ -281,7 +300,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
         uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ws if ks is None else ks, states, dstates, uns, dus, cmat,
                                   cdb, dv, ctok, cend, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast,
-                                  **{n: c for n, c in lc["gv"].items() if n != "PRE_F32"})  # (for the passes above)
+                                  **_kw(lc["gv"], "PRE_F32"))  # (PRE_F32: for the passes above)
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
     NKB = K // BKW  # gw's K blocks, and (NKW) how many per-block parts of dN / dbeta gi2 and gfin add up
@@ -298,7 +317,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     _k.kda_bwd_gw_kernel[(NC, H, NKB)](
         qc, kc, gc, bc, a_log, dtb, doc, ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis, nkp, dbp,
         ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
-        IEEE=ieee, UPCAST=upcast, **lc["gw"])
+        IEEE=ieee, UPCAST=upcast, **_kw(lc["gw"]))
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
     BKI = lc["gi2"]["BK"]
@@ -310,10 +329,11 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * NKI)](
         qc, kc, gc, bc, a_log, dtb, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part, ddt_part, sqk,
         ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee, **gate,
-        **lc["gi2"])
+        **_kw(lc["gi2"]))
     _k.kda_bwd_gfin_kernel[(NC, H)](
         qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk, dq, dk, dg, dbeta, dal_part,
-        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, FUSED=fused, NKI=NKI, **gate, **lc["gfin"])
+        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, FUSED=fused, NKI=NKI, **gate,
+        **_kw(lc["gfin"]))
 
 
 def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda",
