@@ -43,6 +43,7 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gfin_w8_r128", {"gfin": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 128 B
     ("gw_bk32_r168", {"gw": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
     ("gv_r168", {"gv": {"maxnreg": 168}}),
+    ("gfin_w8", {"gfin": {"num_warps": 8}}),  # static: 246 registers, no spills, one CTA of 8 warps (now 2 of 4)
     # twelfth session, measured then removed: gw's and gi2's partial gradients of d(q scale) / d(kn) (x1s, x2s) in
     # bf16 (a scratch PARTS option): 13.19 ms vs 13.34 (gi2 -0.09, gfin -0.03), 12.29 vs 12.45 on the bf16 scratch
     # preset, at H200 selfcheck dq / dk 3.49e-3 / 3.46e-3 (3.07e-3 / 2.59e-3) and ~1.1e-2 dk in the interpreter's

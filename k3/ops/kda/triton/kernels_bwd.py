@@ -272,6 +272,17 @@ def _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bou
 
 
 @triton.jit
+def _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K: tl.constexpr, BT: tl.constexpr):
+    """Columns o_kb of a chunk's cumsum G as the prep stored it (gcs, fp32), rows past the sequence end holding G
+    of the chunk's last token, and that last row G_l: ([BT, BK], [BK]). G_l is a [BK] load (an L1 / L2 hit), not a
+    reduction of G over its rows (a cross-warp exchange with a barrier)."""
+    G = tl.load(gcs + (i_h * Ttot + tok[:, None]) * K + o_kb[None, :], mask=m_t[:, None], other=0.)
+    t_last = t0 + tl.minimum(t1 - t0, BT) - 1
+    g_end = tl.load(gcs + (i_h * Ttot + t_last.to(tl.int64)) * K + o_kb, mask=t_last + 0 * o_kb >= t0, other=0.)
+    return tl.where(m_t[:, None], G, g_end[None, :]), g_end
+
+
+@triton.jit
 def _row_rnorms(q, k, tok, m_t, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
     """L2-norm row factors (rq, rk), r = (sum_K x^2 + 1e-6)^-1/2 summed over K in BK-column blocks (1 without the
     L2 norm)."""
@@ -396,18 +407,17 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
 
 
 @triton.jit
-def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, uns, dus, cmat, cdb, rqk,
-                      x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, lower_bound, Ttot,
+def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, cdb, rqk,
+                      x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr,
-                      UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
+                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
     chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
     nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta); ATOMIC: those two added into gv's dN
     (cmat slot 3) and dbeta part (cdb) instead (fp32 atomics: the sum's order, so its last bits, vary between runs).
-    The L2-norm row factors come from the prep (rqk)."""
+    The L2-norm row factors and the cumsum G come from the prep (rqk, gcs)."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     o_kb = tl.program_id(2) * BK + tl.arange(0, BK)
     i_k = tl.program_id(2)
@@ -440,8 +450,10 @@ def kda_bwd_gw_kernel(q, k, g, beta, A_log, dt_bias, do, ws, states, dstates, un
     else:
         tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-    qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
-                                         USE_GATE)
+    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    G, g_last = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     eG = tl.exp(G)
     ed = tl.exp(g_last[None, :] - G)
     keg = kn * eG
@@ -675,10 +687,8 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     r0 = (tl.program_id(2) % (BT // TS // TPP)) * TPP
     o_kb = (tl.program_id(2) // (BT // TS // TPP)) * BK + tl.arange(0, BK)
     # the chunk's columns: G (rows past the end hold G of the last token: their g is 0), normalised q, k
-    hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-    G = tl.load(gcs + hkb, mask=m_t[:, None], other=0.)
-    g_end = tl.sum(tl.where(row == tl.minimum(t1 - t0, BT) - 1, G, 0.), 0)
-    G = tl.where(m_t[:, None], G, g_end[None, :])
+    # G of the chunk's last token and (below) of each tile's reference row: [BK] loads, not reductions over rows
+    G, g_end = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
     pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
     kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
@@ -693,7 +703,9 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
         o_r = r * TS + tl.arange(0, TS)
         tok_r = t0.to(tl.int64) + o_r
         m_r = tok_r < t1
-        g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
+        t_ref = t0 + r * TS + REF
+        g_ref = tl.load(gcs + (i_h * Ttot + t_ref.to(tl.int64)) * K + o_kb, mask=t_ref + 0 * o_kb < t1, other=0.)
+        g_ref = tl.where(t_ref < t1, g_ref, g_end)
         upto = row < r * TS + TS
         start = row >= r * TS
         kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)

@@ -315,9 +315,8 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32) if NKW else cdb
     dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32) if NKW else cdb
     _k.kda_bwd_gw_kernel[(NC, H, NKB)](
-        qc, kc, gc, bc, a_log, dtb, doc, ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis, nkp, dbp,
-        ctok, cend, scale, lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"],
-        IEEE=ieee, UPCAST=upcast, **_kw(lc["gw"]))
+        qc, kc, gcs, bc, doc, ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis, nkp, dbp,
+        ctok, cend, scale, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **_kw(lc["gw"]))
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
     BKI = lc["gi2"]["BK"]
