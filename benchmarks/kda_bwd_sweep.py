@@ -35,7 +35,6 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # At 13.33 ms: pwu_r168 13.07 (pwu 1.67 -> 1.37; its default since), every other row slower (gi2 3.40 -> 3.85-
     # 4.42, gw 2.92 -> 3.24, gfin 1.22 -> 1.26, gv 0.98 -> 1.00)
     ("pwu_r128", {"pwu": {"maxnreg": 128}}),                   # 4 CTAs, 416 B
-    ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
     ("pmat_r168", {"pmat": {"maxnreg": 168}}),                 # 3 CTAs, 504 B
     ("gi2_bk32_r168", {"gi2": {"BK": 32, "maxnreg": 168}}),     # 3 CTAs / SM, 24 B of spills
     ("gi2_w8_r128", {"gi2": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 104 B
@@ -44,6 +43,10 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gw_bk32_r168", {"gw": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
     ("gv_r168", {"gv": {"maxnreg": 168}}),
     ("gfin_w8", {"gfin": {"num_warps": 8}}),  # static: 246 registers, no spills, one CTA of 8 warps (now 2 of 4)
+    # twelfth session: pmat storing G and reading its tiles' reference rows back (static: 6712 vs 5600 SASS, 208 vs
+    # 56 B of spills, so probably slower), and pwu on the stored G uncapped (167 registers, no spills, at the cap)
+    ("pmat_refload", {"pmat": {"REFLOAD": True}}),
+    ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
     # twelfth session, measured then removed: gw's and gi2's partial gradients of d(q scale) / d(kn) (x1s, x2s) in
     # bf16 (a scratch PARTS option): 13.19 ms vs 13.34 (gi2 -0.09, gfin -0.03), 12.29 vs 12.45 on the bf16 scratch
     # preset, at H200 selfcheck dq / dk 3.49e-3 / 3.46e-3 (3.07e-3 / 2.59e-3) and ~1.1e-2 dk in the interpreter's

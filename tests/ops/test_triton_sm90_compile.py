@@ -44,7 +44,7 @@ def _bwd_cases(kb, cb, cg):
         "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
         "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "USE_GATE", "L2NORM")}, UPCAST=False),
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2),
-        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM")}, F32_W=True,
+        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")}, F32_W=True,
                     F32_K=not lc["gv"]["PRE"]),
         "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True),
         "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, FUSED=False, NKI=2)}

@@ -105,11 +105,20 @@ def _chunk_start(chunk_tok, chunk_end, beta, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _tile_factors(G, r, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr):
-    """For row tile r: (in_r [BT,1] rows of the tile, upto [BT,1] rows/cols up to the tile end,
-    ef = e^(G - G_m) on the tile's rows (1 elsewhere), cf = e^(G_m - G) up to the tile end (1 elsewhere))."""
+def _ref_row(gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr):
+    """G_m at row tile r's reference row m = r TS + REF from the stored cumsum (gcs), g_end past the sequence end:
+    a [BK] load (an L1 / L2 hit), not a reduction of G over its rows (a cross-warp exchange with barriers)."""
+    t_ref = t0 + r * TS + REF
+    g_ref = tl.load(gcs + (i_h * Ttot + t_ref.to(tl.int64)) * K + o_kb, mask=t_ref + 0 * o_kb < t1, other=0.)
+    return tl.where(t_ref < t1, g_ref, g_end)
+
+
+@triton.jit
+def _tile_factors(G, g_ref, r, BT: tl.constexpr, TS: tl.constexpr):
+    """For row tile r with reference-row values g_ref = G_m: (in_r [BT,1] rows of the tile, upto [BT,1] rows/cols
+    up to the tile end, ef = e^(G - G_m) on the tile's rows (1 elsewhere), cf = e^(G_m - G) up to the tile end (1
+    elsewhere))."""
     row = tl.arange(0, BT)[:, None]
-    g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
     in_r = (row >= r * TS) & (row < r * TS + TS)
     upto = row < r * TS + TS
     ef = tl.exp(tl.where(in_r, G - g_ref[None, :], 0.))
@@ -118,13 +127,21 @@ def _tile_factors(G, r, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr):
 
 
 @triton.jit
-def _intra_fwd(qs, kn, G, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr, IEEE: tl.constexpr):
+def _intra_fwd(qs, kn, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+               REF: tl.constexpr, IEEE: tl.constexpr, REFLOAD: tl.constexpr):
     """(Aq, L) [BT, BT] with Aq_ti = sum_c qs_tc kn_ic e^(G_tc - G_ic), L likewise with kn rows; unmasked
-    (entries i > t inside a tile are junk, possibly inf: callers select with tl.where)."""
+    (entries i > t inside a tile are junk, possibly inf: callers select with tl.where). REFLOAD: the tiles'
+    reference rows of G read back from gcs (stored there, g_end its last row), else picked out of G by a reduction
+    over its rows."""
     Aq = tl.zeros([BT, BT], dtype=tl.float32)
     L = tl.zeros([BT, BT], dtype=tl.float32)
+    row = tl.arange(0, BT)[:, None]
     for r in tl.static_range(BT // TS):
-        in_r, upto, ef, cf = _tile_factors(G, r, BT, TS, REF)
+        if REFLOAD:
+            g_ref = _ref_row(gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, TS, REF)
+        else:
+            g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
+        in_r, upto, ef, cf = _tile_factors(G, g_ref, r, BT, TS)
         kc = tl.trans(tl.where(upto, kn * cf, 0.))
         Aq += _dot(tl.where(in_r, qs * ef, 0.), kc, IEEE)
         L += _dot(tl.where(in_r, kn * ef, 0.), kc, IEEE)
@@ -309,12 +326,13 @@ def _row_factors(rqk, tok, m, i_h, Ttot, H: tl.constexpr):
 
 
 @triton.jit
-def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound,
+def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, scale, lower_bound, Ttot,
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                     LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-                    L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr):
+                    L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr):
     """A chunk's (tril(Aq), tril_-1(L), T, rq, rk) in fp32 without a [BT, K] tile: Aq and L accumulate over
-    BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after)."""
+    BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after). Stores the
+    cumsum G (fp32) into gcs for the later kernels (REFLOAD: reading its tiles' reference rows back from there)."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
@@ -325,7 +343,16 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bo
         o_kb = kb * BK + tl.arange(0, BK)
         b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
                                        H, K, USE_GATE)
-        a_kb, l_kb = _intra_fwd(b_q, b_k, tl.cumsum(b_g, axis=0), BT, TS, REF, IEEE)
+        G = tl.cumsum(b_g, axis=0)
+        hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
+        tl.store(gcs + hkb, G, mask=m_t[:, None])
+        g_end = tl.zeros([BK], dtype=tl.float32)  # (unused without REFLOAD)
+        if REFLOAD:
+            tl.debug_barrier()  # every thread's G rows in memory (visible to the CTA) before the reference-row loads
+            t_last = t0 + tl.minimum(t1 - t0, BT) - 1
+            g_end = tl.load(gcs + (i_h * Ttot + t_last.to(tl.int64)) * K + o_kb, mask=t_last + 0 * o_kb >= t0,
+                            other=0.)
+        a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, TS, REF, IEEE, REFLOAD)
         Aq += a_kb
         L += l_kb
     rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
@@ -565,18 +592,20 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 
 
 @triton.jit
-def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
+def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
+               lower_bound, Ttot,
                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-               L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr):
+               L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
     tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
-    in the intermediate dtype for dstates, aqf in fp32) and rq, rk (rqk)."""
+    in the intermediate dtype for dstates, aqf in fp32), rq, rk (rqk) and the cumsum G (gcs)."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
-    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, b_b, tok, m_t, i_h, scale, lower_bound, H, K, BT, TS,
-                                        REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC)
+    Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, scale, lower_bound,
+                                        Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE,
+                                        INV_PREC, REFLOAD)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
@@ -587,14 +616,16 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m
 
 
 @triton.jit
-def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
-                tok, m_t, o_kb, scale, lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr, F32_K: tl.constexpr):
-    """Prep, one K-column block: q e^G, k e^(G_l - G), W (intermediate dtype, for the sequential passes; W also
-    fp32 with F32_W, k e^(G_l - G) with F32_K), e^(G_l) and the cumsum G (fp32)."""
+def _prep_kcols(q, k, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h, t0, t1, tok, m_t, o_kb,
+                scale, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
+                F32_W: tl.constexpr, F32_K: tl.constexpr):
+    """Prep, one K-column block, from the cumsum G pmat stored (gcs): q e^G, k e^(G_l - G), W (intermediate dtype,
+    for the sequential passes; W also fp32 with F32_W, k e^(G_l - G) with F32_K) and e^(G_l)."""
     dt = w_out.dtype.element_ty
-    qn, kn, G, g_last, pk = _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, BT,
-                                         USE_GATE)
+    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    G, g_last = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     eG = tl.exp(G)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
     tl.store(qg_out + hkb, (qn * scale * eG).to(dt), mask=m_t[:, None])
@@ -609,7 +640,6 @@ def _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, 
     if F32_W:
         tl.store(ws + hkb, b_w, mask=m_t[:, None])
     tl.store(eg_out + (i_c * H + i_h) * K + o_kb, tl.exp(g_last))
-    tl.store(gcs + hkb, G, mask=m_t[:, None])
 
 
 @triton.jit
@@ -621,32 +651,31 @@ def _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, o_v, Ttot, H: tl.constexpr, V:
 
 
 @triton.jit
-def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, chunk_tok, chunk_end, scale,
+def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, chunk_tok, chunk_end, scale,
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr):
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
+                        REFLOAD: tl.constexpr):
     """Prep part 1 (pmat), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, i_c, i_h, tok, m_t, b_b, scale, lower_bound, Ttot,
-               H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC)
+    _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
+               lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC, REFLOAD)
 
 
 @triton.jit
-def kda_bwd_pwu_kernel(q, k, v, g, beta, A_log, dt_bias, qg_out, kd_out, w_out, u_out, eg_out, cmat, ws, ks, gcs, rqk,
-                       chunk_tok, chunk_end, scale, lower_bound, Ttot,
+def kda_bwd_pwu_kernel(q, k, v, beta, qg_out, kd_out, w_out, u_out, eg_out, cmat, ws, ks, gcs, rqk,
+                       chunk_tok, chunk_end, scale, Ttot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       BK: tl.constexpr, USE_GATE: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr,
-                       F32_K: tl.constexpr):
+                       BK: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr, F32_K: tl.constexpr):
     """Prep part 2 (pwu), per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
-    K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk read back from part 1."""
+    K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk, G read back from part 1."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     j = tl.program_id(2)
     if j < K // BK:
         rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-        _prep_kcols(q, k, g, A_log, dt_bias, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h,
-                    tok, m_t, j * BK + tl.arange(0, BK), scale, lower_bound, Ttot, H, K, BT, USE_GATE, IEEE, F32_W,
-                    F32_K)
+        _prep_kcols(q, k, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h, t0, t1, tok, m_t,
+                    j * BK + tl.arange(0, BK), scale, Ttot, H, K, BT, IEEE, F32_W, F32_K)
     else:
         _prep_vcols(v, u_out, Tm, b_b, i_h, tok, m_t, (j - K // BK) * BV + tl.arange(0, BV), Ttot, H, V, IEEE)
 

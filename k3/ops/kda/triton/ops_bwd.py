@@ -73,7 +73,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # INV_PREC: the 64 x 64 inverse's tensor-core precision at bf16/fp16 inputs (fp32 inputs: always "tf32x3"):
         # one-pass "tf32" 1.90 ms vs "tf32x3" 3.92 at gradients within 5e-4 of each other (ninth session)
         # BK: 64 1.68 ms vs 1.89 at 32 since the tf32 inverse (eleventh session; 4.48 vs 3.92 with the 3-pass one)
-        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32"),
+        # REFLOAD: its tiles' reference rows of G read back from the stored cumsum (gcs, which pmat now writes and
+        # pwu, gw, gi2 read) instead of reductions over G's rows
+        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=False),
         # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
         # the same caps on gi2, gw, gfin, gv lost)
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
@@ -251,13 +253,12 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
         rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
         _k.kda_bwd_pmat_kernel[(NC, H)](
-            qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
+            qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, gcs, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
             **{n: c for n, c in const.items() if n != "V"})
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
-            qc, kc, vc, gc, bc, a_log, dtb, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok,
-            cend, float(scale), lb, Tt, H=H, K=K, V=V, BT=BT, USE_GATE=gate, IEEE=ieee, F32_W=f32_wk,
-            F32_K=f32_wk and not pre, **_kw(pw))
+            qc, kc, vc, bc, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok, cend,
+            float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, F32_W=f32_wk, F32_K=f32_wk and not pre, **_kw(pw))
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
         dstates = torch.empty_like(states)
         # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
