@@ -43,9 +43,9 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gw_bk32_r168", {"gw": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
     ("gv_r168", {"gv": {"maxnreg": 168}}),
     ("gfin_w8", {"gfin": {"num_warps": 8}}),  # static: 246 registers, no spills, one CTA of 8 warps (now 2 of 4)
-    # twelfth session: pmat storing G and reading its tiles' reference rows back (static: 6712 vs 5600 SASS, 208 vs
-    # 56 B of spills, so probably slower), and pwu on the stored G uncapped (167 registers, no spills, at the cap)
-    ("pmat_refload", {"pmat": {"REFLOAD": True}}),
+    # twelfth session: with pmat storing G for pwu / gw / gi2 (12.06 ms: pmat 2.06, pwu 0.87), pmat reading its
+    # tiles' reference rows back from there (REFLOAD) 11.86 ms (pmat 1.84; the default since), pwu uncapped 12.06
+    ("pmat_reduce", {"pmat": {"REFLOAD": False}}),
     ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
     # twelfth session, measured then removed: gw's and gi2's partial gradients of d(q scale) / d(kn) (x1s, x2s) in
     # bf16 (a scratch PARTS option): 13.19 ms vs 13.34 (gi2 -0.09, gfin -0.03), 12.29 vs 12.45 on the bf16 scratch

@@ -42,7 +42,7 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gv_no_pre", {"gv": {"PRE": False}}),
                   ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
                   ("dstates_s1", {"dstates": {"num_stages": 1}}),
-                  ("pmat_refload", {"pmat": {"REFLOAD": True}}),  # reference rows of G read back from gcs
+                  ("pmat_reduce", {"pmat": {"REFLOAD": False}}),  # reference rows of G by reductions, not loads
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))

@@ -73,9 +73,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # INV_PREC: the 64 x 64 inverse's tensor-core precision at bf16/fp16 inputs (fp32 inputs: always "tf32x3"):
         # one-pass "tf32" 1.90 ms vs "tf32x3" 3.92 at gradients within 5e-4 of each other (ninth session)
         # BK: 64 1.68 ms vs 1.89 at 32 since the tf32 inverse (eleventh session; 4.48 vs 3.92 with the 3-pass one)
-        # REFLOAD: its tiles' reference rows of G read back from the stored cumsum (gcs, which pmat now writes and
-        # pwu, gw, gi2 read) instead of reductions over G's rows
-        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=False),
+        # pmat writes the cumsum G (gcs) that pwu, gw and gi2 read instead of recomputing the gate and the cumsum
+        # (twelfth session: gw 2.92 -> 2.47 ms, gi2 3.40 -> 3.01 with its reference rows loaded, pwu 1.37 -> 0.87,
+        # pmat 1.69 -> 2.06); REFLOAD: pmat reads its tiles' reference rows of G back from there too instead of
+        # reductions over G's rows: pmat 1.84 ms vs 2.06, backward 11.86 ms vs 12.06
+        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True),
         # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
         # the same caps on gi2, gw, gfin, gv lost)
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
