@@ -279,16 +279,6 @@ def _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_k, rq, rk, lower_bound,
 
 
 @triton.jit
-def _prep_cols_G(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound,
-                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, USE_GATE: tl.constexpr):
-    """`_prep_cols` plus the chunk-local cumsum G of the log-decay and its last row G_l: (qn, kn, G, G_l, pk)."""
-    qn, kn, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, rq, rk, lower_bound, H, K, USE_GATE)
-    G = tl.cumsum(b_g, axis=0)
-    g_last = tl.sum(tl.where(tl.arange(0, BT)[:, None] == BT - 1, G, 0.), 0)
-    return qn, kn, G, g_last, pk
-
-
-@triton.jit
 def _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K: tl.constexpr, BT: tl.constexpr):
     """Columns o_kb of a chunk's cumsum G as the prep stored it (gcs, fp32), rows past the sequence end holding G
     of the chunk's last token, and that last row G_l: ([BT, BK], [BK]). G_l is a [BK] load (an L1 / L2 hit), not a
@@ -593,8 +583,7 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 
 @triton.jit
 def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
-               lower_bound, Ttot,
-               H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
+               lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
                L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
@@ -732,9 +721,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
         o_r = r * TS + tl.arange(0, TS)
         tok_r = t0.to(tl.int64) + o_r
         m_r = tok_r < t1
-        t_ref = t0 + r * TS + REF
-        g_ref = tl.load(gcs + (i_h * Ttot + t_ref.to(tl.int64)) * K + o_kb, mask=t_ref + 0 * o_kb < t1, other=0.)
-        g_ref = tl.where(t_ref < t1, g_ref, g_end)
+        g_ref = _ref_row(gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, TS, REF)
         upto = row < r * TS + TS
         start = row >= r * TS
         kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)

@@ -1,9 +1,10 @@
 """Python side of the KDA chunk backward kernels (needs triton; imported lazily by the package __init__).
 
 `kda_chunk_bwd` runs eight kernels (see kernels_bwd.py for the math):
-1. kda_bwd_pmat_kernel    (chunk, head)              T, tril_-1(L), tril(Aq) (fp32 and intermediate dtype), norms
+1. kda_bwd_pmat_kernel    (chunk, head)              T, tril_-1(L), tril(Aq) (fp32 and intermediate dtype), norms,
+                                                     the cumsum G (fp32, read by every later chunk kernel)
 2. kda_bwd_pwu_kernel     (chunk, head, col. block)  q e^G, k e^(G_l - G), W, U (sequential passes' operands) and
-                                                     W, G in fp32 (k e^(G_l - G) too without gv's PRE)
+                                                     W in fp32 (k e^(G_l - G) too without gv's PRE)
 3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32), and
                                                      u' = U - W S (gv's PRE)
 4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), dh0, and du' (PRE)
