@@ -910,14 +910,25 @@ def summary(res, variants, sweep, H, D):
     rows = res["rows"]
     fwd = [r for r in rows if r["op"] == "chunk_fwd" and "error" not in r]
     acc = {r["case"]: r for r in rows if r["op"] == "accuracy_vs_fp32_loop" and "error" not in r}
-    print(f"\nH={H} D={D} bf16. Accuracy: rel. RMSE of o / final state vs the fp32 token loop "
-          f"({', '.join(acc)} inputs)")
-    keys = ["fla"] + list(variants) + [f"c16p[{n}]" for n in sweep if n != "default"]
-    print("| run | " + " | ".join(acc) + " |")
-    print("|---|" + "---|" * len(acc))
-    for key in keys:
-        cells = [f"{a.get(key + '_o', nan):.2e} / {a.get(key + '_S', nan):.2e}" for a in acc.values()]
-        print(f"| {key} | " + " | ".join(cells) + " |")
+    fb = [r for r in rows if r["op"] == "chunk_fwd_bwd" and "error" not in r]
+    if fb:  # (--bwd-only / --bwd)
+        print(f"\nH={H} D={D} bf16. Forward + backward, ms (fla in the same process; peak = memory allocated during "
+              "one fwd+bwd)")
+        print("| shape | fla | ours | ours / fla speed | peak GB fla / ours |")
+        print("|---|---|---|---|---|")
+        for r in fb:
+            print(f"| {r['shape']} (run at B{r.get('B')} T{r.get('T')}) | {r.get('fla_fwdbwd_ms', nan):.2f} | "
+                  f"{r.get('ours_fwdbwd_ms', nan):.2f} | {r.get('speedup_fwdbwd', nan):.3f}x | "
+                  f"{r.get('fla_peak_gb', nan)} / {r.get('ours_peak_gb', nan)} |")
+    if acc:
+        print(f"\nH={H} D={D} bf16. Accuracy: rel. RMSE of o / final state vs the fp32 token loop "
+              f"({', '.join(acc)} inputs)")
+        keys = ["fla"] + list(variants) + [f"c16p[{n}]" for n in sweep if n != "default"]
+        print("| run | " + " | ".join(acc) + " |")
+        print("|---|" + "---|" * len(acc))
+        for key in keys:
+            cells = [f"{a.get(key + '_o', nan):.2e} / {a.get(key + '_S', nan):.2e}" for a in acc.values()]
+            print(f"| {key} | " + " | ".join(cells) + " |")
     if sweep and any("c16p_best_prep" in r for r in fwd):
         print("\nPrep kernel alone / full forward, ms (c16 = the old prep; regs/spills at the first shape)")
         print("| prep | predicted prep | " + " | ".join(f"{r['shape']} prep | {r['shape']} fwd" for r in fwd)
@@ -937,9 +948,10 @@ def summary(res, variants, sweep, H, D):
             ki = first.get(f"c16p[{n}]_prep_kernel", {})
             print(f"| c16p[{n}] | {pred if pred is not None else '-'} | {cells} | "
                   f"{ki.get('n_regs', '-')}/{ki.get('n_spills', '-')} |")
-    print("\nFull forward, ms (best config); fla in the same run")
-    print("| shape | fla | " + " | ".join(variants) + " | c16p best prep config | best speedup vs fla |")
-    print("|---|---|" + "---|" * len(variants) + "---|---|")
+    if fwd:
+        print("\nFull forward, ms (best config); fla in the same run")
+        print("| shape | fla | " + " | ".join(variants) + " | c16p best prep config | best speedup vs fla |")
+        print("|---|---|" + "---|" * len(variants) + "---|---|")
     for r in fwd:
         ms = {v: r.get(f"{v}_ms", nan) for v in variants}
         if "c16p_best_full_ms" in r:
@@ -966,7 +978,7 @@ def summary(res, variants, sweep, H, D):
         if r["op"] == "decode":
             print(f"decode B{r['B']}: fla {r.get('fla_ms', nan):.4f} ms, ours {r.get('ours_ms', nan):.4f} ms, "
                   f"state {r.get('ours_state_TBps', nan):.2f} TB/s {r.get('error', '')}")
-        elif r["op"] not in ("chunk_fwd", "accuracy_vs_fp32_loop") or "error" in r:
+        elif r["op"] not in ("chunk_fwd", "chunk_fwd_bwd", "accuracy_vs_fp32_loop") or "error" in r:
             print(r)
 
 
