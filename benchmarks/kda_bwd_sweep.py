@@ -34,15 +34,15 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # spills little (benchmarks/kda_bwd_static.py; gi2 / gw / gfin / pmat run 2 CTAs of 4 warps at 255 registers).
     # At 13.33 ms: pwu_r168 13.07 (pwu 1.67 -> 1.37; its default since), every other row slower (gi2 3.40 -> 3.85-
     # 4.42, gw 2.92 -> 3.24, gfin 1.22 -> 1.26, gv 0.98 -> 1.00)
-    ("pwu_r128", {"pwu": {"maxnreg": 128}}),                   # 4 CTAs, 416 B
-    ("pmat_r168", {"pmat": {"maxnreg": 168}}),                 # 3 CTAs, 504 B
+    ("pwu_r128", {"pwu": {"maxnreg": 128}}),                   # 4 CTAs, 416 B: 13.33 vs 13.06 (pwu 1.61)
+    ("pmat_r168", {"pmat": {"maxnreg": 168}}),                 # 3 CTAs, 504 B: 13.22 vs 13.06 (pmat 1.82)
     ("gi2_bk32_r168", {"gi2": {"BK": 32, "maxnreg": 168}}),     # 3 CTAs / SM, 24 B of spills
     ("gi2_w8_r128", {"gi2": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 104 B
     ("gi2_bk32_r128", {"gi2": {"BK": 32, "maxnreg": 128}}),     # 4 CTAs, 256 B
     ("gfin_w8_r128", {"gfin": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 128 B
     ("gw_bk32_r168", {"gw": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
     ("gv_r168", {"gv": {"maxnreg": 168}}),
-    ("gfin_w8", {"gfin": {"num_warps": 8}}),  # static: 246 registers, no spills, one CTA of 8 warps (now 2 of 4)
+    ("gfin_w8", {"gfin": {"num_warps": 8}}),  # 246 registers, no spills, 1 CTA of 8 warps: 12.45 vs 12.20 (1.41 ms)
     # twelfth session: with pmat storing G for pwu / gw / gi2 (12.06 ms: pmat 2.06, pwu 0.87), pmat reading its
     # tiles' reference rows back from there (REFLOAD) 11.86 ms (pmat 1.84; the default since), pwu uncapped 12.06
     ("pmat_reduce", {"pmat": {"REFLOAD": False}}),
