@@ -279,14 +279,30 @@ def _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_k, rq, rk, lower_bound,
 
 
 @triton.jit
+def _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K: tl.constexpr, BT: tl.constexpr):
+    """G_l, the stored cumsum (gcs) at the chunk's last token, columns o_kb: a [BK] load (an L1 / L2 hit), not a
+    reduction of G over its rows (a cross-warp exchange with a barrier)."""
+    t_last = t0 + tl.minimum(t1 - t0, BT) - 1
+    return tl.load(gcs + (i_h * Ttot + t_last.to(tl.int64)) * K + o_kb, mask=t_last + 0 * o_kb >= t0, other=0.)
+
+
+@triton.jit
 def _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K: tl.constexpr, BT: tl.constexpr):
     """Columns o_kb of a chunk's cumsum G as the prep stored it (gcs, fp32), rows past the sequence end holding G
-    of the chunk's last token, and that last row G_l: ([BT, BK], [BK]). G_l is a [BK] load (an L1 / L2 hit), not a
-    reduction of G over its rows (a cross-warp exchange with a barrier)."""
+    of the chunk's last token, and that last row G_l (`_last_G`): ([BT, BK], [BK])."""
     G = tl.load(gcs + (i_h * Ttot + tok[:, None]) * K + o_kb[None, :], mask=m_t[:, None], other=0.)
-    t_last = t0 + tl.minimum(t1 - t0, BT) - 1
-    g_end = tl.load(gcs + (i_h * Ttot + t_last.to(tl.int64)) * K + o_kb, mask=t_last + 0 * o_kb >= t0, other=0.)
+    g_end = _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K, BT)
     return tl.where(m_t[:, None], G, g_end[None, :]), g_end
+
+
+@triton.jit
+def _qk_cols(q, k, tok, m_t, i_h, o_kb, rq, rk, H: tl.constexpr, K: tl.constexpr):
+    """Columns o_kb of a chunk's q and k (token layout, rows past the end zero) times their L2-norm row factors:
+    (pk their addresses, qn, kn)."""
+    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    return pk, qn, kn
 
 
 @triton.jit
@@ -339,9 +355,7 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
         g_end = tl.zeros([BK], dtype=tl.float32)  # (unused without REFLOAD)
         if REFLOAD:
             tl.debug_barrier()  # every thread's G rows in memory (visible to the CTA) before the reference-row loads
-            t_last = t0 + tl.minimum(t1 - t0, BT) - 1
-            g_end = tl.load(gcs + (i_h * Ttot + t_last.to(tl.int64)) * K + o_kb, mask=t_last + 0 * o_kb >= t0,
-                            other=0.)
+            g_end = _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K, BT)
         a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, TS, REF, IEEE, REFLOAD)
         Aq += a_kb
         L += l_kb
@@ -467,9 +481,7 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
     else:
         tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
-    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    pk, qn, kn = _qk_cols(q, k, tok, m_t, i_h, o_kb, rq, rk, H, K)
     G, g_last = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     eG = tl.exp(G)
     ed = tl.exp(g_last[None, :] - G)
@@ -560,10 +572,8 @@ def _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, dqs, dks, tok, m_t, i_c, i_h,
 def _norm_cols(q, k, dqs, dks, tok, m_t, i_h, o_kb, rq, rk, Ttot, H: tl.constexpr, K: tl.constexpr):
     """Columns o_kb of a chunk: token-layout offsets pk, head-major offsets hkb, normalised q and k, and the
     pre-norm gradients stored in dqs / dks."""
-    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+    pk, qn, kn = _qk_cols(q, k, tok, m_t, i_h, o_kb, rq, rk, H, K)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
-    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
     dqn = tl.load(dqs + hkb, mask=m_t[:, None], other=0.)
     dkn = tl.load(dks + hkb, mask=m_t[:, None], other=0.)
     return pk, hkb, qn, kn, dqn, dkn
@@ -611,9 +621,7 @@ def _prep_kcols(q, k, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_
     """Prep, one K-column block, from the cumsum G pmat stored (gcs): q e^G, k e^(G_l - G), W (intermediate dtype,
     for the sequential passes; W also fp32 with F32_W, k e^(G_l - G) with F32_K) and e^(G_l)."""
     dt = w_out.dtype.element_ty
-    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-    qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
-    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+    pk, qn, kn = _qk_cols(q, k, tok, m_t, i_h, o_kb, rq, rk, H, K)
     G, g_last = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     eG = tl.exp(G)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
