@@ -63,6 +63,21 @@ for stage in "$@"; do case $stage in
       --budget-s ${KDAFB_BUDGET:-420}
     step pack 60 python3 -c \
       "import sys; sys.path.insert(0, 'benchmarks'); import fla_warmup as f; print(f.pack('$OUT/autotune.tgz'))" ;;
+  # thirteenth session: Nsight Compute on one backward's kernels (kda_bwd_ncu.py; NCU_ARGS=--fwd for the forward;
+  # NCU_SET full / detailed / basic): its details page as text ($OUT/ncu_details.txt) and per kernel in NCU_KERNELS
+  # the source page (per-SASS-instruction stall samples, CSV) packed in $OUT/ncu_sass.tgz (the report itself, ~50 MB,
+  # stays in /tmp: over the 16 MB per file that comes back; at most 8 files come back)
+  ncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1); NR=/tmp/ncu_rep
+       mkdir -p $NR/src
+       step ncu ${NCU_BUDGET:-300} "$NCU" --clock-control none --profile-from-start off --set ${NCU_SET:-full} \
+         -f -o "$NR/ncu" python3 benchmarks/kda_bwd_ncu.py ${NCU_ARGS:-}
+       step ncu-details 120 bash -c "'$NCU' -i '$NR/ncu.ncu-rep' --page details > '$OUT/ncu_details.txt' 2>&1; \
+         wc -l '$OUT/ncu_details.txt'"
+       for kn in ${NCU_KERNELS:-pmat pwu states dstates gv gw gi2 gfin}; do
+         step "ncu-sass-$kn" 60 bash -c "'$NCU' -i '$NR/ncu.ncu-rep' --page source --csv --print-source sass \
+           -k 'regex:_${kn}_kernel' > '$NR/src/$kn.csv' 2>&1; wc -c '$NR/src/$kn.csv'"
+       done
+       tar czf "$OUT/ncu_sass.tgz" -C $NR/src . ;;
   bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;
