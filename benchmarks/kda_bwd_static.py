@@ -89,7 +89,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part",
-            "ws", "ks", "uns", "dus", "cmat", "cdb", "x1s", "x2s", "dgis", "nkp", "dbp", "aqf", "gcs", "rqk"}
+            "ws", "ks", "uns", "dus", "cmat", "cdb", "x1s", "x2s", "dgis", "nkp", "dbp", "aqf", "gcs", "rqk", "sqk"}
 I32_PTRS = {"chunk_tok", "chunk_end", "cu", "seq_chunk"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
 
@@ -134,7 +134,7 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
     const = dict(H=H, K=K, V=V, BT=BT, TS=ob.TS, REF=ob.REF, LOG2_TS=int(math.log2(ob.TS)),
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
                  NKW=K // lc["gw"]["BK"], UPCAST=False, F32_W=True, F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"],
-                 NKI=K // lc["gi2"]["BK"])
+                 NKI=K // lc["gi2"]["BK"], SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"])
     seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"],
                SF32=lc["gv"]["PRE"] and lc["gv"]["PRE_F32"])
     out = []

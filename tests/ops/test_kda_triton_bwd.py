@@ -43,6 +43,10 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
                   ("dstates_s1", {"dstates": {"num_stages": 1}}),
                   ("pmat_reduce", {"pmat": {"REFLOAD": False}}),  # reference rows of G by reductions, not loads
+                  # gfin's second pass over the columns for dq / dk (the default until the thirteenth session), and
+                  # at BK 32 in both gi2 (its row-sum partials: 4 K blocks) and gfin
+                  ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),
+                  ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))

@@ -18,7 +18,7 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32"
              chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16",
              uns="*fp32", dus="*fp32", cmat="*fp32", cdb="*fp32", x1s="*fp32", x2s="*fp32", dgis="*fp32",
              nkp="*fp32", dbp="*fp32", dal_part="*fp32", ddt_part="*fp32", ws="*fp32", ks="*fp32", aqf="*fp32",
-             gcs="*fp32", rqk="*fp32", wt="*fp32", starts="*i32", T="i32", sxb="i32", sxt="i32", syb="i32",
+             gcs="*fp32", rqk="*fp32", sqk="*fp32", wt="*fp32", starts="*i32", T="i32", sxb="i32", sxt="i32", syb="i32",
              syt="i32", sdb="i32", sdt="i32", sob="i32", sot="i32", dwp="*fp32", m_idx="*i64", m_w="*fp32",
              m_dots="*fp32", n_tok="i32", width="i32", s_y="i32", s_o="i32", s_d="i32", mbuf="*fp32", aw="*fp32",
              n_el="i32", mu="fp32", decay="fp32", step="fp32", l_rows="i32", m_cols="i32")
@@ -46,7 +46,7 @@ def _bwd_cases(kb, cb, cg):
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2),
         "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")}, F32_W=True,
                     F32_K=not lc["gv"]["PRE"]),
-        "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True),
+        "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True, SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"]),
         "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, FUSED=False, NKI=2)}
     out = {}
     for name, c in consts.items():

@@ -569,6 +569,18 @@ def _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, dqs, dks, tok, m_t, i_c, i_h,
 
 
 @triton.jit
+def _sqk_sums(sqk, tok, m_t, i_h, Ttot, H: tl.constexpr, NKI: tl.constexpr):
+    """The L2 norm backward's row sums s_q = sum_K qn dqn, s_k likewise, from gi2's NKI per-K-block partials in sqk
+    [2, NKI, H, Ttot]."""
+    s_q = tl.load(sqk + i_h * Ttot + tok, mask=m_t, other=0.)
+    s_k = tl.load(sqk + (NKI * H + i_h) * Ttot + tok, mask=m_t, other=0.)
+    for j in tl.static_range(1, NKI):
+        s_q += tl.load(sqk + (j * H + i_h) * Ttot + tok, mask=m_t, other=0.)
+        s_k += tl.load(sqk + ((NKI + j) * H + i_h) * Ttot + tok, mask=m_t, other=0.)
+    return s_q, s_k
+
+
+@triton.jit
 def _norm_cols(q, k, dqs, dks, tok, m_t, i_h, o_kb, rq, rk, Ttot, H: tl.constexpr, K: tl.constexpr):
     """Columns o_kb of a chunk: token-layout offsets pk, head-major offsets hkb, normalised q and k, and the
     pre-norm gradients stored in dqs / dks."""
@@ -697,7 +709,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
                        ddt_part, sqk, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                        BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr,
-                       FIN: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
+                       FIN: tl.constexpr, SQK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
     """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
     columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
     as in `_intra_bwd`), for the tile's rows R:
@@ -708,7 +720,8 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     otherwise; 7.23 ms vs 3.46 + 1.67 for gi2 + gfin on the H200, tenth session: off by default): dG -> dg by the suffix
     sum carried across the tiles, the gate (dg, this block's dA_log / ddt_bias partials), and dq / dk, or with the L2
     norm the pre-norm dq / dk in x1s / x2s plus this K block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H,
-    Ttot]; dgis is then not written."""
+    Ttot]; dgis is then not written. SQK (without FIN, with the L2 norm): those row sums into sqk as well, so that
+    gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS)."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     r0 = (tl.program_id(2) % (BT // TS // TPP)) * TPP
     o_kb = (tl.program_id(2) // (BT // TS // TPP)) * BK + tl.arange(0, BK)
@@ -779,6 +792,10 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
             tl.store(dgis + hr, dG, mask=m_r[:, None])
             tl.store(x1s + hr, x1, mask=m_r[:, None])
             tl.store(x2s + hr, x2, mask=m_r[:, None])
+            if SQK:
+                i_kb = tl.program_id(2) // (BT // TS // TPP)
+                tl.store(sqk + (i_kb * H + i_h) * Ttot + tok_r, tl.sum(qn_r * x1, 1), mask=m_r)
+                tl.store(sqk + (((K // BK) + i_kb) * H + i_h) * Ttot + tok_r, tl.sum(kn_r * x2, 1), mask=m_r)
     if FIN and USE_GATE:
         tl.store(dal_part + (i_c * H + i_h) * K + tl.program_id(2) // (BT // TS // TPP), d_al)
         tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, d_dt)
@@ -788,10 +805,13 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
 def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk,
                         dq, dk, dg, dbeta, dal_part, ddt_part, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NKW: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr, NKI: tl.constexpr):
+                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr, NKI: tl.constexpr,
+                        ONEPASS: tl.constexpr):
     """After gi2: per chunk and head, dbeta (value part + gw's partials + sum_i dN_ti L_ti), and per BK columns
     dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s / x2s. FUSED (gi2 finished
-    the columns): with the L2 norm only dq / dk from x1s / x2s and gi2's NKI row-sum partials in sqk."""
+    the columns): with the L2 norm only dq / dk from x1s / x2s and gi2's NKI row-sum partials in sqk. ONEPASS (gi2's
+    SQK wrote those partials, with the L2 norm): dq / dk in the same pass over the columns as dg, instead of the
+    row sums first and a second read of q / k / x1s / x2s."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
@@ -804,14 +824,24 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
         tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
         if L2NORM:
             rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-            s_q = tl.zeros([BT], dtype=tl.float32)
-            s_k = tl.zeros([BT], dtype=tl.float32)
-            for j in tl.static_range(NKI):
-                s_q += tl.load(sqk + (j * H + i_h) * Ttot + tok, mask=m_t, other=0.)
-                s_k += tl.load(sqk + ((NKI + j) * H + i_h) * Ttot + tok, mask=m_t, other=0.)
+            s_q, s_k = _sqk_sums(sqk, tok, m_t, i_h, Ttot, H, NKI)
             _l2norm_bwd_cols(q, k, dq, dk, x1s, x2s, tok, m_t, i_h, rq, rk, s_q, s_k, Ttot, H, K, BK)
         return
     rq, rk, s_q, s_k, d_al = _grad_cols_start(rqk, tok, m_t, i_h, Ttot, H, BT)
+    if ONEPASS and L2NORM:
+        s_q, s_k = _sqk_sums(sqk, tok, m_t, i_h, Ttot, H, NKI)
+        for kb in range(0, K // BK):
+            o_kb = kb * BK + tl.arange(0, BK)
+            pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, x1s, x2s, tok, m_t, i_h, o_kb, rq, rk, Ttot, H, K)
+            dG = tl.load(dgis + hkb, mask=m_t[:, None], other=0.)
+            # the norm's backward as in _l2norm_bwd_cols, then stored (L2NORM=False) with the gate's part
+            d_al, s_q, s_k = _grad_cols_out(g, A_log, dt_bias, dq, dk, dg, ddt_part, dG,
+                                            rq[:, None] * (dqn - qn * s_q[:, None]),
+                                            rk[:, None] * (dkn - kn * s_k[:, None]), qn, kn, pk, m_t, i_c, i_h, o_kb,
+                                            lower_bound, d_al, s_q, s_k, H, K, USE_GATE, False)
+        _grad_chunk_out(q, k, dq, dk, dbeta, dal_part, x1s, x2s, tok, m_t, i_c, i_h, rq, rk, s_q, s_k, d_al, d_b,
+                        Ttot, H, K, BK, USE_GATE, False)
+        return
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
         pk, hkb, qn, kn, dqn, dkn = _norm_cols(q, k, x1s, x2s, tok, m_t, i_h, o_kb, rq, rk, Ttot, H, K)

@@ -107,7 +107,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
-        gfin=dict(BK=min(K, 64), num_warps=4, num_stages=1),
+        # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
+        # over the columns for dg instead of a second pass re-reading q, k and the pre-norm gradients (thirteenth
+        # session: ncu put gfin at 71% of the H200's DRAM bandwidth, 4.3 GB per backward at T8K; -1.2 GB predicted)
+        gfin=dict(BK=min(K, 64), num_warps=4, num_stages=1, ONEPASS=True),
         # not a kernel: the dtype of the gradient kernels' scratch W, k e^(G_l - G), u', du' and per-chunk states /
         # state gradients: "fp32", or "input" (the input dtype at bf16/fp16 inputs, as fla keeps h / dh and the WY
         # operands; fp32 inputs always fp32). "input": 16.41 ms vs 17.28 at dk / dv 2.95e-3 vs 2.04e-3 from the
@@ -328,15 +331,19 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     # FIN: gi2 (all of a chunk's row tiles per program) also finishes the columns (dg, the gate, dq / dk or their
     # pre-norm form with row-sum partials sqk), leaving dbeta and the L2 norm's backward to gfin
     fused = bool(lc["gi2"]["FIN"])
-    sqk = torch.empty(2, NKI, H, Tt, device=dev, dtype=torch.float32) if fused and const["L2NORM"] else cdb
+    # gfin's ONEPASS: gi2 (without FIN) stores the same row-sum partials (its SQK), so gfin finishes dq / dk in its one
+    # pass over the columns
+    onepass = bool(lc["gfin"]["ONEPASS"]) and not fused and const["L2NORM"]
+    sqk = torch.empty(2, NKI, H, Tt, device=dev, dtype=torch.float32) if (fused or onepass) and const["L2NORM"] \
+        else cdb
     _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * NKI)](
         qc, kc, gc, bc, a_log, dtb, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part, ddt_part, sqk,
-        ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee, **gate,
-        **_kw(lc["gi2"]))
+        ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee, SQK=onepass,
+        **gate, **_kw(lc["gi2"]))
     _k.kda_bwd_gfin_kernel[(NC, H)](
         qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk, dq, dk, dg, dbeta, dal_part,
         ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, FUSED=fused, NKI=NKI, **gate,
-        **_kw(lc["gfin"]))
+        **{**_kw(lc["gfin"]), "ONEPASS": onepass})
 
 
 def gpu_selfcheck(T: int = 1000, H: int = 8, D: int = 128, seed: int = 0, device: str = "cuda",
