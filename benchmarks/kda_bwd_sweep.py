@@ -24,6 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # thirteenth session: gfin's one pass (ONEPASS, from gi2's row-sum partials) against its second pass over the
+    # columns, and a chunk's column-block / tile programs next to each other on grid axis 0 (INNER) against axis 2
+    ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),
+    ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
+    ("pwu_outer", {"pwu": {"INNER": False}}),
+    ("gw_outer", {"gw": {"INNER": False}}),
+    ("gi2_outer", {"gi2": {"INNER": False}}),
+    ("both_off", {"gfin": {"ONEPASS": False}, "pwu": {"INNER": False}, "gw": {"INNER": False},
+                  "gi2": {"INNER": False}}),
     # twelfth session: the default since is gv's PRE + PRE_F32 (the sequential passes store u' / du', formed against
     # the fp32 state as two bf16 halves; 13.89 ms): without PRE (the default until then, 15.33), PRE against the
     # state's bf16 rounding (13.53, opt-in accuracy class of the bf16 scratch), and both on the bf16 scratch preset

@@ -46,6 +46,11 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # gfin's second pass over the columns for dq / dk (the default until the thirteenth session), and
                   # at BK 32 in both gi2 (its row-sum partials: 4 K blocks) and gfin
                   ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),
+                  # a chunk's column-block / tile programs along grid axis 2 (the default until the thirteenth
+                  # session: INNER puts them next to each other on axis 0)
+                  ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
+                  ("splits_outer_gi2_tpp2", {"gi2": {"INNER": False, "TPP": 2}}),
+                  ("splits_inner_gi2_tpp1_bk32", {"gi2": {"TPP": 1, "BK": 32}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},

@@ -89,11 +89,24 @@ def _gate_x_cols(g, A_log, dt_bias, pk, m_t, i_h, o_k, K: tl.constexpr):
 
 
 @triton.jit
-def _chunk_start(chunk_tok, chunk_end, beta, H: tl.constexpr, BT: tl.constexpr):
+def _split_pid(NS: tl.constexpr, INNER: tl.constexpr):
+    """(chunk index, split index) of a kernel whose (chunk, head) pairs are split NS ways (K / V column blocks, row
+    tiles): INNER, the splits of one chunk are consecutive programs along axis 0 (grid (NC * NS, H)), so that they
+    run together and what they all read (u' / du', dAq / dN, T) comes from DRAM once and from L2 after; else the
+    split is axis 2 (grid (NC, H, NS)): a chunk's splits run one whole grid sweep apart."""
+    if INNER:
+        return tl.program_id(0) // NS, tl.program_id(0) % NS
+    else:
+        return tl.program_id(0), tl.program_id(2)
+
+
+@triton.jit
+def _chunk_start(chunk_tok, chunk_end, beta, H: tl.constexpr, BT: tl.constexpr, NS: tl.constexpr = 1,
+                 INNER: tl.constexpr = False):
     """Prologue of the (chunk, head) kernels: program ids, the chunk's token range [t0, t1), row offsets o_t, token
     indices tok (int64) and their mask, the [BT, 1] / [1, BT] row and column indices, and beta of the rows (fp32,
-    0 past the end)."""
-    i_c = tl.program_id(0)
+    0 past the end). NS, INNER: a split kernel's grid (`_split_pid`)."""
+    i_c, i_s = _split_pid(NS, INNER)
     i_h = tl.program_id(1)
     t0 = tl.load(chunk_tok + i_c)
     t1 = tl.load(chunk_end + i_c)
@@ -441,17 +454,18 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
 def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, cdb, rqk,
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr):
+                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
+                      INNER: tl.constexpr):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
     chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
     nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta); ATOMIC: those two added into gv's dN
     (cmat slot 3) and dbeta part (cdb) instead (fp32 atomics: the sum's order, so its last bits, vary between runs).
-    The L2-norm row factors and the cumsum G come from the prep (rqk, gcs)."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    o_kb = tl.program_id(2) * BK + tl.arange(0, BK)
-    i_k = tl.program_id(2)
+    The L2-norm row factors and the cumsum G come from the prep (rqk, gcs); grid order: `_split_pid`."""
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, K // BK, INNER)
+    i_k = _split_pid(K // BK, INNER)[1]
+    o_kb = i_k * BK + tl.arange(0, BK)
     ps = (i_c * H + i_h).to(tl.int64) * K * V
     d_w = tl.zeros([BT, BK], dtype=tl.float32)
     d_qg = tl.zeros([BT, BK], dtype=tl.float32)
@@ -675,12 +689,14 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, g
 def kda_bwd_pwu_kernel(q, k, v, beta, qg_out, kd_out, w_out, u_out, eg_out, cmat, ws, ks, gcs, rqk,
                        chunk_tok, chunk_end, scale, Ttot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                       BK: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr, F32_K: tl.constexpr):
-    """Prep part 2 (pwu), per (chunk, head, column block): program_id(2) < K / BK: `_prep_kcols` for that
-    K block, else `_prep_vcols` for value block program_id(2) - K / BK; T, rq, rk, G read back from part 1."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
+                       BK: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr, F32_K: tl.constexpr,
+                       INNER: tl.constexpr):
+    """Prep part 2 (pwu), per (chunk, head, column block j; grid order: `_split_pid`): j < K / BK: `_prep_kcols`
+    for that K block, else `_prep_vcols` for value block j - K / BK; T, rq, rk, G read back from part 1."""
+    NS: tl.constexpr = K // BK + V // BV
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
-    j = tl.program_id(2)
+    j = _split_pid(NS, INNER)[1]
     if j < K // BK:
         rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
         _prep_kcols(q, k, qg_out, kd_out, w_out, eg_out, ws, ks, gcs, Tm, rq, rk, b_b, i_c, i_h, t0, t1, tok, m_t,
@@ -709,7 +725,8 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
                        ddt_part, sqk, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                        BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr,
-                       FIN: tl.constexpr, SQK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr):
+                       FIN: tl.constexpr, SQK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
+                       INNER: tl.constexpr):
     """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
     columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
     as in `_intra_bwd`), for the tile's rows R:
@@ -722,9 +739,12 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     norm the pre-norm dq / dk in x1s / x2s plus this K block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H,
     Ttot]; dgis is then not written. SQK (without FIN, with the L2 norm): those row sums into sqk as well, so that
     gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS)."""
-    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
-    r0 = (tl.program_id(2) % (BT // TS // TPP)) * TPP
-    o_kb = (tl.program_id(2) // (BT // TS // TPP)) * BK + tl.arange(0, BK)
+    NS: tl.constexpr = (BT // TS // TPP) * (K // BK)  # splits: tile groups x K blocks (grid order: `_split_pid`)
+    i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
+    i_s = _split_pid(NS, INNER)[1]
+    i_kb = i_s // (BT // TS // TPP)
+    r0 = (i_s % (BT // TS // TPP)) * TPP
+    o_kb = i_kb * BK + tl.arange(0, BK)
     # the chunk's columns: G (rows past the end hold G of the last token: their g is 0), normalised q, k
     # G of the chunk's last token and (below) of each tile's reference row: [BK] loads, not reductions over rows
     G, g_end = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
@@ -780,7 +800,6 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
             d_al += al
             d_dt += dt_cols
             if L2NORM:
-                i_kb = tl.program_id(2) // (BT // TS // TPP)
                 tl.store(sqk + (i_kb * H + i_h) * Ttot + tok_r, tl.sum(qn_r * x1, 1), mask=m_r)
                 tl.store(sqk + (((K // BK) + i_kb) * H + i_h) * Ttot + tok_r, tl.sum(kn_r * x2, 1), mask=m_r)
                 tl.store(x1s + hr, x1, mask=m_r[:, None])
@@ -793,11 +812,10 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
             tl.store(x1s + hr, x1, mask=m_r[:, None])
             tl.store(x2s + hr, x2, mask=m_r[:, None])
             if SQK:
-                i_kb = tl.program_id(2) // (BT // TS // TPP)
                 tl.store(sqk + (i_kb * H + i_h) * Ttot + tok_r, tl.sum(qn_r * x1, 1), mask=m_r)
                 tl.store(sqk + (((K // BK) + i_kb) * H + i_h) * Ttot + tok_r, tl.sum(kn_r * x2, 1), mask=m_r)
     if FIN and USE_GATE:
-        tl.store(dal_part + (i_c * H + i_h) * K + tl.program_id(2) // (BT // TS // TPP), d_al)
+        tl.store(dal_part + (i_c * H + i_h) * K + i_kb, d_al)
         tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, d_dt)
 
 

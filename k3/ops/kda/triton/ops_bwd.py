@@ -81,7 +81,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True),
         # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
         # the same caps on gi2, gw, gfin, gv lost)
-        pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1),
+        # INNER (pwu, gw, gi2): a chunk's column-block / tile programs are consecutive along grid axis 0 (they run
+        # together and share in L2 what they all read) instead of axis 2 (one whole grid sweep apart: ncu, thirteenth
+        # session, gw 7.8 GB of DRAM traffic at T8K, gi2 5.1, pwu 3.0, each reading its chunk's shared operands anew)
+        pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1, INNER=True),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
         # the states pass on a high-priority side stream next to dstates (independent walks; a CONCURRENT option,
         # measured then removed, twelfth session): 13.28 ms vs 13.35, 13.57 vs 13.57 with dstates at BV 64
@@ -99,12 +102,12 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
         # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
-        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=False),
+        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=False, INNER=True),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
         # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
         # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
         # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False),
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False, INNER=True),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
         # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
@@ -162,6 +165,12 @@ def apply_launch(lc: dict, *overrides) -> dict:
                                  f"(known: {sorted(lc[name])})")
             lc[name] = {**lc[name], **params}
     return lc
+
+
+def _split_grid(NC: int, H: int, NS: int, inner: bool) -> tuple:
+    """Grid of a kernel whose (chunk, head) pairs are split NS ways (kernels_bwd._split_pid): (NC * NS, H, 1) with a
+    chunk's splits consecutive (inner), else (NC, H, NS)."""
+    return (NC * NS, H, 1) if inner else (NC, H, NS)
 
 
 def _kw(cfg: dict, *drop) -> dict:
@@ -262,7 +271,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, gcs, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
             **{n: c for n, c in const.items() if n != "V"})
         pw = lc["pwu"]
-        _k.kda_bwd_pwu_kernel[(NC, H, K // pw["BK"] + V // pw["BV"])](
+        _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + V // pw["BV"], pw["INNER"])](
             qc, kc, vc, bc, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok, cend,
             float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, F32_W=f32_wk, F32_K=f32_wk and not pre, **_kw(pw))
         states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
@@ -321,7 +330,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     dgis = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32) if NKW else cdb
     dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32) if NKW else cdb
-    _k.kda_bwd_gw_kernel[(NC, H, NKB)](
+    _k.kda_bwd_gw_kernel[_split_grid(NC, H, NKB, lc["gw"]["INNER"])](
         qc, kc, gcs, bc, doc, ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis, nkp, dbp,
         ctok, cend, scale, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **_kw(lc["gw"]))
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
@@ -336,7 +345,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     onepass = bool(lc["gfin"]["ONEPASS"]) and not fused and const["L2NORM"]
     sqk = torch.empty(2, NKI, H, Tt, device=dev, dtype=torch.float32) if (fused or onepass) and const["L2NORM"] \
         else cdb
-    _k.kda_bwd_gi2_kernel[(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * NKI)](
+    _k.kda_bwd_gi2_kernel[_split_grid(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * NKI, lc["gi2"]["INNER"])](
         qc, kc, gc, bc, a_log, dtb, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part, ddt_part, sqk,
         ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee, SQK=onepass,
         **gate, **_kw(lc["gi2"]))
