@@ -33,6 +33,13 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gi2_outer", {"gi2": {"INNER": False}}),
     ("both_off", {"gfin": {"ONEPASS": False}, "pwu": {"INNER": False}, "gw": {"INNER": False},
                   "gi2": {"INNER": False}}),
+    # thirteenth session: gw's epilogue storing each term as soon as it is complete (EPI_ORDER; sm_90 static stack
+    # 312 -> 280 B), and deeper pipelining of its value loop (ncu: 12.9% of its stall samples on the loop-head barrier
+    # waiting for the cp.async tiles; 3 stages 104 KB, 2 CTAs per SM; BV 16 at 4 stages 78 KB)
+    ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
+    ("gw_s3", {"gw": {"num_stages": 3}}),
+    ("gw_bv16_s4", {"gw": {"BV": 16, "num_stages": 4}}),
+    ("gw_bv16_s3", {"gw": {"BV": 16, "num_stages": 3}}),
     # twelfth session: the default since is gv's PRE + PRE_F32 (the sequential passes store u' / du', formed against
     # the fp32 state as two bf16 halves; 13.89 ms): without PRE (the default until then, 15.33), PRE against the
     # state's bf16 rounding (13.53, opt-in accuracy class of the bf16 scratch), and both on the bf16 scratch preset

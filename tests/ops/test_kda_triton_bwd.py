@@ -50,6 +50,8 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # session: INNER puts them next to each other on axis 0)
                   ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
                   ("splits_outer_gi2_tpp2", {"gi2": {"INNER": False, "TPP": 2}}),
+                  ("gw_epi_order_off", {"gw": {"EPI_ORDER": False}}),
+                  ("gw_epi_order_off_atomic", {"gw": {"EPI_ORDER": False, "ATOMIC": True}}),
                   ("splits_inner_gi2_tpp1_bk32", {"gi2": {"TPP": 1, "BK": 32}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),

@@ -451,11 +451,21 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
 
 
 @triton.jit
+def _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H: tl.constexpr, BT: tl.constexpr, ATOMIC: tl.constexpr):
+    """gw's part of dbeta for its K block, sum_K dXk k e^G (dbx = dXk k e^G): stored per K block, or ATOMIC added
+    into gv's part."""
+    if ATOMIC:
+        tl.atomic_add(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, tl.sum(dbx, 1), sem="relaxed")
+    else:
+        tl.store(dbp + pp + o_t, tl.sum(dbx, 1))
+
+
+@triton.jit
 def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, cdb, rqk,
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
-                      INNER: tl.constexpr):
+                      INNER: tl.constexpr, EPI_ORDER: tl.constexpr):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
@@ -495,26 +505,47 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
     else:
         tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-    pk, qn, kn = _qk_cols(q, k, tok, m_t, i_h, o_kb, rq, rk, H, K)
     G, g_last = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     eG = tl.exp(G)
-    ed = tl.exp(g_last[None, :] - G)
-    keg = kn * eG
-    if ATOMIC:
-        tl.atomic_add(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, tl.sum(dxk * keg, 1), sem="relaxed")
+    # (x1s may be ws itself, the fp32 scratch: this program's block of W is its last reader, so every thread's load
+    # of it above comes before any store: the barriers below)
+    if EPI_ORDER:
+        # each [BT, BK] term stored or folded into dgi as soon as it is complete, so that fewer tiles are live at
+        # once (sm_90 static: 280 B of spill stack against 312 in the order below)
+        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+        qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
+        x1 = d_qg * eG
+        tl.debug_barrier()
+        tl.store(x1s + hkb, x1, mask=m_t[:, None])
+        dgi = x1 * (qn * scale)
+        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+        keg = kn * eG
+        dbx = dxk * keg
+        _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H, BT, ATOMIC)
+        dgi += dbx * b_b[:, None]
+        x2 = dxk * (b_b[:, None] * eG)
+        ed = tl.exp(g_last[None, :] - G)
+        kd = kn * ed
+        x2 += d_kd * ed
+        tl.store(x2s + hkb, x2, mask=m_t[:, None])
+        dkk = d_kd * kd
+        dgi -= dkk
+        d_gl = d_gl * tl.exp(g_last) + tl.sum(dkk, 0)
     else:
-        tl.store(dbp + pp + o_t, tl.sum(dxk * keg, 1))
-    x1 = d_qg * eG
-    kd = kn * ed
-    dgi = x1 * (qn * scale) + dxk * keg * b_b[:, None] - d_kd * kd
-    d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
+        pk, qn, kn = _qk_cols(q, k, tok, m_t, i_h, o_kb, rq, rk, H, K)
+        ed = tl.exp(g_last[None, :] - G)
+        keg = kn * eG
+        dbx = dxk * keg
+        _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H, BT, ATOMIC)
+        x1 = d_qg * eG
+        kd = kn * ed
+        dgi = x1 * (qn * scale) + dbx * b_b[:, None] - d_kd * kd
+        d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
+        tl.debug_barrier()
+        tl.store(x1s + hkb, x1, mask=m_t[:, None])
+        tl.store(x2s + hkb, dxk * (b_b[:, None] * eG) + d_kd * ed, mask=m_t[:, None])
     # on the chunk's last token (rows past a sequence end are not stored; their g is 0, so G there is G_l)
     dgi += tl.where(row == tl.minimum(t1 - t0, BT) - 1, d_gl[None, :], 0.)
-    # x1s may be ws itself (the fp32 scratch: this program's block of W is its last reader): every thread's load
-    # of it above before any store
-    tl.debug_barrier()
-    tl.store(x1s + hkb, x1, mask=m_t[:, None])
-    tl.store(x2s + hkb, dxk * (b_b[:, None] * eG) + d_kd * ed, mask=m_t[:, None])
     tl.store(dgis + hkb, dgi, mask=m_t[:, None])
 
 

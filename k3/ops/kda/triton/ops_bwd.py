@@ -102,7 +102,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
         # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
-        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=False, INNER=True),
+        # EPI_ORDER: the epilogue stores / folds each term as soon as it is complete (fewer live tiles, spills)
+        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=False, INNER=True, EPI_ORDER=True),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
         # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
         # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
