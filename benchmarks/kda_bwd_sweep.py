@@ -36,8 +36,10 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # thirteenth session: gw's epilogue storing each term as soon as it is complete (EPI_ORDER; sm_90 static stack
     # 312 -> 280 B), and deeper pipelining of its value loop (ncu: 12.9% of its stall samples on the loop-head barrier
     # waiting for the cp.async tiles; 3 stages 104 KB, 2 CTAs per SM; BV 16 at 4 stages 78 KB)
+    # (at 11.34 ms: gw_epi_off 11.41, gw 2.42 vs 2.33; gw 3 stages 11.23, gw 2.23: the default since at bf16 / fp16
+    # K <= 128; gw_bv16_s4 11.62, gw_bv16_s3 11.69)
     ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
-    ("gw_s3", {"gw": {"num_stages": 3}}),
+    ("gw_s2", {"gw": {"num_stages": 2}}),
     ("gw_bv16_s4", {"gw": {"BV": 16, "num_stages": 4}}),
     ("gw_bv16_s3", {"gw": {"BV": 16, "num_stages": 3}}),
     # twelfth session: the default since is gv's PRE + PRE_F32 (the sequential passes store u' / du', formed against

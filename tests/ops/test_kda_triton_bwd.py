@@ -328,6 +328,17 @@ def test_pwu_register_cap():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_gw_pipeline_depth():
+    """gw's value loop runs 3 stages deep at bf16 / fp16 inputs with K <= 128 (the measured case), else 2."""
+    import torch
+    from k3.ops.kda.triton.ops_bwd import launch_config
+    assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["num_stages"] == 3
+    assert launch_config(64, 64, 8, torch.float16)["gw"]["num_stages"] == 3
+    assert launch_config(128, 128, 96, torch.float32)["gw"]["num_stages"] == 2
+    assert launch_config(256, 256, 96, torch.bfloat16)["gw"]["num_stages"] == 2
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_env_launch_overrides(monkeypatch):
     """$K3_KDA_BWD_LAUNCH: parsed, applied under a call's own launch argument, bad values refused by name."""
     import torch
