@@ -38,6 +38,8 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # waiting for the cp.async tiles; 3 stages 104 KB, 2 CTAs per SM; BV 16 at 4 stages 78 KB)
     # (at 11.34 ms: gw_epi_off 11.41, gw 2.42 vs 2.33; gw 3 stages 11.23, gw 2.23: the default since at bf16 / fp16
     # K <= 128; gw_bv16_s4 11.62, gw_bv16_s3 11.69)
+    # thirteenth session: pmat's two-level decays (FACTOR, default) against per-tile exponentials
+    ("pmat_factor_off", {"pmat": {"FACTOR": False}}),
     ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
     ("gw_s2", {"gw": {"num_stages": 2}}),
     ("gw_bv16_s4", {"gw": {"BV": 16, "num_stages": 4}}),

@@ -43,6 +43,10 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
                   ("dstates_s1", {"dstates": {"num_stages": 1}}),
                   ("pmat_reduce", {"pmat": {"REFLOAD": False}}),  # reference rows of G by reductions, not loads
+                  # pmat's decays per row tile (the default until the thirteenth session), and FACTOR's two-level
+                  # decays with the reference rows by reductions
+                  ("pmat_factor_off", {"pmat": {"FACTOR": False}}),
+                  ("pmat_factor_reduce_bk16", {"pmat": {"REFLOAD": False, "BK": 16}}),
                   # gfin's second pass over the columns for dq / dk (the default until the thirteenth session), and
                   # at BK 32 in both gi2 (its row-sum partials: 4 K blocks) and gfin
                   ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),

@@ -140,24 +140,58 @@ def _tile_factors(G, g_ref, r, BT: tl.constexpr, TS: tl.constexpr):
 
 
 @triton.jit
+def _g_ref(G, gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+           REF: tl.constexpr, REFLOAD: tl.constexpr):
+    """G at row tile r's reference row: loaded back from gcs (REFLOAD, `_ref_row`) or picked out of the [BT, BK]
+    tile G by a reduction over its rows."""
+    if REFLOAD:
+        return _ref_row(gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, TS, REF)
+    else:
+        return tl.sum(tl.where(tl.arange(0, BT)[:, None] == r * TS + REF, G, 0.), 0)
+
+
+@triton.jit
 def _intra_fwd(qs, kn, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
-               REF: tl.constexpr, IEEE: tl.constexpr, REFLOAD: tl.constexpr):
+               REF: tl.constexpr, IEEE: tl.constexpr, REFLOAD: tl.constexpr, FACTOR: tl.constexpr):
     """(Aq, L) [BT, BT] with Aq_ti = sum_c qs_tc kn_ic e^(G_tc - G_ic), L likewise with kn rows; unmasked
     (entries i > t inside a tile are junk, possibly inf: callers select with tl.where). REFLOAD: the tiles'
     reference rows of G read back from gcs (stored there, g_end its last row), else picked out of G by a reduction
-    over its rows."""
+    over its rows. FACTOR: two-level decays instead of two [BT, BK] exponentials per row tile: each row's decay from
+    its own tile's reference row once (E = e^(G - G_ref(row)), |exponent| <= max(REF, TS-1-REF) |g|_max), and for
+    tile r's products the rows of tile s <= r scaled by e^(G_m(r) - G_m(s)) = prod_{s < j <= r} D_j <= 1 with D_j =
+    e^(G_m(j) - G_m(j-1)), the step between consecutive reference rows: per tile one multiply-and-select pass
+    (F <- F D_r on the earlier tiles' rows, 1 on tile r's), no [BT, BK] exponential."""
     Aq = tl.zeros([BT, BT], dtype=tl.float32)
     L = tl.zeros([BT, BT], dtype=tl.float32)
     row = tl.arange(0, BT)[:, None]
-    for r in tl.static_range(BT // TS):
-        if REFLOAD:
-            g_ref = _ref_row(gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, TS, REF)
-        else:
-            g_ref = tl.sum(tl.where(row == r * TS + REF, G, 0.), 0)
-        in_r, upto, ef, cf = _tile_factors(G, g_ref, r, BT, TS)
-        kc = tl.trans(tl.where(upto, kn * cf, 0.))
-        Aq += _dot(tl.where(in_r, qs * ef, 0.), kc, IEEE)
-        L += _dot(tl.where(in_r, kn * ef, 0.), kc, IEEE)
+    if FACTOR:
+        rt = row // TS
+        gr = tl.zeros_like(G)
+        for s in tl.static_range(BT // TS):
+            gr = tl.where(rt == s, _g_ref(G, gcs, i_h, o_kb, t0, t1, g_end, s, Ttot, K, BT, TS, REF, REFLOAD)[None, :],
+                          gr)
+        E = tl.exp(G - gr)
+        QE = qs * E
+        KE = kn * E
+        KI = kn * tl.exp(gr - G)
+        F = tl.zeros_like(G) + 1.
+        g_prev = _g_ref(G, gcs, i_h, o_kb, t0, t1, g_end, 0, Ttot, K, BT, TS, REF, REFLOAD)
+        for r in tl.static_range(BT // TS):
+            if r > 0:
+                g_r = _g_ref(G, gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, BT, TS, REF, REFLOAD)
+                F = tl.where(rt == r, 1., F * tl.exp(g_r - g_prev)[None, :])
+                g_prev = g_r
+            kc = tl.trans(tl.where(rt <= r, KI * F, 0.))
+            in_r = rt == r
+            Aq += _dot(tl.where(in_r, QE, 0.), kc, IEEE)
+            L += _dot(tl.where(in_r, KE, 0.), kc, IEEE)
+    else:
+        for r in tl.static_range(BT // TS):
+            g_ref = _g_ref(G, gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, BT, TS, REF, REFLOAD)
+            in_r, upto, ef, cf = _tile_factors(G, g_ref, r, BT, TS)
+            kc = tl.trans(tl.where(upto, kn * cf, 0.))
+            Aq += _dot(tl.where(in_r, qs * ef, 0.), kc, IEEE)
+            L += _dot(tl.where(in_r, kn * ef, 0.), kc, IEEE)
     return Aq, L
 
 
@@ -348,7 +382,8 @@ def _row_factors(rqk, tok, m, i_h, Ttot, H: tl.constexpr):
 def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, scale, lower_bound, Ttot,
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                     LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-                    L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr):
+                    L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr,
+                    FACTOR: tl.constexpr):
     """A chunk's (tril(Aq), tril_-1(L), T, rq, rk) in fp32 without a [BT, K] tile: Aq and L accumulate over
     BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after). Stores the
     cumsum G (fp32) into gcs for the later kernels (REFLOAD: reading its tiles' reference rows back from there)."""
@@ -369,7 +404,8 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
         if REFLOAD:
             tl.debug_barrier()  # every thread's G rows in memory (visible to the CTA) before the reference-row loads
             g_end = _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K, BT)
-        a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, TS, REF, IEEE, REFLOAD)
+        a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, TS, REF, IEEE, REFLOAD,
+                                FACTOR)
         Aq += a_kb
         L += l_kb
     rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
@@ -652,7 +688,8 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
                lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-               L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr):
+               L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr,
+               FACTOR: tl.constexpr):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
     tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
     in the intermediate dtype for dstates, aqf in fp32), rq, rk (rqk) and the cumsum G (gcs)."""
@@ -661,7 +698,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
     col = o_t[None, :]
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, scale, lower_bound,
                                         Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE,
-                                        INV_PREC, REFLOAD)
+                                        INV_PREC, REFLOAD, FACTOR)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
@@ -709,11 +746,12 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, g
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                         USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-                        REFLOAD: tl.constexpr):
+                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr):
     """Prep part 1 (pmat), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
-               lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC, REFLOAD)
+               lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC, REFLOAD,
+               FACTOR)
 
 
 @triton.jit

@@ -78,7 +78,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # (twelfth session: gw 2.92 -> 2.47 ms, gi2 3.40 -> 3.01 with its reference rows loaded, pwu 1.37 -> 0.87,
         # pmat 1.69 -> 2.06); REFLOAD: pmat reads its tiles' reference rows of G back from there too instead of
         # reductions over G's rows: pmat 1.84 ms vs 2.06, backward 11.86 ms vs 12.06
-        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True),
+        # FACTOR: two-level decays in the intra-chunk products (`_intra_fwd`): a [BT, BK] exponential pair per K block
+        # instead of per row tile (thirteenth session: ncu put pmat at 30% issue use with FMUL / FADD / FSEL on its
+        # [64, 64] tiles the most executed instructions)
+        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True, FACTOR=True),
         # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
         # the same caps on gi2, gw, gfin, gv lost)
         # INNER (pwu, gw, gi2): a chunk's column-block / tile programs are consecutive along grid axis 0 (they run
