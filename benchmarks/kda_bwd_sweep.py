@@ -40,8 +40,6 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # K <= 128; gw_bv16_s4 11.62, gw_bv16_s3 11.69)
     # thirteenth session: pmat's two-level decays (FACTOR, default) against per-tile exponentials
     ("pmat_factor_off", {"pmat": {"FACTOR": False}}),
-    # gfin's column loop pipelined (2 stages), after its one pass
-    ("gfin_s2", {"gfin": {"num_stages": 2}}),
     ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
     ("gw_s2", {"gw": {"num_stages": 2}}),
     ("gw_bv16_s4", {"gw": {"BV": 16, "num_stages": 4}}),
