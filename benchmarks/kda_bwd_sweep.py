@@ -39,7 +39,9 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # (at 11.34 ms: gw_epi_off 11.41, gw 2.42 vs 2.33; gw 3 stages 11.23, gw 2.23: the default since at bf16 / fp16
     # K <= 128; gw_bv16_s4 11.62, gw_bv16_s3 11.69)
     # thirteenth session: pmat's two-level decays (FACTOR, default) against per-tile exponentials
-    ("pmat_factor_off", {"pmat": {"FACTOR": False}}),
+    ("pmat_factor_off", {"pmat": {"FACTOR": False}}),  # (at 11.12 ms: 11.23, pmat 1.84 vs 1.78)
+    # gw's dN / dbeta parts added into gv's with atomics (ATOMIC, the default since: 10.77 vs 11.12 at TPP 4)
+    ("gw_no_atomic", {"gw": {"ATOMIC": False}}),
     ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
     ("gw_s2", {"gw": {"num_stages": 2}}),
     ("gw_bv16_s4", {"gw": {"BV": 16, "num_stages": 4}}),
@@ -108,14 +110,16 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("scr_tuned", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}, "gw": {"num_warps": 4}, "states": {"BV": 64},
                    "dstates": {"BV": 64}}),
     # tenth session: gi2 also finishing the columns (gate, suffix sum, dq / dk): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
-    ("gi2_fin", {"gi2": {"FIN": True}}),
+    ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),
     # ninth session: the default's pmat inverse went from 3-pass to one-pass tf32 (3.92 -> 1.90 ms); the former
     # default and the losing row-tile products (measured, then removed: pmat 6.21 ms, 3.67 with the tf32 inverse)
     ("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),
     # gi2 with TPP row tiles per program (the chunk's columns loaded once for them; the default is all four since
     # the ninth session: 3.52 ms vs 4.64 at TPP 1, 4.12 at 2, 3.92 at 4 / BK 32, 5.56 at 2 / BK 32); gw at BK 32 /
-    # 8 warps (static sm_90 159 regs, no spills; measured 5.90 ms vs 3.81)
-    ("gi2_tpp1", {"gi2": {"TPP": 1}}),
+    # 8 warps (static sm_90 159 regs, no spills; measured 5.90 ms vs 3.81). Thirteenth session, with a chunk's tile
+    # programs side by side (INNER): TPP 1 2.62 ms vs 2.97 at 4, 3.22 at 2 (backward 10.81 / 11.12 / 11.40): TPP 1 is
+    # the default since
+    ("gi2_tpp4", {"gi2": {"TPP": 4}}),
     ("gi2_tpp2", {"gi2": {"TPP": 2}}),
     ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
     ("gw_bk32_w8", {"gw": {"BK": 32, "num_warps": 8}}),

@@ -29,13 +29,14 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("pmat_gfin_bk32", {"pmat": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
                   ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
-                  ("gi2_tpp1", {"gi2": {"TPP": 1}}),  # one row tile per program (the default: all of them)
+                  ("gi2_tpp4", {"gi2": {"TPP": 4}}),  # all row tiles per program (the default until the 13th session)
                   ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
-                  ("gi2_fin", {"gi2": {"FIN": True}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm only)
-                  ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32}}),
+                  ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm)
+                  ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32, "TPP": 4}}),
                   # gw adds its dN / dbeta parts into gv's with atomics (gi2 / gfin read one source)
                   ("gw_atomic", {"gw": {"ATOMIC": True}}),
-                  ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True}}),
+                  ("gw_no_atomic", {"gw": {"ATOMIC": False}}),  # the default until the thirteenth session
+                  ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True, "TPP": 4}}),
                   # gv forming u' / du' itself against the stored states (the default until the twelfth session:
                   # the sequential passes store them, fp32 here: their 3-pass tf32 dots, ~fp32), and PRE with the
                   # passes' products against the state's rounding (equal to the default at fp32 inputs)
@@ -329,6 +330,22 @@ def test_pwu_register_cap():
     assert all(c["maxnreg"] is None for n, c in lc.items() if n not in ("pwu", "scratch"))
     assert launch_config(128, 128, 96, torch.float32)["pwu"]["maxnreg"] is None
     assert launch_config(256, 256, 96, torch.bfloat16)["pwu"]["maxnreg"] is None
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_no_atomics_under_deterministic_algorithms():
+    """gw adds its dN / dbeta parts with fp32 atomics (run-to-run last bits) by default, not under
+    torch.use_deterministic_algorithms; gi2 then runs one row tile per program either way."""
+    import torch
+    from k3.ops.kda.triton.ops_bwd import launch_config
+    assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["ATOMIC"] is True
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["ATOMIC"] is False
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert launch_config(128, 128, 96, torch.bfloat16)["gi2"]["TPP"] == 1
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

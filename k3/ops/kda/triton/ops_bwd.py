@@ -63,6 +63,7 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
     V with nprog = N*H (sequence, head) pairs and token dtype `dtype`; also read by benchmarks/kda_bwd_static.py.
     Block sizes: the H200 sweep at B1 T8K H96 D128 (benchmarks/kda_bwd_sweep.py, benchmarks/RESULTS.md)."""
     lowp = dtype in (torch.bfloat16, torch.float16)
+    det = torch.are_deterministic_algorithms_enabled()  # no atomics (gw's ATOMIC) under deterministic algorithms
     BV = _pick_bv(V, nprog)
     dBV, dW = _dstates_bv(K, V, nprog)
     # software-pipelining depth of the chunk loops: every stage buffers the [BT, K] tiles in shared memory
@@ -104,14 +105,19 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=True, PRE_F32=True),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
-        # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session), run-to-run last bits: off
+        # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session); thirteenth session, with INNER
+        # and the deeper pipeline: 10.77 ms vs 11.12 (gi2 2.97 -> 2.67, gfin 0.97 -> 0.91, gw 2.23 -> 2.18). The
+        # atomics' order moves the sums' last bits from run to run: off under torch.use_deterministic_algorithms
         # EPI_ORDER: the epilogue stores / folds each term as soon as it is complete (fewer live tiles, spills)
-        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=False, INNER=True, EPI_ORDER=True),
+        gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=not det, INNER=True,
+                EPI_ORDER=True),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
         # TPP: row tiles per program (the chunk's columns loaded once for them; must divide BT / TS): all of a
-        # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session)
+        # chunk's, 3.52 ms vs 4.64 at one tile per program, 4.12 at two (ninth session); with INNER (a chunk's tile
+        # programs side by side, its columns from L2 after the first) one tile: 2.62 ms vs 2.97 at all four, 3.22
+        # at two (thirteenth session)
         # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=chunk_len(K) // TS, FIN=False, INNER=True),
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
         # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
