@@ -120,6 +120,12 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # programs side by side (INNER): TPP 1 2.62 ms vs 2.97 at 4, 3.22 at 2 (backward 10.81 / 11.12 / 11.40): TPP 1 is
     # the default since
     ("gi2_tpp4", {"gi2": {"TPP": 4}}),
+    # at TPP 1 (sm_90 static): BK 32 90 registers, 5 CTAs per SM; 8 warps 102 registers; BK 128 on 8 warps 128
+    # registers, 1 CTA; and gw at BK 32 / 3 stages 195 registers, no spills
+    ("gi2_bk32", {"gi2": {"BK": 32}}),
+    ("gi2_w8", {"gi2": {"num_warps": 8}}),
+    ("gi2_bk128_w8", {"gi2": {"BK": 128, "num_warps": 8}}),
+    ("gw_bk32_s3", {"gw": {"BK": 32, "num_stages": 3}}),
     ("gi2_tpp2", {"gi2": {"TPP": 2}}),
     ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
     ("gw_bk32_w8", {"gw": {"BK": 32, "num_warps": 8}}),
