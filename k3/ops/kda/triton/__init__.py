@@ -276,8 +276,9 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale: Optional[float] = None, 
         lower_bound=lower_bound, inplace=inplace)
 
 
-PRIORITY = 5  # below "fla" (10) for calls with gradients: our backward measured 0.29x fla (fwd+bwd, B1 T8K H96,
-# H200); calls without gradients prefer this backend on CUDA (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS)
+PRIORITY = 5  # below "fla" (10) for calls with gradients: our fwd+bwd measured 0.29x fla's (third session) and
+# 1.01-1.06x (thirteenth, H96 D128 bf16 on the H200, within fla's spread between processes; see k3.ops.kda); calls
+# without gradients prefer this backend on CUDA (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS)
 
 
 def register() -> None:

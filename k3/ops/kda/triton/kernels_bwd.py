@@ -686,10 +686,10 @@ def _l2norm_bwd_cols(q, k, dq, dk, dqs, dks, tok, m_t, i_h, rq, rk, s_q, s_k, Tt
 
 @triton.jit
 def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
-               lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
-               LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
-               L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr,
-               FACTOR: tl.constexpr):
+               lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
+               REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
+               USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
+               REFLOAD: tl.constexpr, FACTOR: tl.constexpr):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
     tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
     in the intermediate dtype for dstates, aqf in fp32), rq, rk (rqk) and the cumsum G (gcs)."""

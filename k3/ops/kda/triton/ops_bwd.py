@@ -81,13 +81,15 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # reductions over G's rows: pmat 1.84 ms vs 2.06, backward 11.86 ms vs 12.06
         # FACTOR: two-level decays in the intra-chunk products (`_intra_fwd`): a [BT, BK] exponential pair per K block
         # instead of per row tile (thirteenth session: ncu put pmat at 30% issue use with FMUL / FADD / FSEL on its
-        # [64, 64] tiles the most executed instructions)
+        # [64, 64] tiles the most executed instructions): pmat 1.84 -> 1.78 ms
         pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True, FACTOR=True),
         # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
         # the same caps on gi2, gw, gfin, gv lost)
         # INNER (pwu, gw, gi2): a chunk's column-block / tile programs are consecutive along grid axis 0 (they run
         # together and share in L2 what they all read) instead of axis 2 (one whole grid sweep apart: ncu, thirteenth
-        # session, gw 7.8 GB of DRAM traffic at T8K, gi2 5.1, pwu 3.0, each reading its chunk's shared operands anew)
+        # session, gw 7.8 GB of DRAM traffic at T8K, gi2 5.1, pwu 3.0, each reading its chunk's shared operands anew):
+        # backward 11.68 -> 11.43 ms (pwu 0.87 -> 0.75, gw 2.47 -> 2.34, gi2 3.05 -> 3.02; at TPP 1 it is what makes
+        # one tile per program pay, below)
         pwu=dict(BV=min(V, 64), BK=min(K, 64), num_warps=4, num_stages=1, INNER=True),
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
         # the states pass on a high-priority side stream next to dstates (independent walks; a CONCURRENT option,
@@ -122,7 +124,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
         # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
         # over the columns for dg instead of a second pass re-reading q, k and the pre-norm gradients (thirteenth
-        # session: ncu put gfin at 71% of the H200's DRAM bandwidth, 4.3 GB per backward at T8K; -1.2 GB predicted)
+        # session: ncu put gfin at 71% of the H200's DRAM bandwidth, 4.3 GB per backward at T8K; -1.2 GB predicted):
+        # gfin 1.27 -> 0.97 ms, gi2 +0.15 (its row sums), backward 11.54 -> 11.43
         gfin=dict(BK=min(K, 64), num_warps=4, num_stages=1, ONEPASS=True),
         # not a kernel: the dtype of the gradient kernels' scratch W, k e^(G_l - G), u', du' and per-chunk states /
         # state gradients: "fp32", or "input" (the input dtype at bf16/fp16 inputs, as fla keeps h / dh and the WY
