@@ -40,7 +40,8 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # K <= 128; gw_bv16_s4 11.62, gw_bv16_s3 11.69)
     # thirteenth session: pmat's two-level decays (FACTOR, default) against per-tile exponentials
     ("pmat_factor_off", {"pmat": {"FACTOR": False}}),  # (at 11.12 ms: 11.23, pmat 1.84 vs 1.78)
-    # gw's dN / dbeta parts added into gv's with atomics (ATOMIC, the default since: 10.77 vs 11.12 at TPP 4)
+    # gw's dN / dbeta parts added into gv's with atomics (ATOMIC, the default since: 10.77 vs 11.12 at TPP 4; at
+    # TPP 1 10.62 vs 10.89)
     ("gw_no_atomic", {"gw": {"ATOMIC": False}}),
     ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
     ("gw_s2", {"gw": {"num_stages": 2}}),
@@ -118,10 +119,12 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # the ninth session: 3.52 ms vs 4.64 at TPP 1, 4.12 at 2, 3.92 at 4 / BK 32, 5.56 at 2 / BK 32); gw at BK 32 /
     # 8 warps (static sm_90 159 regs, no spills; measured 5.90 ms vs 3.81). Thirteenth session, with a chunk's tile
     # programs side by side (INNER): TPP 1 2.62 ms vs 2.97 at 4, 3.22 at 2 (backward 10.81 / 11.12 / 11.40): TPP 1 is
-    # the default since
+    # the default since (with ATOMIC: 10.62 vs 10.84 at 4, 11.14 at 2)
     ("gi2_tpp4", {"gi2": {"TPP": 4}}),
     # at TPP 1 (sm_90 static): BK 32 90 registers, 5 CTAs per SM; 8 warps 102 registers; BK 128 on 8 warps 128
-    # registers, 1 CTA; and gw at BK 32 / 3 stages 195 registers, no spills
+    # registers, 1 CTA; and gw at BK 32 / 3 stages 195 registers, no spills. Measured at 10.62 ms (gi2 2.50, gw
+    # 2.18): gi2_bk32 10.95 (gi2 2.85), gi2_w8 11.23 (3.11), gi2_bk128_w8 11.72 (3.62), gw_bk32_s3 11.04 (gw 2.60);
+    # and gfin_bk32 10.92 (gfin 1.20 vs 0.91, in its one pass)
     ("gi2_bk32", {"gi2": {"BK": 32}}),
     ("gi2_w8", {"gi2": {"num_warps": 8}}),
     ("gi2_bk128_w8", {"gi2": {"BK": 128, "num_warps": 8}}),
