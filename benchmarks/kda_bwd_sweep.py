@@ -120,6 +120,12 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # 8 warps (static sm_90 159 regs, no spills; measured 5.90 ms vs 3.81). Thirteenth session, with a chunk's tile
     # programs side by side (INNER): TPP 1 2.62 ms vs 2.97 at 4, 3.22 at 2 (backward 10.81 / 11.12 / 11.40): TPP 1 is
     # the default since (with ATOMIC: 10.62 vs 10.84 at 4, 11.14 at 2)
+    # thirteenth session, last call: gi2 walking the chunk in 16-row blocks (BLK; sm_90 static 127 registers, 10 KB of
+    # shared memory, 4 CTAs per SM at 1 stage; 19 KB at 2, 29 KB at 3; capped at 96 registers 5 CTAs, 24 B of spills)
+    ("gi2_blk", {"gi2": {"BLK": True}}),
+    ("gi2_blk_s2", {"gi2": {"BLK": True, "num_stages": 2}}),
+    ("gi2_blk_s3", {"gi2": {"BLK": True, "num_stages": 3}}),
+    ("gi2_blk_s2_r96", {"gi2": {"BLK": True, "num_stages": 2, "maxnreg": 96}}),
     ("gi2_tpp4", {"gi2": {"TPP": 4}}),
     # at TPP 1 (sm_90 static): BK 32 90 registers, 5 CTAs per SM; 8 warps 102 registers; BK 128 on 8 warps 128
     # registers, 1 CTA; and gw at BK 32 / 3 stages 195 registers, no spills. Measured at 10.62 ms (gi2 2.50, gw

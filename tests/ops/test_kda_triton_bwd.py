@@ -56,6 +56,10 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
                   ("splits_outer_gi2_tpp2", {"gi2": {"INNER": False, "TPP": 2}}),
                   ("gw_epi_order_off", {"gw": {"EPI_ORDER": False}}),
+                  # gi2 walking the chunk block by block (BLK), pipelined, with and without the atomics' dN
+                  ("gi2_blk", {"gi2": {"BLK": True}}),
+                  ("gi2_blk_s2_bk32_no_atomic", {"gi2": {"BLK": True, "num_stages": 2, "BK": 32},
+                                                 "gw": {"ATOMIC": False}}),
                   ("gw_epi_order_off_atomic", {"gw": {"EPI_ORDER": False, "ATOMIC": True}}),
                   ("splits_inner_gi2_tpp1_bk32", {"gi2": {"TPP": 1, "BK": 32}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
@@ -295,6 +299,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"maxnreg": 300}})
     with pytest.raises(ValueError, match="gi2 TPP=3 must divide the 4 row tiles"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 3}})
+    with pytest.raises(ValueError, match=r"gi2 BLK needs one row tile per program \(TPP=1, got 4\) and no FIN"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 4, "BLK": True}})
     with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 2, "FIN": True}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):

@@ -790,12 +790,57 @@ def _dl_slice(cmat, nkp, pc0, pp, rows, cols, b_rows, NKW: tl.constexpr, BT: tl.
 
 
 @triton.jit
+def _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, o_kb, t0, t1, pc0, pp, scale, Ttot,
+                H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, BK: tl.constexpr,
+                NKW: tl.constexpr, IEEE: tl.constexpr):
+    """gi2's BLK products for row tile r (rows rr, beta b_r, reference-row G g_ref), block by block of TS rows:
+    (dAq[R, :] kc, dL[R, :] kc, dAq[:, R]^T qe + dL[:, R]^T ke) over the blocks s <= r (kc = kn e^(G_m - G)) and
+    s >= r (qe / ke = q scale / kn times e^(G - G_m)), each [TS, BK] before the tile's own row factors. Exponents
+    stay bounded as in the full-tile form: e^(G_m - G) <= 1 before the tile, <= e^(max(REF, TS-1-REF) |g|_max) in it."""
+    tb = tl.arange(0, TS)
+    dqa = tl.zeros([TS, BK], dtype=tl.float32)
+    dka = tl.zeros_like(dqa)
+    dca = tl.zeros_like(dqa)
+    for s in range(0, r + 1):
+        ts = s * TS + tb
+        tok_s = t0.to(tl.int64) + ts
+        m_s = tok_s < t1
+        hs = (i_h * Ttot + tok_s[:, None]) * K + o_kb[None, :]
+        G_s = tl.where(m_s[:, None], tl.load(gcs + hs, mask=m_s[:, None], other=0.), g_end[None, :])
+        rk_s = tl.load(rqk + (H + i_h) * Ttot + tok_s, mask=m_s, other=0.)
+        kn_s = tl.load(k + (tok_s[:, None] * H + i_h) * K + o_kb[None, :], mask=m_s[:, None],
+                       other=0.).to(tl.float32) * rk_s[:, None]
+        kc = kn_s * tl.exp(g_ref[None, :] - G_s)
+        a_rs = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + ts[None, :])            # dAq[R, block s]
+        l_rs = _dl_slice(cmat, nkp, pc0, pp, rr, ts[None, :], b_r[:, None], NKW, BT)
+        dqa += _dot(a_rs, kc, IEEE)
+        dka += _dot(l_rs, kc, IEEE)
+    for s in range(r, BT // TS):
+        ts = s * TS + tb
+        tok_s = t0.to(tl.int64) + ts
+        m_s = tok_s < t1
+        hs = (i_h * Ttot + tok_s[:, None]) * K + o_kb[None, :]
+        G_s = tl.where(m_s[:, None], tl.load(gcs + hs, mask=m_s[:, None], other=0.), g_end[None, :])
+        rq_s = tl.load(rqk + i_h * Ttot + tok_s, mask=m_s, other=0.)
+        rk_s = tl.load(rqk + (H + i_h) * Ttot + tok_s, mask=m_s, other=0.)
+        b_s = tl.load(beta + tok_s * H + i_h, mask=m_s, other=0.).to(tl.float32)
+        ps = (tok_s[:, None] * H + i_h) * K + o_kb[None, :]
+        e_s = tl.exp(G_s - g_ref[None, :])
+        qe = tl.load(q + ps, mask=m_s[:, None], other=0.).to(tl.float32) * (rq_s * scale)[:, None] * e_s
+        ke = tl.load(k + ps, mask=m_s[:, None], other=0.).to(tl.float32) * rk_s[:, None] * e_s
+        a_cs = tl.load(cmat + pc0 + 2 * BT * BT + ts[None, :] * BT + rr)            # [j, t] = dAq[t, R_j]
+        l_cs = _dl_slice(cmat, nkp, pc0, pp, ts[None, :], rr, b_s[None, :], NKW, BT)
+        dca += _dot(a_cs, qe, IEEE) + _dot(l_cs, ke, IEEE)
+    return dqa, dka, dca
+
+
+@triton.jit
 def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part,
                        ddt_part, sqk, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                        BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr,
                        FIN: tl.constexpr, SQK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
-                       INNER: tl.constexpr):
+                       INNER: tl.constexpr, BLK: tl.constexpr):
     """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
     columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
     as in `_intra_bwd`), for the tile's rows R:
@@ -807,7 +852,10 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     sum carried across the tiles, the gate (dg, this block's dA_log / ddt_bias partials), and dq / dk, or with the L2
     norm the pre-norm dq / dk in x1s / x2s plus this K block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H,
     Ttot]; dgis is then not written. SQK (without FIN, with the L2 norm): those row sums into sqk as well, so that
-    gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS)."""
+    gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS). BLK (one tile per program, TPP 1,
+    without FIN): the products walk the chunk in TS-row blocks, only those the tile's causal rows / columns reach
+    (blocks <= r for the row side, >= r for the column side: on average 2.5 of 4 each), with [TS, BK] operands
+    loaded per block (a pipelined loop) instead of [BT, BK] chunk tiles masked per tile."""
     NS: tl.constexpr = (BT // TS // TPP) * (K // BK)  # splits: tile groups x K blocks (grid order: `_split_pid`)
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
     i_s = _split_pid(NS, INNER)[1]
@@ -816,11 +864,14 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     o_kb = i_kb * BK + tl.arange(0, BK)
     # the chunk's columns: G (rows past the end hold G of the last token: their g is 0), normalised q, k
     # G of the chunk's last token and (below) of each tile's reference row: [BK] loads, not reductions over rows
-    G, g_end = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
-    rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-    pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-    kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
-    qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
+    if BLK:
+        g_end = _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K, BT)
+    else:
+        G, g_end = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
+        rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
+        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
+        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
+        qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
     carry = tl.zeros([BK], dtype=tl.float32)  # FIN: sum of dG over the rows after the current tile
@@ -832,28 +883,35 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
         tok_r = t0.to(tl.int64) + o_r
         m_r = tok_r < t1
         g_ref = _ref_row(gcs, i_h, o_kb, t0, t1, g_end, r, Ttot, K, TS, REF)
-        upto = row < r * TS + TS
-        start = row >= r * TS
-        kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)
-        e_from = tl.exp(tl.where(start, G - g_ref[None, :], 0.))
-        qe = tl.where(start, qs * e_from, 0.)
-        ke = tl.where(start, kn * e_from, 0.)
-        # the tile's rows of dAq / dL and their columns (transposed): [TS, BT] slices
         rr = o_r[:, None]
         b_r = tl.load(beta + tok_r * H + i_h, mask=m_r, other=0.).to(tl.float32)
-        daq_r = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + col)
-        daq_c = tl.load(cmat + pc0 + 2 * BT * BT + col * BT + rr)          # [j, t] = dAq[t, r TS + j]
-        dl_r = _dl_slice(cmat, nkp, pc0, pp, rr, col, b_r[:, None], NKW, BT)
-        dl_c = _dl_slice(cmat, nkp, pc0, pp, col, rr, b_b[None, :], NKW, BT)
+        if BLK:
+            dqa, dka, dca = _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, o_kb, t0, t1,
+                                        pc0, pp, scale, Ttot, H, K, BT, TS, BK, NKW, IEEE)
+        else:
+            upto = row < r * TS + TS
+            start = row >= r * TS
+            kc = tl.where(upto, kn * tl.exp(tl.where(upto, g_ref[None, :] - G, 0.)), 0.)
+            e_from = tl.exp(tl.where(start, G - g_ref[None, :], 0.))
+            qe = tl.where(start, qs * e_from, 0.)
+            ke = tl.where(start, kn * e_from, 0.)
+            # the tile's rows of dAq / dL and their columns (transposed): [TS, BT] slices
+            daq_r = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + col)
+            daq_c = tl.load(cmat + pc0 + 2 * BT * BT + col * BT + rr)          # [j, t] = dAq[t, r TS + j]
+            dl_r = _dl_slice(cmat, nkp, pc0, pp, rr, col, b_r[:, None], NKW, BT)
+            dl_c = _dl_slice(cmat, nkp, pc0, pp, col, rr, b_b[None, :], NKW, BT)
+            dqa = _dot(daq_r, kc, IEEE)
+            dka = _dot(dl_r, kc, IEEE)
+            dca = _dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE)
         # rows R
         hr = (i_h * Ttot + tok_r[:, None]) * K + o_kb[None, :]
         G_r = tl.load(gcs + hr, mask=m_r[:, None], other=0.)
         G_r = tl.where(m_r[:, None], G_r, g_end[None, :])
         ef_r = tl.exp(G_r - g_ref[None, :])
         cf_r = tl.exp(g_ref[None, :] - G_r)
-        dqp = ef_r * _dot(daq_r, kc, IEEE)
-        dkr = ef_r * _dot(dl_r, kc, IEEE)
-        dkc = cf_r * (_dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE))
+        dqp = ef_r * dqa
+        dkr = ef_r * dka
+        dkc = cf_r * dca
         pkr = (tok_r[:, None] * H + i_h) * K + o_kb[None, :]
         rq_r, rk_r = _row_factors(rqk, tok_r, m_r, i_h, Ttot, H)
         kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
