@@ -121,8 +121,10 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # programs side by side (INNER): TPP 1 2.62 ms vs 2.97 at 4, 3.22 at 2 (backward 10.81 / 11.12 / 11.40): TPP 1 is
     # the default since (with ATOMIC: 10.62 vs 10.84 at 4, 11.14 at 2)
     # thirteenth session, last call: gi2 walking the chunk in 16-row blocks (BLK; sm_90 static 127 registers, 10 KB of
-    # shared memory, 4 CTAs per SM at 1 stage; 19 KB at 2, 29 KB at 3; capped at 96 registers 5 CTAs, 24 B of spills)
-    ("gi2_blk", {"gi2": {"BLK": True}}),
+    # shared memory, 4 CTAs per SM at 1 stage; 19 KB at 2, 29 KB at 3; capped at 96 registers 5 CTAs, 24 B of spills).
+    # At 10.73 ms (gi2 2.66): BLK 10.23 (gi2 2.13; the default since), 2 stages 10.48, 3 stages 10.38, 2 stages at 96
+    # registers 10.32
+    ("gi2_no_blk", {"gi2": {"BLK": False}}),
     ("gi2_blk_s2", {"gi2": {"BLK": True, "num_stages": 2}}),
     ("gi2_blk_s3", {"gi2": {"BLK": True, "num_stages": 3}}),
     ("gi2_blk_s2_r96", {"gi2": {"BLK": True, "num_stages": 2, "maxnreg": 96}}),

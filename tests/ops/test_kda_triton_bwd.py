@@ -29,7 +29,9 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("pmat_gfin_bk32", {"pmat": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
                   ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
-                  ("gi2_tpp4", {"gi2": {"TPP": 4}}),  # all row tiles per program (the default until the 13th session)
+                  # all row tiles per program (the default until the thirteenth session; the default's BLK gives
+                  # way to it: only an asked-for BLK with TPP > 1 is refused)
+                  ("gi2_tpp4", {"gi2": {"TPP": 4}}),
                   ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
                   ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm)
                   ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32, "TPP": 4}}),
@@ -56,10 +58,11 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
                   ("splits_outer_gi2_tpp2", {"gi2": {"INNER": False, "TPP": 2}}),
                   ("gw_epi_order_off", {"gw": {"EPI_ORDER": False}}),
-                  # gi2 walking the chunk block by block (BLK), pipelined, with and without the atomics' dN
-                  ("gi2_blk", {"gi2": {"BLK": True}}),
+                  # gi2 walking the chunk block by block (BLK, the default since the thirteenth session) pipelined
+                  # without the atomics' dN, and its full-tile products at one tile per program
                   ("gi2_blk_s2_bk32_no_atomic", {"gi2": {"BLK": True, "num_stages": 2, "BK": 32},
                                                  "gw": {"ATOMIC": False}}),
+                  ("gi2_no_blk", {"gi2": {"BLK": False}}),
                   ("gw_epi_order_off_atomic", {"gw": {"EPI_ORDER": False, "ATOMIC": True}}),
                   ("splits_inner_gi2_tpp1_bk32", {"gi2": {"TPP": 1, "BK": 32}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),

@@ -120,8 +120,9 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # at two (thirteenth session)
         # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
         # BLK (TPP 1, no FIN): the products block by block of 16 rows, only the blocks the tile's causal rows /
-        # columns reach, [16, BK] operands per block in a pipelined loop
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=False),
+        # columns reach, [16, BK] operands per block (127 registers, 4 CTAs per SM): gi2 2.66 -> 2.13 ms, backward
+        # 10.73 -> 10.23 (thirteenth session; at 2 / 3 pipeline stages 2.40 / 2.28, capped at 96 registers 2.23)
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=True),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
         # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
@@ -264,7 +265,11 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             if n is not None and not (isinstance(n, int) and 24 <= n <= 255):
                 raise ValueError(f"kda_chunk_bwd: {name} maxnreg={n!r}: expected None or an int in [24, 255]")
         if lc["gi2"]["BLK"] and (tpp != 1 or lc["gi2"]["FIN"]):
-            raise ValueError(f"kda_chunk_bwd: gi2 BLK needs one row tile per program (TPP=1, got {tpp}) and no FIN")
+            asked = {**env_launch().get("gi2", {}), **((launch or {}).get("gi2") or {})}
+            if asked.get("BLK"):
+                raise ValueError(f"kda_chunk_bwd: gi2 BLK needs one row tile per program (TPP=1, got {tpp}) and no "
+                                 "FIN")
+            lc["gi2"]["BLK"] = False  # the default's BLK gives way to an asked-for TPP / FIN
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         scr = lc["scratch"]["DTYPE"]
