@@ -277,7 +277,7 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale: Optional[float] = None, 
 
 
 PRIORITY = 5  # below "fla" (10) for calls with gradients: our fwd+bwd measured 0.29x fla's (third session) and
-# 1.01-1.06x (thirteenth, H96 D128 bf16 on the H200, within fla's spread between processes; see k3.ops.kda); calls
+# 1.03-1.10x (thirteenth, H96 D128 bf16 on the H200, near fla's spread between processes; see k3.ops.kda); calls
 # without gradients prefer this backend on CUDA (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS)
 
 
