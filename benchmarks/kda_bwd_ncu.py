@@ -18,25 +18,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--B", type=int, default=1)
-    ap.add_argument("--T", type=int, default=8192)
-    ap.add_argument("--H", type=int, default=96)
-    ap.add_argument("--D", type=int, default=128)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kda_bwd_sweep import k3_inputs, shape_args
+    ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--fwd", action="store_true", help="profile the forward instead of the backward")
     args = ap.parse_args()
     import torch
     from k3.ops.kda.triton import ops as fwd_ops, ops_bwd
 
     B, T, H, D = args.B, args.T, args.H, args.D
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
-    q, k, v, f, do = (r(B, T, H, D).bfloat16() for _ in range(5))
-    beta = r(B, T, H).sigmoid().bfloat16()
-    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
-    dt_bias = r(H * D) * 0.1
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
-    scale = D ** -0.5
+    q, k, v, f, beta, do, kw, scale = k3_inputs(B, T, H, D)
     if args.fwd:
         call = lambda: fwd_ops.kda_chunk_fwd(q, k, v, f, beta, scale, output_final_state=True, **kw)
     else:

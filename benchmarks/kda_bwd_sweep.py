@@ -157,12 +157,30 @@ CONFIGS = [  # most informative first: the budget cuts the tail
 ]
 
 
+def k3_inputs(B: int, T: int, H: int, D: int):
+    """The backward's benchmark inputs on the GPU (seed 0): bf16 q, k, v, raw gate f, beta (post-sigmoid), do
+    [B, T, H, D]; the chunk_kda keywords (gate + L2 norm in the kernel, A_log, dt_bias, lower bound -5) and the
+    scale. Returns (q, k, v, f, beta, do, kw, scale); shared with kda_bwd_ncu.py."""
+    import torch
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    q, k, v, f, do = (r(B, T, H, D).bfloat16() for _ in range(5))
+    beta = r(B, T, H).sigmoid().bfloat16()
+    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
+    dt_bias = r(H * D) * 0.1
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
+    return q, k, v, f, beta, do, kw, D ** -0.5
+
+
+def shape_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--B / --T / --H / --D (default B1 T8192 H96 D128, a K3 head shape); shared with kda_bwd_ncu.py."""
+    for name, default in (("--B", 1), ("--T", 8192), ("--H", 96), ("--D", 128)):
+        ap.add_argument(name, type=int, default=default)
+    return ap
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--B", type=int, default=1)
-    ap.add_argument("--T", type=int, default=8192)
-    ap.add_argument("--H", type=int, default=96)
-    ap.add_argument("--D", type=int, default=128)
+    ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--budget-s", type=float, default=150.0)
     ap.add_argument("--configs", default=None, help="comma list of names from CONFIGS (default: all)")
     ap.add_argument("--fla", action="store_true", help="then time fla's fwd+bwd on the same inputs")
@@ -177,14 +195,7 @@ def main():
     t0 = time.time()
     names = set(args.configs.split(",")) if args.configs else None
     B, T, H, D = args.B, args.T, args.H, args.D
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
-    q, k, v, f, do = (r(B, T, H, D).bfloat16() for _ in range(5))
-    beta = r(B, T, H).sigmoid().bfloat16()
-    A_log = torch.log(torch.empty(H, device="cuda").uniform_(1, 16, generator=gen))
-    dt_bias = r(H * D) * 0.1
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0)
-    scale = D ** -0.5
+    q, k, v, f, beta, do, kw, scale = k3_inputs(B, T, H, D)
     res = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, B=B, T=T, H=H, D=D, rows=[])
     fwd = lambda: fwd_ops.kda_chunk_fwd(q, k, v, f, beta, scale, output_final_state=True, **kw)
     fwd()
