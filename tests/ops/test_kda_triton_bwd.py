@@ -35,9 +35,9 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
                   ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm)
                   ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32, "TPP": 4}}),
-                  # gw adds its dN / dbeta parts into gv's with atomics (gi2 / gfin read one source)
-                  ("gw_atomic", {"gw": {"ATOMIC": True}}),
-                  ("gw_no_atomic", {"gw": {"ATOMIC": False}}),  # the default until the thirteenth session
+                  # gw storing its dN / dbeta parts for gi2 / gfin to sum (the default until the thirteenth session;
+                  # since, it adds them into gv's with atomics)
+                  ("gw_no_atomic", {"gw": {"ATOMIC": False}}),
                   ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True, "TPP": 4}}),
                   # gv forming u' / du' itself against the stored states (the default until the twelfth session:
                   # the sequential passes store them, fp32 here: their 3-pass tf32 dots, ~fp32), and PRE with the
@@ -50,12 +50,11 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # decays with the reference rows by reductions
                   ("pmat_factor_off", {"pmat": {"FACTOR": False}}),
                   ("pmat_factor_reduce_bk16", {"pmat": {"REFLOAD": False, "BK": 16}}),
-                  # gfin's second pass over the columns for dq / dk (the default until the thirteenth session), and
-                  # at BK 32 in both gi2 (its row-sum partials: 4 K blocks) and gfin
-                  ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),
-                  # a chunk's column-block / tile programs along grid axis 2 (the default until the thirteenth
-                  # session: INNER puts them next to each other on axis 0)
-                  ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
+                  # gfin's second pass over the columns for dq / dk and a chunk's column-block / tile programs along
+                  # grid axis 2 (the defaults until the thirteenth session), and gfin's one pass at BK 32 in both gi2
+                  # (its row-sum partials: 4 K blocks) and gfin (gfin_onepass_bk32 below)
+                  ("splits_outer_gfin_two_pass", {"pwu": {"INNER": False}, "gw": {"INNER": False},
+                                                  "gi2": {"INNER": False}, "gfin": {"ONEPASS": False}}),
                   ("splits_outer_gi2_tpp2", {"gi2": {"INNER": False, "TPP": 2}}),
                   ("gw_epi_order_off", {"gw": {"EPI_ORDER": False}}),
                   # gi2 walking the chunk block by block (BLK, the default since the thirteenth session) pipelined
@@ -63,8 +62,6 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_blk_s2_bk32_no_atomic", {"gi2": {"BLK": True, "num_stages": 2, "BK": 32},
                                                  "gw": {"ATOMIC": False}}),
                   ("gi2_no_blk", {"gi2": {"BLK": False}}),
-                  ("gw_epi_order_off_atomic", {"gw": {"EPI_ORDER": False, "ATOMIC": True}}),
-                  ("splits_inner_gi2_tpp1_bk32", {"gi2": {"TPP": 1, "BK": 32}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
