@@ -221,11 +221,14 @@ class _ChunkKDATriton(torch.autograd.Function):
         return (*res, None)
 
 
+@torch.compiler.disable
 def chunk_kda_triton(q, k, v, g, beta, scale: Optional[float] = None, initial_state=None,
                      output_final_state: bool = False, cu_seqlens=None, use_qk_l2norm_in_kernel: bool = False,
                      use_gate_in_kernel: bool = False, A_log=None, dt_bias=None, lower_bound: Optional[float] = -5.0,
                      chunk_size: int = 64):
-    """Same arguments and result as k3.ops.kda.chunk_kda (inputs already validated there)."""
+    """Same arguments and result as k3.ops.kda.chunk_kda (inputs already validated there). Opaque to torch.compile
+    (as the fla backend): Dynamo tracing into the launch code and the autograd.Function failed (fake-tensor errors in
+    the interpreter; thirteenth session), so a compiled model calls it as one eager region, forward and backward."""
     kw = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
               cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
               use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
