@@ -118,6 +118,10 @@ for stage in "$@"; do case $stage in
   # controls for the seventh session's CUDA defaults: the short conv on its torch path, the router as fp32 GEMMs
   trainbf16-convtorch) step trainbf16-convtorch 300 env K3_BACKEND=conv:torch python3 benchmarks/gpu_model.py \
       --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
+  # thirteenth session's next-run item: the whole compiled step with our KDA forward + backward against fla's
+  # (alternate with trainbf16 over two or three runs each: a step moves by ±6% between processes)
+  trainbf16-kdatriton) step trainbf16-kdatriton 300 env K3_BACKEND=kda:triton python3 benchmarks/gpu_model.py \
+      --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   trainbf16-router32) step trainbf16-router32 300 env K3_BACKEND=router:fp32 python3 benchmarks/gpu_model.py \
       --train --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   trainbf16-ckptce) step trainbf16-ckptce 300 env K3_FUSED_CE=0 python3 benchmarks/gpu_model.py --train --batch 8 \
