@@ -337,9 +337,16 @@ def _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K: tl.constexpr, BT: tl.constexpr):
 def _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K: tl.constexpr, BT: tl.constexpr):
     """Columns o_kb of a chunk's cumsum G as the prep stored it (gcs, fp32), rows past the sequence end holding G
     of the chunk's last token, and that last row G_l (`_last_G`): ([BT, BK], [BK])."""
-    G = tl.load(gcs + (i_h * Ttot + tok[:, None]) * K + o_kb[None, :], mask=m_t[:, None], other=0.)
     g_end = _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K, BT)
-    return tl.where(m_t[:, None], G, g_end[None, :]), g_end
+    return _G_rows(gcs, tok, m_t, i_h, o_kb, g_end, Ttot, K), g_end
+
+
+@triton.jit
+def _G_rows(gcs, tok, m, i_h, o_kb, g_end, Ttot, K: tl.constexpr):
+    """Rows tok (mask m) of the stored cumsum G at columns o_kb, rows past the sequence end holding g_end (G of the
+    chunk's last token: their g is 0)."""
+    G = tl.load(gcs + (i_h * Ttot + tok[:, None]) * K + o_kb[None, :], mask=m[:, None], other=0.)
+    return tl.where(m[:, None], G, g_end[None, :])
 
 
 @triton.jit
@@ -805,8 +812,7 @@ def _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, 
         ts = s * TS + tb
         tok_s = t0.to(tl.int64) + ts
         m_s = tok_s < t1
-        hs = (i_h * Ttot + tok_s[:, None]) * K + o_kb[None, :]
-        G_s = tl.where(m_s[:, None], tl.load(gcs + hs, mask=m_s[:, None], other=0.), g_end[None, :])
+        G_s = _G_rows(gcs, tok_s, m_s, i_h, o_kb, g_end, Ttot, K)
         rk_s = tl.load(rqk + (H + i_h) * Ttot + tok_s, mask=m_s, other=0.)
         kn_s = tl.load(k + (tok_s[:, None] * H + i_h) * K + o_kb[None, :], mask=m_s[:, None],
                        other=0.).to(tl.float32) * rk_s[:, None]
@@ -819,15 +825,13 @@ def _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, 
         ts = s * TS + tb
         tok_s = t0.to(tl.int64) + ts
         m_s = tok_s < t1
-        hs = (i_h * Ttot + tok_s[:, None]) * K + o_kb[None, :]
-        G_s = tl.where(m_s[:, None], tl.load(gcs + hs, mask=m_s[:, None], other=0.), g_end[None, :])
-        rq_s = tl.load(rqk + i_h * Ttot + tok_s, mask=m_s, other=0.)
-        rk_s = tl.load(rqk + (H + i_h) * Ttot + tok_s, mask=m_s, other=0.)
+        G_s = _G_rows(gcs, tok_s, m_s, i_h, o_kb, g_end, Ttot, K)
+        rq_s, rk_s = _row_factors(rqk, tok_s, m_s, i_h, Ttot, H)
         b_s = tl.load(beta + tok_s * H + i_h, mask=m_s, other=0.).to(tl.float32)
-        ps = (tok_s[:, None] * H + i_h) * K + o_kb[None, :]
         e_s = tl.exp(G_s - g_ref[None, :])
-        qe = tl.load(q + ps, mask=m_s[:, None], other=0.).to(tl.float32) * (rq_s * scale)[:, None] * e_s
-        ke = tl.load(k + ps, mask=m_s[:, None], other=0.).to(tl.float32) * rk_s[:, None] * e_s
+        _, qs_s, kn_s = _qk_cols(q, k, tok_s, m_s, i_h, o_kb, rq_s * scale, rk_s, H, K)
+        qe = qs_s * e_s
+        ke = kn_s * e_s
         a_cs = tl.load(cmat + pc0 + 2 * BT * BT + ts[None, :] * BT + rr)            # [j, t] = dAq[t, R_j]
         l_cs = _dl_slice(cmat, nkp, pc0, pp, ts[None, :], rr, b_s[None, :], NKW, BT)
         dca += _dot(a_cs, qe, IEEE) + _dot(l_cs, ke, IEEE)
@@ -855,7 +859,8 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS). BLK (one tile per program, TPP 1,
     without FIN): the products walk the chunk in TS-row blocks, only those the tile's causal rows / columns reach
     (blocks <= r for the row side, >= r for the column side: on average 2.5 of 4 each), with [TS, BK] operands
-    loaded per block (a pipelined loop) instead of [BT, BK] chunk tiles masked per tile."""
+    loaded per block in a loop (pipelined at num_stages > 1; 1 stage measured fastest) instead of [BT, BK] chunk
+    tiles masked per tile."""
     NS: tl.constexpr = (BT // TS // TPP) * (K // BK)  # splits: tile groups x K blocks (grid order: `_split_pid`)
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
     i_s = _split_pid(NS, INNER)[1]
@@ -869,9 +874,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     else:
         G, g_end = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
         rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
-        pk = (tok[:, None] * H + i_h) * K + o_kb[None, :]
-        kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
-        qs = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * (rq * scale)[:, None]
+        _, qs, kn = _qk_cols(q, k, tok, m_t, i_h, o_kb, rq * scale, rk, H, K)
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
     carry = tl.zeros([BK], dtype=tl.float32)  # FIN: sum of dG over the rows after the current tile
@@ -905,8 +908,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
             dca = _dot(daq_c, qe, IEEE) + _dot(dl_c, ke, IEEE)
         # rows R
         hr = (i_h * Ttot + tok_r[:, None]) * K + o_kb[None, :]
-        G_r = tl.load(gcs + hr, mask=m_r[:, None], other=0.)
-        G_r = tl.where(m_r[:, None], G_r, g_end[None, :])
+        G_r = _G_rows(gcs, tok_r, m_r, i_h, o_kb, g_end, Ttot, K)
         ef_r = tl.exp(G_r - g_ref[None, :])
         cf_r = tl.exp(g_ref[None, :] - G_r)
         dqp = ef_r * dqa

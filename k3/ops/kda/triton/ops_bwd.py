@@ -173,7 +173,9 @@ def env_launch() -> dict:
 
 def apply_launch(lc: dict, *overrides) -> dict:
     """`launch_config` result lc with each override dict ({kernel: {param: value}}, None = none) applied in order;
-    unknown kernels or parameters are refused by name."""
+    unknown kernels or parameters are refused by name. gi2's default BLK (one row tile per program) gives way to an
+    override asking for TPP > 1 or FIN; an override asking for BLK with them is left for kda_chunk_bwd to refuse."""
+    blk_asked = False
     for over in overrides:
         for name, params in (over or {}).items():
             if name not in lc:
@@ -183,6 +185,10 @@ def apply_launch(lc: dict, *overrides) -> dict:
                 raise ValueError(f"kda_chunk_bwd: unknown launch parameter(s) {bad} for kernel {name!r} "
                                  f"(known: {sorted(lc[name])})")
             lc[name] = {**lc[name], **params}
+            blk_asked |= name == "gi2" and "BLK" in params
+    gi2 = lc.get("gi2")
+    if gi2 is not None and gi2.get("BLK") and not blk_asked and (gi2["TPP"] != 1 or gi2["FIN"]):
+        lc["gi2"] = {**gi2, "BLK": False}
     return lc
 
 
@@ -264,12 +270,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             n = c.get("maxnreg")
             if n is not None and not (isinstance(n, int) and 24 <= n <= 255):
                 raise ValueError(f"kda_chunk_bwd: {name} maxnreg={n!r}: expected None or an int in [24, 255]")
-        if lc["gi2"]["BLK"] and (tpp != 1 or lc["gi2"]["FIN"]):
-            asked = {**env_launch().get("gi2", {}), **((launch or {}).get("gi2") or {})}
-            if asked.get("BLK"):
-                raise ValueError(f"kda_chunk_bwd: gi2 BLK needs one row tile per program (TPP=1, got {tpp}) and no "
-                                 "FIN")
-            lc["gi2"]["BLK"] = False  # the default's BLK gives way to an asked-for TPP / FIN
+        if lc["gi2"]["BLK"] and (tpp != 1 or lc["gi2"]["FIN"]):  # (only when asked for: `apply_launch`)
+            raise ValueError(f"kda_chunk_bwd: gi2 BLK needs one row tile per program (TPP=1, got {tpp}) and no FIN")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         scr = lc["scratch"]["DTYPE"]
