@@ -326,6 +326,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"maxnreg": 300}})
     with pytest.raises(ValueError, match="gi2 TPP=3 must divide the 4 row tiles"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 3}})
+    with pytest.raises(ValueError, match=r"launch parameter\(s\) \['BLK'\] of kernel 'gi2' take true / false"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"BLK": "false"}})
     with pytest.raises(ValueError, match=r"gi2 BLK needs one row tile per program \(TPP=1, got 4\) and no FIN"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 4, "BLK": True}})
     with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):

@@ -171,6 +171,11 @@ def env_launch() -> dict:
     return val
 
 
+# the on / off launch parameters (a string such as "false" would otherwise count as on)
+BOOL_PARAMS = frozenset({"REFLOAD", "FACTOR", "INNER", "PRE", "PRE_F32", "ATOMIC", "EPI_ORDER", "FIN", "BLK",
+                         "ONEPASS"})
+
+
 def apply_launch(lc: dict, *overrides) -> dict:
     """`launch_config` result lc with each override dict ({kernel: {param: value}}, None = none) applied in order;
     unknown kernels or parameters are refused by name. gi2's default BLK (one row tile per program) gives way to an
@@ -184,6 +189,10 @@ def apply_launch(lc: dict, *overrides) -> dict:
             if bad:
                 raise ValueError(f"kda_chunk_bwd: unknown launch parameter(s) {bad} for kernel {name!r} "
                                  f"(known: {sorted(lc[name])})")
+            flags = sorted(n for n, v in params.items() if n in BOOL_PARAMS and not isinstance(v, bool))
+            if flags:
+                raise ValueError(f"kda_chunk_bwd: launch parameter(s) {flags} of kernel {name!r} take true / false, "
+                                 f"got {[params[n] for n in flags]}")
             lc[name] = {**lc[name], **params}
             blk_asked |= name == "gi2" and "BLK" in params
     gi2 = lc.get("gi2")
