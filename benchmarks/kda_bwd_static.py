@@ -135,7 +135,7 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
                  NKW=0 if lc["gw"]["ATOMIC"] else K // lc["gw"]["BK"], UPCAST=False, F32_W=True,
                  F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"], NKI=K // lc["gi2"]["BK"],
-                 SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"])
+                 SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"], AQF=not lc["gv"]["PRE"])
     seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"],
                SF32=lc["gv"]["PRE"] and lc["gv"]["PRE_F32"])
     out = []

@@ -24,6 +24,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # fourteenth session, measured then removed (B1 T8K H96, default 10.22-10.25 ms in the same processes): the prep's
+    # matrices by row tiles (prow per (chunk, head, 16-row tile) with [16, K] operands block by block + pinv per
+    # (chunk, head) for the inverse): 11.10 ms (prow 2.26 + pinv 0.39 against pmat 1.78), its tile's q / k rows as
+    # one [32, K] operand 11.24, at 8 warps 13.06; pmat without the inverse (pinv after it) 10.60 (pmat 1.73 + pinv
+    # 0.39), at BK 32 10.45 (1.57 + 0.39), at 8 warps 11.24; the gradient scratch x1s / x2s / dgis in bf16 9.66 (gw
+    # 2.00, gi2 1.71) but dg 3.0e-2 / ddt_bias 8.7e-2 from the default (over the 2e-2 line), x1s / x2s alone 10.21.
+    # Kept: pmat at BK 32 / 8 warps with FACTOR (10.39 / 11.71: slower), the per-chunk states / state gradients alone
+    # in bf16 (scratch DTYPE "states", opt-in: 9.98 ms, H200 selfcheck dk 2.97e-3 vs 2.57e-3, interpreter small-head
+    # dk 8.8e-3), gv at BV 64 (10.25) / 8 warps (11.01). Also measured then removed: the states pass on a side stream
+    # next to dstates 10.19 ms vs 10.24 (with dstates at BV 64 10.53), gw forming its block of W from T instead of
+    # reading pwu's fp32 copy 10.39 vs 10.16 (gw 2.18 -> 2.51, spill stack 248 -> 464 B)
+    ("pmat_bk32", {"pmat": {"BK": 32}}),
+    ("pmat_w8", {"pmat": {"num_warps": 8}}),
+    ("scr_states", {"scratch": {"DTYPE": "states"}}),
+    ("gv_bv64", {"gv": {"BV": 64}}),
+    ("gv_w8", {"gv": {"num_warps": 8}}),
     # thirteenth session: gfin's one pass (ONEPASS, from gi2's row-sum partials) against its second pass over the
     # columns, and a chunk's column-block / tile programs next to each other on grid axis 0 (INNER) against axis 2
     ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),
@@ -143,17 +159,13 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gw_w8", {"gw": {"num_warps": 8}}),  # the default until the tenth session (3.78 ms vs 3.01 at 4 warps)
     # (ninth session, measured then removed: gv loading T, T^T and Aq^T in every value block, 3.26 ms vs 2.98)
     ("gw_s1", {"gw": {"num_stages": 1}}),  # 4.32 ms vs 3.82 (ninth session)
-    ("gv_bv64", {"gv": {"BV": 64}}),
     ("gv_bk64", {"gv": {"BK": 64}}),
     ("gi2_bk128", {"gi2": {"BK": 128}}),
     ("gi2_bk64_w8", {"gi2": {"num_warps": 8}}),
     # eleventh session: pmat and gfin at BK 64 became the default (1.68 vs 1.89 ms, 1.22 vs 1.27): the former BK 32
     ("gfin_bk32", {"gfin": {"BK": 32}}),
-    ("pmat_bk32", {"pmat": {"BK": 32}}),
-    ("pmat_w8", {"pmat": {"num_warps": 8}}),
     ("pwu_bk128_bv128", {"pwu": {"BK": 128, "BV": 128}}),
     ("gw_bv64", {"gw": {"BV": 64}}),
-    ("gv_w8", {"gv": {"num_warps": 8}}),
 ]
 
 

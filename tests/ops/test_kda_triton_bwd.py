@@ -69,11 +69,12 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
-# opt-in launches with bf16-level u' / du' (checked against the fp64 reference with twice the bf16 tolerances): the bf16
-# scratch, and the sequential passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32); and
+# opt-in launches with bf16-level u' / du' or states (checked against the fp64 reference with twice the bf16
+# tolerances): the bf16 scratch, only its per-chunk states / state gradients ("states"), and the sequential passes
+# forming u' / du' against the state's bf16 rounding (PRE without PRE_F32); and
 # the former default, gv forming u' / du' in fp32 (no PRE), within the bf16 tolerances themselves
 SCRATCH_LOWP = {"input": {"scratch": {"DTYPE": "input"}}, "pre_bf16_state": {"gv": {"PRE_F32": False}},
-                "no_pre": {"gv": {"PRE": False}}}
+                "no_pre": {"gv": {"PRE": False}}, "states": {"scratch": {"DTYPE": "states"}}}
 
 
 def _rr(a, b) -> float:
@@ -264,9 +265,10 @@ def test_fp32_gradients(results, case, grad):
 
 @pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
 def test_bf16_scratch_options(results, scr):
-    """The bf16 scratch and PRE against the state's bf16 rounding against the fp64 reference within twice the bf16
-    tolerances (their dk / dv reach ~9e-3 in these small-head cases, the bf16 scratch 3e-3 at K3 heads on the H200:
-    opt-in, not the default); gv forming u' / du' in fp32 (no PRE) within the bf16 tolerances themselves."""
+    """The bf16 scratch (whole, or only its states / state gradients) and PRE against the state's bf16 rounding against
+    the fp64 reference within twice the bf16 tolerances (their dk / dv reach ~9e-3 in these small-head cases, the
+    bf16 scratch 3e-3 at K3 heads on the H200: opt-in, not the default); gv forming u' / du' in fp32 (no PRE) within
+    the bf16 tolerances themselves."""
     slack = 1. if scr == "no_pre" else 2.
     for case, grads in (("bf16", GRADS), ("bf16_varlen_bound", ("dq", "dk", "dv", "dg", "dbeta", "dh0"))):
         for grad in grads:

@@ -251,7 +251,7 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
                                                                  HAS_H0)
     dt = w.dtype.element_ty
     for j in range(0, nc):
-        tl.store(states + ((c0 + j) * H + i_h) * K * V + kv, S)
+        tl.store(states + ((c0 + j) * H + i_h) * K * V + kv, S.to(states.dtype.element_ty))
         tok = bos + j * BT + o_t
         m_t = tok < eos
         hk = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
@@ -286,7 +286,7 @@ def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, se
     dt = w.dtype.element_ty
     for jj in range(0, nc):
         j = nc - 1 - jj
-        tl.store(dstates + ((c0 + j) * H + i_h) * K * V + kv, dS)
+        tl.store(dstates + ((c0 + j) * H + i_h) * K * V + kv, dS.to(dstates.dtype.element_ty))
         tok = bos + j * BT + o_t
         m_t = tok < eos
         hk = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
@@ -456,8 +456,10 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
                 o_kb = jb * BK + tl.arange(0, BK)
                 hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
                 kv = ps + o_kb[:, None] * V + o_v[None, :]
-                un -= _dot_s(tl.load(ws + hkb, mask=m_t[:, None], other=0.), tl.load(states + kv), IEEE, UPCAST)
-                du += _dot_s(tl.load(ks + hkb, mask=m_t[:, None], other=0.), tl.load(dstates + kv), IEEE, UPCAST)
+                un -= _dot_s(tl.load(ws + hkb, mask=m_t[:, None], other=0.),
+                             tl.load(states + kv).to(ws.dtype.element_ty), IEEE, UPCAST)
+                du += _dot_s(tl.load(ks + hkb, mask=m_t[:, None], other=0.),
+                             tl.load(dstates + kv).to(ks.dtype.element_ty), IEEE, UPCAST)
             tl.store(uns + hv, un, mask=m_t[:, None])
             tl.store(dus + hv, du, mask=m_t[:, None])
         d_aq += _dot(b_do, tl.trans(un), IEEE)
@@ -488,7 +490,10 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
     (fp32), or with PRE u' / du' as the sequential passes stored them. One program = one chunk of one head."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
-    AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
+    if PRE:  # (u' / du' from the sequential passes: no Aq^T do here)
+        AqT = Tm
+    else:
+        AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
     _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
                 H, K, V, BT, BV, BK, IEEE, UPCAST, PRE)
 
@@ -532,8 +537,8 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
         b_do = tl.load(do + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_t[:, None],
                        other=0.).to(dus.dtype.element_ty)
         kv = ps + o_kb[:, None] * V + o_v[None, :]
-        S0 = tl.load(states + kv)
-        dS = tl.load(dstates + kv)
+        S0 = tl.load(states + kv).to(dus.dtype.element_ty)  # (bf16 states with the "states" scratch: upcast)
+        dS = tl.load(dstates + kv).to(dus.dtype.element_ty)
         d_w -= _dot_s(du, tl.trans(S0), IEEE, UPCAST)
         d_qg += _dot_s(b_do, tl.trans(S0), IEEE, UPCAST)
         d_kd += _dot_s(un, tl.trans(dS), IEEE, UPCAST)
@@ -696,10 +701,11 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
                lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-               REFLOAD: tl.constexpr, FACTOR: tl.constexpr):
+               REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
     tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
-    in the intermediate dtype for dstates, aqf in fp32), rq, rk (rqk) and the cumsum G (gcs)."""
+    in the intermediate dtype for dstates, and with AQF in fp32 (aqf) for gv forming du' itself: without gv's PRE),
+    rq, rk (rqk) and the cumsum G (gcs)."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
@@ -710,7 +716,8 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
     tl.store(aq_out + (i_h * Ttot + tok[:, None]) * BT + col, Aq.to(aq_out.dtype.element_ty), mask=m_t[:, None])
-    tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
+    if AQF:
+        tl.store(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col, Aq)
     tl.store(rqk + i_h * Ttot + tok, rq, mask=m_t)
     tl.store(rqk + (H + i_h) * Ttot + tok, rk, mask=m_t)
 
@@ -753,12 +760,12 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, g
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                         USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr):
+                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr):
     """Prep part 1 (pmat), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
                lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC, REFLOAD,
-               FACTOR)
+               FACTOR, AQF)
 
 
 @triton.jit

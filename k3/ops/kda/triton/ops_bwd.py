@@ -94,6 +94,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # states / dstates at BV 16: 2.07 ms vs 1.04 (dstates)
         # the states pass on a high-priority side stream next to dstates (independent walks; a CONCURRENT option,
         # measured then removed, twelfth session): 13.28 ms vs 13.35, 13.57 vs 13.57 with dstates at BV 64
+        # (fourteenth session, measured then removed again: the states pass on a high-priority side stream next to
+        # dstates, 10.19 ms vs 10.24; with dstates at BV 64 / 4 warps 10.53, states at BV 32 10.25)
         states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
         dstates=dict(BV=dBV, num_warps=dW, num_stages=seq_stages),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
@@ -111,6 +113,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # and the deeper pipeline: 10.77 ms vs 11.12 (gi2 2.97 -> 2.67, gfin 0.97 -> 0.91, gw 2.23 -> 2.18). The
         # atomics' order moves the sums' last bits from run to run: off under torch.use_deterministic_algorithms
         # EPI_ORDER: the epilogue stores / folds each term as soon as it is complete (fewer live tiles, spills)
+        # (fourteenth session, measured then removed: gw forming its block of W from T itself instead of reading
+        # pwu's fp32 copy, which pwu then did not write: gw 2.18 -> 2.51 ms, its spill stack 248 -> 464 B)
         gw=dict(BV=min(V, 32), BK=min(K, 64), num_warps=4, num_stages=2, ATOMIC=not det, INNER=True,
                 EPI_ORDER=True),
         # gi2: BK 64 3.53 ms vs 4.87 at BK 32, 9.04 at BK 16; 2 warps 5.31 (the former per-chunk gi: 9.46)
@@ -135,7 +139,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # operands; fp32 inputs always fp32). "input": 16.41 ms vs 17.28 at dk / dv 2.95e-3 vs 2.04e-3 from the
         # fp32 path on the H200, but up to ~9e-3 (over the 8e-3 bf16 limit) in the interpreter's small-head cases:
         # opt-in. Only the parts (states alone 30.97 ms, W / u' alone 29.19: mixed-dtype dots spill) lost (tenth
-        # session)
+        # session). "states": only the per-chunk states / state gradients at the input dtype (gw upcasts them after
+        # its loads): 9.89-9.98 ms vs 10.16-10.25 at B1 T8K H96, H200 selfcheck dk 2.97e-3 vs 2.57e-3, but dk 8.6e-3
+        # to 8.8e-3 (over the 8e-3 bf16 line) in the interpreter's bf16 cases at K 32 and 128 (fourteenth session):
+        # opt-in
         scratch=dict(DTYPE="fp32"),
     )
     for name, c in cfg.items():
@@ -150,7 +157,7 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
 
 
 ENV_LAUNCH = "K3_KDA_BWD_LAUNCH"
-SCRATCH = ("fp32", "input")  # launch_config's scratch DTYPE options
+SCRATCH = ("fp32", "input", "states")  # launch_config's scratch DTYPE options
 # the bf16 scratch with the launches that measured fastest on it at B1 T8K H96 D128 (tenth session): pass as
 # `launch=` or as $K3_KDA_BWD_LAUNCH (json.dumps of it)
 SCRATCH_INPUT_LAUNCH = {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}
@@ -297,20 +304,23 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         pre = bool(lc["gv"]["PRE"])
         sf32 = bool(lc["gv"]["PRE_F32"])
         # W / k e^(G_l - G) for the gradient kernels: fp32 copies, or the intermediate-dtype ones (w, kd); with gv's
-        # PRE only gw reads W and nothing k e^(G_l - G) (gw's fp32 x2s is then allocated by _grads)
+        # PRE only gw reads W and nothing k e^(G_l - G) (gw's fp32 x2s is then allocated by _grads); the fp32 Aq
+        # only without PRE (gv forming du'; fourteenth session: pmat 1.78 -> 1.75 ms, backward 10.24 -> 10.16 at B1
+        # T8K H96, and 201 MB less at T8K, 3.2 GB at T128K)
         ws = torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else w
         ks = None if pre else torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else kd
-        aqf = torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
+        aqf = cmat if pre else torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
         rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
         _k.kda_bwd_pmat_kernel[(NC, H)](
             qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, gcs, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
-            **{n: c for n, c in const.items() if n != "V"})
+            AQF=not pre, **{n: c for n, c in const.items() if n != "V"})
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + V // pw["BV"], pw["INNER"])](
             qc, kc, vc, bc, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok, cend,
             float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, F32_W=f32_wk, F32_K=f32_wk and not pre, **_kw(pw))
-        states = torch.empty(NC, H, K, V, device=dev, dtype=sdt)
+        # the per-chunk states / state gradients: at the scratch dtype, or with "states" alone at the input dtype
+        states = torch.empty(NC, H, K, V, device=dev, dtype=dt if scr == "states" else sdt)
         dstates = torch.empty_like(states)
         # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
         # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
