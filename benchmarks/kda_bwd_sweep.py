@@ -35,6 +35,15 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # dk 8.8e-3), gv at BV 64 (10.25) / 8 warps (11.01). Also measured then removed: the states pass on a side stream
     # next to dstates 10.19 ms vs 10.24 (with dstates at BV 64 10.53), gw forming its block of W from T instead of
     # reading pwu's fp32 copy 10.39 vs 10.16 (gw 2.18 -> 2.51, spill stack 248 -> 464 B)
+    # gi2's BLK products with several row tiles per program (tiles last to first), and with FIN (the suffix sum of
+    # dG carried across the tiles, the gate, dq / dk or their pre-norm form in gi2; gfin keeps dbeta and the L2
+    # norm): sm_90 static TPP 4 158 registers / 3 CTAs per SM, with FIN 243 / 2 (BLK TPP 1: 125 / 4). Measured at
+    # 10.15 ms (gi2 2.10): TPP 2 / 4 10.37 / 10.36 (gi2 2.33), FIN 11.95 (gi2 4.32), FIN at BK 32 13.52
+    ("gi2_blk_tpp2", {"gi2": {"BLK": True, "TPP": 2}}),
+    ("gi2_blk_tpp4", {"gi2": {"BLK": True, "TPP": 4}}),
+    ("gi2_blk_fin", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}}),
+    ("gi2_blk_fin_bk32", {"gi2": {"BLK": True, "TPP": 4, "FIN": True, "BK": 32}}),
+    ("gi2_blk_fin_scr_states", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}, "scratch": {"DTYPE": "states"}}),
     ("pmat_bk32", {"pmat": {"BK": 32}}),
     ("pmat_w8", {"pmat": {"num_warps": 8}}),
     ("scr_states", {"scratch": {"DTYPE": "states"}}),

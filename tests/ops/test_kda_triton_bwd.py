@@ -30,7 +30,7 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
                   ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
                   # all row tiles per program (the default until the thirteenth session; the default's BLK gives
-                  # way to it: only an asked-for BLK with TPP > 1 is refused)
+                  # way to it unless BLK is asked for too: gi2_blk_tpp2 / gi2_blk_fin below)
                   ("gi2_tpp4", {"gi2": {"TPP": 4}}),
                   ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
                   ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm)
@@ -62,6 +62,8 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_blk_s2_bk32_no_atomic", {"gi2": {"BLK": True, "num_stages": 2, "BK": 32},
                                                  "gw": {"ATOMIC": False}}),
                   ("gi2_no_blk", {"gi2": {"BLK": False}}),
+                  ("gi2_blk_tpp2", {"gi2": {"BLK": True, "TPP": 2}}),
+                  ("gi2_blk_fin", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
@@ -330,8 +332,6 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 3}})
     with pytest.raises(ValueError, match=r"launch parameter\(s\) \['BLK'\] of kernel 'gi2' take true / false"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"BLK": "false"}})
-    with pytest.raises(ValueError, match=r"gi2 BLK needs one row tile per program \(TPP=1, got 4\) and no FIN"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 4, "BLK": True}})
     with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 2, "FIN": True}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):

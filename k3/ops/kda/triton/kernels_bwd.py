@@ -863,11 +863,11 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     sum carried across the tiles, the gate (dg, this block's dA_log / ddt_bias partials), and dq / dk, or with the L2
     norm the pre-norm dq / dk in x1s / x2s plus this K block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H,
     Ttot]; dgis is then not written. SQK (without FIN, with the L2 norm): those row sums into sqk as well, so that
-    gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS). BLK (one tile per program, TPP 1,
-    without FIN): the products walk the chunk in TS-row blocks, only those the tile's causal rows / columns reach
-    (blocks <= r for the row side, >= r for the column side: on average 2.5 of 4 each), with [TS, BK] operands
-    loaded per block in a loop (pipelined at num_stages > 1; 1 stage measured fastest) instead of [BT, BK] chunk
-    tiles masked per tile."""
+    gfin finishes dq / dk in the same pass over the columns as dg (its ONEPASS). BLK (the default at one tile per
+    program; any TPP, FIN too): each tile's products walk the chunk in TS-row blocks, only those its causal rows /
+    columns reach (blocks <= r for the row side, >= r for the column side: on average 2.5 of 4 each), with [TS, BK]
+    operands loaded per block in a loop (pipelined at num_stages > 1; 1 stage measured fastest) instead of [BT, BK]
+    chunk tiles masked per tile."""
     NS: tl.constexpr = (BT // TS // TPP) * (K // BK)  # splits: tile groups x K blocks (grid order: `_split_pid`)
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
     i_s = _split_pid(NS, INNER)[1]

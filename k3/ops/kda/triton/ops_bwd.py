@@ -123,9 +123,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # programs side by side, its columns from L2 after the first) one tile: 2.62 ms vs 2.97 at all four, 3.22
         # at two (thirteenth session)
         # FIN: gi2 also finishes the columns (dg, gate, dq / dk; needs TPP = all): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
-        # BLK (TPP 1, no FIN): the products block by block of 16 rows, only the blocks the tile's causal rows /
-        # columns reach, [16, BK] operands per block (127 registers, 4 CTAs per SM): gi2 2.66 -> 2.13 ms, backward
-        # 10.73 -> 10.23 (thirteenth session; at 2 / 3 pipeline stages 2.40 / 2.28, capped at 96 registers 2.23)
+        # BLK: the products block by block of 16 rows, only the blocks the tile's causal rows / columns reach, [16,
+        # BK] operands per block (127 registers, 4 CTAs per SM): gi2 2.66 -> 2.13 ms, backward 10.73 -> 10.23
+        # (thirteenth session; at 2 / 3 pipeline stages 2.40 / 2.28, capped at 96 registers 2.23). With more tiles
+        # per program (fourteenth session, first allowed then): TPP 2 / 4 gi2 2.33 ms vs 2.10 at 1, FIN (TPP 4, 243
+        # registers) 4.32 (backward 11.95 vs 10.15, gfin's part gone)
         gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=True),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
@@ -185,8 +187,9 @@ BOOL_PARAMS = frozenset({"REFLOAD", "FACTOR", "INNER", "PRE", "PRE_F32", "ATOMIC
 
 def apply_launch(lc: dict, *overrides) -> dict:
     """`launch_config` result lc with each override dict ({kernel: {param: value}}, None = none) applied in order;
-    unknown kernels or parameters are refused by name. gi2's default BLK (one row tile per program) gives way to an
-    override asking for TPP > 1 or FIN; an override asking for BLK with them is left for kda_chunk_bwd to refuse."""
+    unknown kernels or parameters are refused by name. gi2's default BLK (with its one row tile per program) gives
+    way to an override asking for TPP > 1 or FIN without asking for BLK (so those rows keep their former, full-tile
+    products)."""
     blk_asked = False
     for over in overrides:
         for name, params in (over or {}).items():
@@ -286,8 +289,6 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             n = c.get("maxnreg")
             if n is not None and not (isinstance(n, int) and 24 <= n <= 255):
                 raise ValueError(f"kda_chunk_bwd: {name} maxnreg={n!r}: expected None or an int in [24, 255]")
-        if lc["gi2"]["BLK"] and (tpp != 1 or lc["gi2"]["FIN"]):  # (only when asked for: `apply_launch`)
-            raise ValueError(f"kda_chunk_bwd: gi2 BLK needs one row tile per program (TPP=1, got {tpp}) and no FIN")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         scr = lc["scratch"]["DTYPE"]
