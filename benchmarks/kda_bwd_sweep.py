@@ -44,6 +44,11 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("gi2_blk_fin", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}}),
     ("gi2_blk_fin_bk32", {"gi2": {"BLK": True, "TPP": 4, "FIN": True, "BK": 32}}),
     ("gi2_blk_fin_scr_states", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}, "scratch": {"DTYPE": "states"}}),
+    # pmat's decay-factored products through 32-row tiles (PTS 32, the default since: normalised q / k first,
+    # per-tile exponentials) against 16-row tiles with FACTOR (the former default): at 10.17 ms, PTS 32 9.88 (pmat
+    # 1.74 -> 1.45), PTS 32 at BK 32 9.92 (1.54); gfin on 8 warps (sm_90 static 192 registers, no spills, 1 CTA per
+    # SM) 10.45-10.48 (gfin 1.23 vs 0.91); pmat at BK 32 with 16-row tiles 10.25
+    ("pmat_pts16", {"pmat": {"PTS": 16}}),
     ("pmat_bk32", {"pmat": {"BK": 32}}),
     ("pmat_w8", {"pmat": {"num_warps": 8}}),
     ("scr_states", {"scratch": {"DTYPE": "states"}}),

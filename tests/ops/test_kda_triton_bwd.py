@@ -45,11 +45,15 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gv_no_pre", {"gv": {"PRE": False}}),
                   ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
                   ("dstates_s1", {"dstates": {"num_stages": 1}}),
-                  ("pmat_reduce", {"pmat": {"REFLOAD": False}}),  # reference rows of G by reductions, not loads
+                  # pmat's products through 16-row tiles with FACTOR's two-level decays (the default until the
+                  # fourteenth session; 32-row tiles since, at the L2 norm's cases), and reference rows of G by
+                  # reductions, not loads (at 16 rows: pmat_factor_reduce_bk16 below)
+                  ("pmat_pts16", {"pmat": {"PTS": 16}}),
+                  ("pmat_reduce", {"pmat": {"REFLOAD": False}}),
                   # pmat's decays per row tile (the default until the thirteenth session), and FACTOR's two-level
                   # decays with the reference rows by reductions
-                  ("pmat_factor_off", {"pmat": {"FACTOR": False}}),
-                  ("pmat_factor_reduce_bk16", {"pmat": {"REFLOAD": False, "BK": 16}}),
+                  ("pmat_factor_off", {"pmat": {"FACTOR": False, "PTS": 16}}),
+                  ("pmat_factor_reduce_bk16", {"pmat": {"REFLOAD": False, "BK": 16, "PTS": 16}}),
                   # gfin's second pass over the columns for dq / dk and a chunk's column-block / tile programs along
                   # grid axis 2 (the defaults until the thirteenth session), and gfin's one pass at BK 32 in both gi2
                   # (its row-sum partials: 4 K blocks) and gfin (gfin_onepass_bk32 below)
@@ -334,6 +338,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"BLK": "false"}})
     with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 2, "FIN": True}})
+    with pytest.raises(ValueError, match="pmat PTS=24 must be 16 or 32"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"PTS": 24}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
         ops_bwd.kda_chunk_bwd(*args, launch={"scratch": {"DTYPE": "bf16"}})
     with pytest.raises(ValueError, match="gv PRE_F32 .* needs gv PRE"):

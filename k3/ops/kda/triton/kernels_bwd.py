@@ -390,19 +390,29 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                     LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
                     L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr,
-                    FACTOR: tl.constexpr):
+                    FACTOR: tl.constexpr, PTS: tl.constexpr = 16):
     """A chunk's (tril(Aq), tril_-1(L), T, rq, rk) in fp32 without a [BT, K] tile: Aq and L accumulate over
     BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after). Stores the
-    cumsum G (fp32) into gcs for the later kernels (REFLOAD: reading its tiles' reference rows back from there)."""
+    cumsum G (fp32) into gcs for the later kernels (REFLOAD: reading its tiles' reference rows back from there).
+    PTS > TS (with the L2 norm; FACTOR applies at PTS = TS only): the products' decays factored through PTS-row
+    tiles (reference row PTS / 2 - 1: factors up to e^(PTS / 2 |g|_max), e^80 at PTS 32 and g >= -5, within fp32
+    for the normalised q, k, which the products then take: the norms first), half the masked [BT, BT] products of
+    16-row tiles."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
     one = tl.zeros([BT], dtype=tl.float32) + 1.
     Aq = tl.zeros([BT, BT], dtype=tl.float32)
     L = tl.zeros([BT, BT], dtype=tl.float32)
+    PREF: tl.constexpr = PTS // 2 - 1
+    if PTS > TS:
+        rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+        fq, fk = rq, rk
+    else:
+        fq, fk = one, one
     for kb in range(0, K // BK):
         o_kb = kb * BK + tl.arange(0, BK)
-        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, one, one, lower_bound,
+        b_q, b_k, b_g, pk = _prep_cols(q, k, g, A_log, dt_bias, tok, m_t, i_h, o_kb, fq, fk, lower_bound,
                                        H, K, USE_GATE)
         G = tl.cumsum(b_g, axis=0)
         hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
@@ -411,13 +421,21 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
         if REFLOAD:
             tl.debug_barrier()  # every thread's G rows in memory (visible to the CTA) before the reference-row loads
             g_end = _last_G(gcs, i_h, o_kb, t0, t1, Ttot, K, BT)
-        a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, TS, REF, IEEE, REFLOAD,
-                                FACTOR)
+        if PTS > TS:  # (FACTOR's steps between 32-row tiles' reference rows, e^-160 at g = -5, would underflow)
+            a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, PTS, PREF, IEEE,
+                                    REFLOAD, False)
+        else:
+            a_kb, l_kb = _intra_fwd(b_q, b_k, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K, BT, TS, REF, IEEE, REFLOAD,
+                                    FACTOR)
         Aq += a_kb
         L += l_kb
-    rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
-    Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
-    L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
+    if PTS > TS:
+        Aq = tl.where(row >= col, Aq * scale, 0.)
+        L = tl.where(row > col, L, 0.)
+    else:
+        rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
+        Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
+        L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
     Tm = _lower_inv_at(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB, IEEE, INV_PREC)
     return Aq, L, Tm, rq, rk
 
@@ -701,7 +719,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
                lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-               REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr):
+               REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr, PTS: tl.constexpr):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
     tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
     in the intermediate dtype for dstates, and with AQF in fp32 (aqf) for gv forming du' itself: without gv's PRE),
@@ -711,7 +729,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
     col = o_t[None, :]
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, scale, lower_bound,
                                         Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE,
-                                        INV_PREC, REFLOAD, FACTOR)
+                                        INV_PREC, REFLOAD, FACTOR, PTS)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
@@ -760,12 +778,12 @@ def kda_bwd_pmat_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, aqf, rqk, g
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                         USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr):
+                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr, PTS: tl.constexpr):
     """Prep part 1 (pmat), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
                lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC, REFLOAD,
-               FACTOR, AQF)
+               FACTOR, AQF, PTS)
 
 
 @triton.jit

@@ -82,7 +82,12 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # FACTOR: two-level decays in the intra-chunk products (`_intra_fwd`): a [BT, BK] exponential pair per K block
         # instead of per row tile (thirteenth session: ncu put pmat at 30% issue use with FMUL / FADD / FSEL on its
         # [64, 64] tiles the most executed instructions): pmat 1.84 -> 1.78 ms
-        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True, FACTOR=True),
+        # PTS: the row tile of pmat's decay-factored products, 16 or 32 (32 only with the L2 norm in the kernel,
+        # whose normalised q / k keep the e^80 factors of 32-row tiles within fp32, else 16; FACTOR applies at 16
+        # only: its steps between 32-row tiles' reference rows, e^-160 at g = -5, would underflow). Fourteenth
+        # session: 32 (per-tile exponentials, half the masked [64, 64] products; sm_90 static spill stack 184 -> 152
+        # B, HMMA 144 -> 112): pmat 1.74 -> 1.45 ms, backward 10.17 -> 9.88 at B1 T8K H96 (at BK 32: 1.54, no spills)
+        pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True, FACTOR=True, PTS=32),
         # pwu at <= 168 registers (3 CTAs per SM, 128 B of spills at bf16 K = 128): 1.37 ms vs 1.67 (twelfth session;
         # the same caps on gi2, gw, gfin, gv lost)
         # INNER (pwu, gw, gi2): a chunk's column-block / tile programs are consecutive along grid axis 0 (they run
@@ -291,6 +296,11 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
                 raise ValueError(f"kda_chunk_bwd: {name} maxnreg={n!r}: expected None or an int in [24, 255]")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
+        pts = lc["pmat"]["PTS"]
+        if pts not in (16, 32):
+            raise ValueError(f"kda_chunk_bwd: pmat PTS={pts!r} must be 16 or 32")
+        if not const["L2NORM"] or pts > BT:  # (32-row tiles need the normalised q / k; a chunk has BT rows)
+            lc["pmat"] = {**lc["pmat"], "PTS": TS}
         scr = lc["scratch"]["DTYPE"]
         if scr not in SCRATCH:
             raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
@@ -315,7 +325,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         rqk = torch.empty(2, H, Tt, device=dev, dtype=torch.float32)
         _k.kda_bwd_pmat_kernel[(NC, H)](
             qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, gcs, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
-            AQF=not pre, **{n: c for n, c in const.items() if n != "V"})
+            AQF=not pre, **{n: c for n, c in const.items() if n != "V"})  # (PTS: checked above)
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + V // pw["BV"], pw["INNER"])](
             qc, kc, vc, bc, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok, cend,
