@@ -363,16 +363,21 @@ def test_dstates_block_follows_the_program_count():
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_pwu_register_cap():
-    """pwu runs under a 168-register cap at bf16 / fp16 inputs with K <= 128 (the measured case); elsewhere and for
-    every other kernel no cap."""
+def test_register_caps():
+    """pwu and gi2 run under 168 / 96-register caps at bf16 / fp16 inputs with K <= 128 (the measured cases);
+    elsewhere and for every other kernel no cap; gi2's cap goes with its one-tile BLK default when more tiles per
+    program are asked for (unless a cap is asked too)."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import launch_config
+    from k3.ops.kda.triton.ops_bwd import apply_launch, launch_config
     lc = launch_config(128, 128, 96, torch.bfloat16)
-    assert lc["pwu"]["maxnreg"] == 168
-    assert all(c["maxnreg"] is None for n, c in lc.items() if n not in ("pwu", "scratch"))
-    assert launch_config(128, 128, 96, torch.float32)["pwu"]["maxnreg"] is None
-    assert launch_config(256, 256, 96, torch.bfloat16)["pwu"]["maxnreg"] is None
+    assert lc["pwu"]["maxnreg"] == 168 and lc["gi2"]["maxnreg"] == 96
+    assert all(c["maxnreg"] is None for n, c in lc.items() if n not in ("pwu", "gi2", "scratch"))
+    for K, dt in ((128, torch.float32), (256, torch.bfloat16)):
+        assert launch_config(K, K, 96, dt)["pwu"]["maxnreg"] is None
+        assert launch_config(K, K, 96, dt)["gi2"]["maxnreg"] is None
+    assert apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"gi2": {"TPP": 4}})["gi2"]["maxnreg"] is None
+    both = apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"gi2": {"TPP": 2, "maxnreg": 128}})["gi2"]
+    assert both["maxnreg"] == 128 and not both["BLK"]
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
