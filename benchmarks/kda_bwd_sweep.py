@@ -49,6 +49,9 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # 1.74 -> 1.45), PTS 32 at BK 32 9.92 (1.54); gfin on 8 warps (sm_90 static 192 registers, no spills, 1 CTA per
     # SM) 10.45-10.48 (gfin 1.23 vs 0.91); pmat at BK 32 with 16-row tiles 10.25
     ("pmat_pts16", {"pmat": {"PTS": 16}}),
+    # (measured then removed: each 32-row tile's products from its own rows reloaded, [32, 64] accumulators joined
+    # at the end (sm_90 static spill stack 152 -> 48 B, at BK 32 none): at 9.69 ms 9.88 (pmat 1.64 vs 1.45), at BK
+    # 32 10.10 (1.87))
     # gi2 (BLK) at BK 32 (sm_90 static 70 registers, 7 CTAs per SM), capped at 96 registers (5 CTAs, 16 B of
     # spills; the default since), at BK 128 on 8 warps (121 registers, 2 CTAs). At 9.87 ms (gi2 2.09, uncapped):
     # BK 32 9.95 (2.18), the cap 9.68 (1.92), BK 128 10.00 (2.27); capped at 80 (6 CTAs, 96 B of spills)
