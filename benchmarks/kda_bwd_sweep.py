@@ -54,7 +54,8 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # 32 10.10 (1.87))
     # gi2 (BLK) at BK 32 (sm_90 static 70 registers, 7 CTAs per SM), capped at 96 registers (5 CTAs, 16 B of
     # spills; the default since), at BK 128 on 8 warps (121 registers, 2 CTAs). At 9.87 ms (gi2 2.09, uncapped):
-    # BK 32 9.95 (2.18), the cap 9.68 (1.92), BK 128 10.00 (2.27); capped at 80 (6 CTAs, 96 B of spills)
+    # BK 32 9.95 (2.18), the cap 9.68 (1.92), BK 128 10.00 (2.27); capped at 80 (6 CTAs, 96 B of spills) 9.88 (2.11)
+    # against 9.69 capped at 96
     # register caps for 3 CTAs per SM (sm_90 static): gv at 168 (96 B of spills), gfin at 168 (200 B), pmat at 168
     # (608 B). At 9.68 ms: 9.71-9.72 (gv 1.00 vs 0.98), 9.75 (gfin 0.97 vs 0.91), 9.89-9.94 (pmat 1.70 vs 1.45)
     ("gv_r168", {"gv": {"maxnreg": 168}}),
