@@ -20,6 +20,7 @@ TOL_FP32 = 1e-4
 # g == -5 everywhere: dg is a small difference of large terms; the fp32 torch chunk path (fp64 cumsums) is itself
 # ~5e-5 from the fp64 reference there, so fp32 dg gets a little more room in that case only.
 TOL_FP32_DG_BOUND = 2.5e-4
+TOL_FP32_GATE_BOUND10 = 5e-4
 TOL_BF16_DQKV, TOL_BF16_DGB = 8e-3, 2e-2
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}, "gv": {"BK": 16, "BV": 16}}),
@@ -109,13 +110,13 @@ def _checks() -> dict:
     res = {}
 
     def run(name, B, T, H, K, V, *, gate, l2, h0, dht, cu=None, dtype=torch.float32, g_const=None, unit_k=False,
-            scale=None, want=None, qk_scale=1.0):
+            scale=None, want=None, qk_scale=1.0, lower_bound=-5.0, f_shift=0.0):
         """Fresh inputs; grads of sum(o*do) (+ sum(S*dS)) through the triton backend and the fp64 reference."""
         N = B if cu is None else len(cu) - 1
         q, k, v = r(B, T, H, K) * qk_scale, r(B, T, H, K) * qk_scale, r(B, T, H, V)
         if unit_k:
             k = F.normalize(k, dim=-1)
-        f = r(B, T, H, K) * 2 if gate else -5 * torch.rand(B, T, H, K, generator=gen)
+        f = r(B, T, H, K) * 2 + f_shift if gate else -5 * torch.rand(B, T, H, K, generator=gen)
         if g_const is not None:
             f = torch.full_like(f, g_const)
         beta = torch.rand(B, T, H, generator=gen)
@@ -136,7 +137,8 @@ def _checks() -> dict:
             qq, kk, vv, ff, bb, hh, al, db = xs
             fn = recurrent_kda if ref else (lambda *a, **kw: chunk_kda(*a, backend="triton", **kw))
             o, S = fn(qq, kk, vv, ff, bb, scale=scale, initial_state=hh, output_final_state=dht, cu_seqlens=cu_t,
-                      use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate, A_log=al, dt_bias=db)
+                      use_qk_l2norm_in_kernel=l2, use_gate_in_kernel=gate, A_log=al, dt_bias=db,
+                      lower_bound=lower_bound)
             loss = (o * do.to(o.dtype)).sum()
             if dht:
                 loss = loss + (S * dS.to(S.dtype)).sum()
@@ -158,9 +160,13 @@ def _checks() -> dict:
     # 3. precomputed g at the bound (-5 everywhere), no L2 norm (unit keys), explicit scale, no h0, dht
     run("g_at_bound", 1, 130, H, 16, 16, gate=False, l2=False, h0=False, dht=True, g_const=-5.0, unit_k=True,
         scale=0.3)
-    # 3b. the same bound with the L2 norm in the kernel: pmat's 32-row tiles (e^80 factors; FACTOR's steps between
-    # their reference rows would underflow to 0 here, dv 2.4e-4 off), large raw q / k (normalised in the kernel)
-    run("g_at_bound_l2", 1, 130, H, 32, 16, gate=False, l2=True, h0=True, dht=True, g_const=-5.0, qk_scale=30.0)
+    # 3b. the bound through the in-kernel gate (saturated: g = -5 at nearly every step, so dg / dA_log / ddt_bias,
+    # ~e^-20 of the rest, are not compared) with the L2 norm: pmat's 32-row tiles (e^80 factors; FACTOR's steps
+    # between their reference rows would underflow to 0 here), large raw q / k (normalised in the kernel)
+    run("g_at_bound_l2", 1, 130, H, 32, 16, gate=True, l2=True, h0=True, dht=True, f_shift=30.0, qk_scale=30.0)
+    # 3c. the gate at lower_bound -10 (the steepest the kernels take), most steps near it, with the L2 norm: pmat's
+    # 16-row tiles (32-row ones' e^160 factors overflow: NaN)
+    run("gate_bound10_l2", 1, 130, H, 32, 16, gate=True, l2=True, h0=True, dht=True, lower_bound=-10.0, f_shift=6.0)
     # 4. precomputed g in (-5, 0), gate-free, L2 norm, h0 but no final state (dht unused), K != V, two value blocks
     run("precomputed_g_l2", 1, 80, 1, 32, 64, gate=False, l2=True, h0=True, dht=False)
     # 5. wide heads: K = 128, V = 256 (value loop over 8 blocks); K = 256 (32-token chunks)
@@ -261,7 +267,7 @@ def results():
 
 
 FP32 = {"gate_l2_h0_dht": GRADS, "varlen": GRADS, "g_at_bound": ("dq", "dk", "dv", "dg", "dbeta"),
-        "g_at_bound_l2": ("dq", "dk", "dv", "dg", "dbeta", "dh0"),
+        "g_at_bound_l2": ("dq", "dk", "dv", "dbeta", "dh0"), "gate_bound10_l2": GRADS,
         "precomputed_g_l2": ("dq", "dk", "dv", "dg", "dbeta", "dh0"), "wide_K128_V256": GRADS, "wide_K256": GRADS,
         "wide_K128_V256_dstates_bv128": GRADS,
         "torch_fallback": GRADS}
@@ -270,6 +276,11 @@ FP32 = {"gate_l2_h0_dht": GRADS, "varlen": GRADS, "g_at_bound": ("dq", "dk", "dv
 @pytest.mark.parametrize("case,grad", [(c, g) for c, gs in FP32.items() for g in gs])
 def test_fp32_gradients(results, case, grad):
     tol = TOL_FP32_DG_BOUND if case.startswith("g_at_bound") and grad == "dg" else TOL_FP32
+    if case == "gate_bound10_l2" and grad in ("dg", "dA_log", "ddt_bias"):
+        # the gate's gradients where most steps sit near lower_bound -10 (x ~ 10: dA_log sums x sigmoid'(x) terms
+        # that cancel): 1.5e-4 to 3.6e-4 over three seeds (the fp32 torch path 2e-5 to 5e-5); everything through
+        # pmat's tiles (dq, dk, dv, dbeta, dh0) at the fp32 line (NaN with 32-row tiles there, dv 1.5e-3 with FACTOR)
+        tol = TOL_FP32_GATE_BOUND10
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
 
 
@@ -308,7 +319,7 @@ def test_only_requested_gradients(results):
 
 
 def test_triton_backward_used_and_torch_fallback_reachable(results):
-    assert results["calls.triton_bwd"] == 11.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
+    assert results["calls.triton_bwd"] == 12.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
     assert results["calls.during_fallback"] == 0.0
     assert "K3_KDA_TRITON_BWD='v9'" in results["bad_name_error"] and "triton" in results["bad_name_error"]
 

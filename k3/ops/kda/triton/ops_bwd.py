@@ -32,6 +32,12 @@ BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
 
 
+# steepest in-kernel gate lower_bound for pmat's 32-row tiles (factors <= e^(16 * 5) = e^80) and for its FACTOR
+# (steps e^(-16 |g|) >= e^-80 between 16-row tiles' reference rows); below it, or with precomputed g (only known to
+# be >= -10), pmat takes 16-row tiles with per-tile exponentials (factors <= e^(8 * 10) = e^80)
+PTS32_MIN_LOG_DECAY = -5.0
+
+
 def chunk_len(K: int) -> int:
     return BT if K <= 128 else BT_WIDE
 TS = 16   # row tile inside a chunk: decay exponents factored through one reference row per tile
@@ -82,9 +88,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # FACTOR: two-level decays in the intra-chunk products (`_intra_fwd`): a [BT, BK] exponential pair per K block
         # instead of per row tile (thirteenth session: ncu put pmat at 30% issue use with FMUL / FADD / FSEL on its
         # [64, 64] tiles the most executed instructions): pmat 1.84 -> 1.78 ms
-        # PTS: the row tile of pmat's decay-factored products, 16 or 32 (32 only with the L2 norm in the kernel,
-        # whose normalised q / k keep the e^80 factors of 32-row tiles within fp32, else 16; FACTOR applies at 16
-        # only: its steps between 32-row tiles' reference rows, e^-160 at g = -5, would underflow). Fourteenth
+        # PTS: the row tile of pmat's decay-factored products, 16 or 32 (32 only with the L2 norm and the gate in the
+        # kernel at lower_bound >= -5, whose normalised q / k and |g| <= 5 keep the e^80 factors of 32-row tiles
+        # within fp32, else 16; FACTOR applies at 16 only: its steps between 32-row tiles' reference rows, e^-160 at
+        # g = -5, would underflow). Fourteenth
         # session: 32 (per-tile exponentials, half the masked [64, 64] products; sm_90 static spill stack 184 -> 152
         # B, HMMA 144 -> 112): pmat 1.74 -> 1.45 ms, backward 10.17 -> 9.88 at B1 T8K H96 (at BK 32: 1.54, no spills)
         pmat=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", REFLOAD=True, FACTOR=True, PTS=32),
@@ -307,8 +314,14 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         pts = lc["pmat"]["PTS"]
         if pts not in (16, 32):
             raise ValueError(f"kda_chunk_bwd: pmat PTS={pts!r} must be 16 or 32")
-        if not const["L2NORM"] or pts > BT:  # (32-row tiles need the normalised q / k; a chunk has BT rows)
+        # 32-row tiles need the normalised q / k and a gate bounded at -5 or above (the in-kernel gate's lower_bound:
+        # e^(16 |g|) factors; precomputed g is only known to be >= -10, where e^160 overflows); a chunk has BT rows.
+        # FACTOR's steps between 16-row tiles' reference rows, e^(-16 |g|), underflow below g = -5.4: the same bound
+        bounded = gate and lb >= PTS32_MIN_LOG_DECAY
+        if not const["L2NORM"] or pts > BT or not bounded:
             lc["pmat"] = {**lc["pmat"], "PTS": TS}
+        if not bounded:
+            lc["pmat"] = {**lc["pmat"], "FACTOR": False}
         scr = lc["scratch"]["DTYPE"]
         if scr not in SCRATCH:
             raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
