@@ -317,11 +317,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         # 32-row tiles need the normalised q / k and a gate bounded at -5 or above (the in-kernel gate's lower_bound:
         # e^(16 |g|) factors; precomputed g is only known to be >= -10, where e^160 overflows); a chunk has BT rows.
         # FACTOR's steps between 16-row tiles' reference rows, e^(-16 |g|), underflow below g = -5.4: the same bound
-        bounded = gate and lb >= PTS32_MIN_LOG_DECAY
-        if not const["L2NORM"] or pts > BT or not bounded:
+        if not (gate and lb >= PTS32_MIN_LOG_DECAY):
+            lc["pmat"] = {**lc["pmat"], "PTS": TS, "FACTOR": False}
+        elif not const["L2NORM"] or pts > BT:
             lc["pmat"] = {**lc["pmat"], "PTS": TS}
-        if not bounded:
-            lc["pmat"] = {**lc["pmat"], "FACTOR": False}
         scr = lc["scratch"]["DTYPE"]
         if scr not in SCRATCH:
             raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
