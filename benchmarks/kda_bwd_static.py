@@ -133,7 +133,9 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
     lc = ob.launch_config(K, V, N * H, dtype)
     const = dict(H=H, K=K, V=V, BT=BT, TS=ob.TS, REF=ob.REF, LOG2_TS=int(math.log2(ob.TS)),
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
-                 NKW=0 if lc["gw"]["ATOMIC"] else K // lc["gw"]["BK"], UPCAST=False, F32_W=True,
+                 NKW=0 if lc["gw"]["ATOMIC"] or lc["gv"]["DNU"] else K // lc["gw"]["BK"],
+                 NDB=0 if lc["gw"]["ATOMIC"] else K // lc["gw"]["BK"], DNW=not lc["gv"]["DNU"], UPCAST=False,
+                 F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]),
                  F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"], NKI=K // lc["gi2"]["BK"],
                  SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"], AQF=not lc["gv"]["PRE"])
     seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"],

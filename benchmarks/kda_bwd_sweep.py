@@ -24,6 +24,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # fifteenth session: gv forming the whole dN from u' (DNU, the default since) against gw adding its dXk W^T part
+    # (atomics, pwu's fp32 copy of W, gv forming U): B1 T8K H96, 9.18 ms vs 9.76 (gw 2.19 -> 1.89, gv 0.99 -> 0.79,
+    # pwu 0.76 -> 0.66); then gv at BV 64 (its default since) 9.05 vs 9.12 (gv 0.78 -> 0.71). Measured then removed,
+    # at 9.11-9.18 ms: gw + gi2 as one kernel per (chunk, head, 16-row tile, K block) (gwi: each tile's state-side
+    # products [16, V] x [V, BK] against the chunk's states, du' over all rows through T[:, R]; sm_90 static 168
+    # registers, no spills, 3 CTAs per SM) 10.88 (gwi 5.52 against gw + gi2 3.82; capped at 128 registers 10.69, BV
+    # 64 11.61, BK 32 12.15, 2 stages 11.36, tiles along grid axis 2 13.92): each tile re-reads the chunk's states
+    # and du' (4x the L2 traffic of gw); gw + gfin as one kernel per (chunk, head) after gi2 (gwf: the K blocks in a
+    # loop, the scratch read once, pre-norm dq / dk rewritten in place; sm_90 static 255 registers, 1.8 KB of spill
+    # stack at BK 64 / 4 warps) 12.60 (gwf 6.78 against gw + gfin 2.80; 8 warps 11.45, BK 32 11.94, BK 32 / 8 warps
+    # 12.75, BK 32 / 3 stages 11.70, 1 stage 12.15): serial K blocks at 2 CTAs per SM; gw after gi2, gi2 storing only
+    # its own parts and gw adding them (gi2 1.92 -> 1.43 without its scratch reads, but gw 1.89 -> 3.46: 960 B of
+    # spill stack, its three extra [64, 64] reads) 10.19, with gv at BV 64 10.11, gw at 2 stages 10.30, gi2 capped
+    # at 128 10.34. Also: gw at 2 stages 9.28, gw at BK 32 9.43
+    ("dn_parts", {"gv": {"DNU": False}}),
+    ("gv_bv32", {"gv": {"BV": 32}}),
+    ("dnu_gw_s2", {"gw": {"num_stages": 2}}),
+    ("dnu_gw_bk32", {"gw": {"BK": 32}}),
     # fourteenth session, measured then removed (B1 T8K H96, default 10.22-10.25 ms in the same processes): the prep's
     # matrices by row tiles (prow per (chunk, head, 16-row tile) with [16, K] operands block by block + pinv per
     # (chunk, head) for the inverse): 11.10 ms (prow 2.26 + pinv 0.39 against pmat 1.78), its tile's q / k rows as

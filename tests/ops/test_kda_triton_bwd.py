@@ -39,6 +39,10 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # gw storing its dN / dbeta parts for gi2 / gfin to sum (the default until the thirteenth session;
                   # since, it adds them into gv's with atomics)
                   ("gw_no_atomic", {"gw": {"ATOMIC": False}}),
+                  # gw adding its part dXk W^T of dN (gv's DNU off: the default until the fifteenth session, since
+                  # gv forms the whole dN from u'), with atomics and stored per K block
+                  ("gv_dn_parts", {"gv": {"DNU": False}}),
+                  ("gv_dn_parts_no_atomic", {"gv": {"DNU": False}, "gw": {"ATOMIC": False}}),
                   ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True, "TPP": 4}}),
                   # gv forming u' / du' itself against the stored states (the default until the twelfth session:
                   # the sequential passes store them, fp32 here: their 3-pass tf32 dots, ~fp32), and PRE with the

@@ -42,12 +42,15 @@ def _bwd_cases(kb, cb, cg):
         "states": dict(cb, HAS_H0=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
         "dstates": dict(cb, HAS_DHT=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
         "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
-        "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "USE_GATE", "L2NORM")}, UPCAST=False),
+        "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "USE_GATE", "L2NORM")}, UPCAST=False,
+                   DNW=not lc["gv"]["DNU"]),
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2, AQF=not lc["gv"]["PRE"]),
-        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")}, F32_W=True,
-                    F32_K=not lc["gv"]["PRE"]),
+        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")},
+                    F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]), F32_K=not lc["gv"]["PRE"]),
+        # (gw's per-K-block parts of dN / dbeta as stored without its atomics, gv's DNU aside: the largest form)
         "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True, SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"]),
-        "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, FUSED=False, NKI=2)}
+        "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, NDB=2, FUSED=False,
+                     NKI=2)}
     out = {}
     for name, c in consts.items():
         launch = dict(lc[name])  # (lc["scratch"] is not a kernel)

@@ -443,12 +443,14 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
 @triton.jit
 def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PRE: tl.constexpr):
+                BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PRE: tl.constexpr, DNU: tl.constexpr):
     """The value side of a chunk's gradient, given T, Aq^T (fp32, in registers) and W / k e^(G_l - G) in the fp32
     scratch ws / ks: per value block U = T diag(beta) v, u' = U - W S0, du' = Aq^T do + (k e^(G_l - G)) dS (K in BK
     blocks against the stored states), dv = diag(beta) T^T du'; stores u', du' (uns / dus), and per chunk
     tril(dAq) = tril(do u'^T), sum_V dXv U^T and sum_V dXv v (cmat slots 2, 3; cdb). PRE: u' / du' were stored by
-    the sequential passes (their STORE_U): read from uns / dus instead of formed against the states."""
+    the sequential passes (their STORE_U): read from uns / dus instead of formed against the states. DNU: slot 3
+    holds sum_V dXv u'^T, which is the whole dN's sum dXv U^T + dXk W^T (dXk = -T^T du' S0^T and W S0 = U - u', so
+    dXk W^T = -dXv (U - u')^T): gw then adds no part of its own (and with PRE, U is not formed here at all)."""
     o_t = tl.arange(0, BT)
     row = o_t[:, None]
     col = o_t[None, :]
@@ -462,7 +464,8 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
         pv = (tok[:, None] * H + i_h) * V + o_v[None, :]
         b_v = tl.load(v + pv, mask=m_t[:, None], other=0.).to(tl.float32)
         b_do = tl.load(do + pv, mask=m_t[:, None], other=0.).to(tl.float32)
-        U = _dot(Tm, b_v * b_b[:, None], IEEE)
+        if not (PRE and DNU):
+            U = _dot(Tm, b_v * b_b[:, None], IEEE)
         hv = (i_h * Ttot + tok[:, None]) * V + o_v[None, :]
         if PRE:
             un = tl.load(uns + hv, mask=m_t[:, None], other=0.).to(tl.float32)
@@ -484,7 +487,10 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
         dxv = _dot(TmT, du, IEEE)
         tl.store(dv + pv, (dxv * b_b[:, None]).to(dv.dtype.element_ty), mask=m_t[:, None])
         d_b += tl.sum(dxv * b_v, 1)
-        d_n += _dot(dxv, tl.trans(U), IEEE)
+        if DNU:
+            d_n += _dot(dxv, tl.trans(un), IEEE)
+        else:
+            d_n += _dot(dxv, tl.trans(U), IEEE)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc + 2 * BT * BT, tl.where(row >= col, d_aq, 0.))
     tl.store(cmat + pc + 3 * BT * BT, d_n)
@@ -503,9 +509,11 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
 @triton.jit
 def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat, cdb, dv, chunk_tok, chunk_end, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PRE: tl.constexpr):
+                      BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PRE: tl.constexpr,
+                      DNU: tl.constexpr):
     """Value side: `_value_side` with T (cmat slot 0), Aq (aqf), W and k e^(G_l - G) (ws / ks) from the prep
-    (fp32), or with PRE u' / du' as the sequential passes stored them. One program = one chunk of one head."""
+    (fp32), or with PRE u' / du' as the sequential passes stored them (DNU: the whole dN from u'). One program = one
+    chunk of one head."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     if PRE:  # (u' / du' from the sequential passes: no Aq^T do here)
@@ -513,7 +521,7 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
     else:
         AqT = tl.trans(tl.load(aqf + (i_c * H + i_h).to(tl.int64) * BT * BT + row * BT + col))
     _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT, b_b, tok, m_t, i_c, i_h, Ttot,
-                H, K, V, BT, BV, BK, IEEE, UPCAST, PRE)
+                H, K, V, BT, BV, BK, IEEE, UPCAST, PRE, DNU)
 
 
 @triton.jit
@@ -531,14 +539,15 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
                       x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
-                      INNER: tl.constexpr, EPI_ORDER: tl.constexpr):
+                      INNER: tl.constexpr, EPI_ORDER: tl.constexpr, DNW: tl.constexpr):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
     chunk parts of d(q scale) and d(kn)), dgis = their dG terms (the G_l one on the last token), and per K block
     nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta); ATOMIC: those two added into gv's dN
     (cmat slot 3) and dbeta part (cdb) instead (fp32 atomics: the sum's order, so its last bits, vary between runs).
-    The L2-norm row factors and the cumsum G come from the prep (rqk, gcs); grid order: `_split_pid`."""
+    The L2-norm row factors and the cumsum G come from the prep (rqk, gcs); grid order: `_split_pid`. Without DNW
+    (gv's DNU: its dN is already whole) no part of dN here, and W is not read."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, K // BK, INNER)
     i_k = _split_pid(K // BK, INNER)[1]
     o_kb = i_k * BK + tl.arange(0, BK)
@@ -564,12 +573,13 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     dxk = _dot(tl.trans(tl.load(cmat + pc)), d_w, IEEE)
     hkb = (i_h * Ttot + tok[:, None]) * K + o_kb[None, :]
-    b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.).to(tl.float32)
     pp = ((i_c * H + i_h).to(tl.int64) * (K // BK) + i_k) * BT
-    if ATOMIC:
-        tl.atomic_add(cmat + pc + 3 * BT * BT, _dot(dxk, tl.trans(b_w), IEEE), sem="relaxed")
-    else:
-        tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
+    if DNW:
+        b_w = tl.load(ws + hkb, mask=m_t[:, None], other=0.).to(tl.float32)
+        if ATOMIC:
+            tl.atomic_add(cmat + pc + 3 * BT * BT, _dot(dxk, tl.trans(b_w), IEEE), sem="relaxed")
+        else:
+            tl.store(nkp + pp * BT + row * BT + col, _dot(dxk, tl.trans(b_w), IEEE))
     rq, rk = _row_factors(rqk, tok, m_t, i_h, Ttot, H)
     G, g_last = _stored_G(gcs, tok, m_t, i_h, o_kb, t0, t1, Ttot, K, BT)
     eG = tl.exp(G)
@@ -977,9 +987,10 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
 def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk,
                         dq, dk, dg, dbeta, dal_part, ddt_part, chunk_tok, chunk_end, scale, lower_bound, Ttot,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NKW: tl.constexpr,
-                        USE_GATE: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr, NKI: tl.constexpr,
-                        ONEPASS: tl.constexpr):
-    """After gi2: per chunk and head, dbeta (value part + gw's partials + sum_i dN_ti L_ti), and per BK columns
+                        NDB: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr,
+                        NKI: tl.constexpr, ONEPASS: tl.constexpr):
+    """After gi2: per chunk and head, dbeta (value part + gw's NDB partials + sum_i dN_ti L_ti; dN with gw's NKW
+    partials), and per BK columns
     dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s / x2s. FUSED (gi2 finished
     the columns): with the L2 norm only dq / dk from x1s / x2s and gi2's NKI row-sum partials in sqk. ONEPASS (gi2's
     SQK wrote those partials, with the L2 norm): dq / dk in the same pass over the columns as dg, instead of the
@@ -990,8 +1001,8 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
     d_n = _dl_slice(cmat, nkp, pc0, pp, row, col, 1., NKW, BT)
     d_b = tl.load(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t) + tl.sum(d_n * tl.load(cmat + pc0 + BT * BT + row * BT
                                                                                            + col), 1)
-    for j in tl.static_range(NKW):
-        d_b += tl.load(dbp + pp + j * BT + o_t)
+    for j in tl.static_range(NDB):
+        d_b += tl.load(dbp + (i_c * H + i_h).to(tl.int64) * NDB * BT + j * BT + o_t)
     if FUSED:
         tl.store(dbeta + tok * H + i_h, d_b.to(dbeta.dtype.element_ty), mask=m_t)
         if L2NORM:

@@ -118,7 +118,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # small-head cases (6.4e-3 with it). Twelfth session, B1 T8K H96: backward 13.89 ms vs 15.33 without PRE,
         # 13.53 with PRE alone (as tf32 products of fp32 operands: 14.36, and NaN at BV 16 with triton 3.6); H200
         # selfcheck dq 3.07e-3, dv 2.44e-3 (2.76e-3 / 2.12e-3 without PRE). PRE=False: the former default
-        gv=dict(BV=min(V, 32), BK=min(K, 32), num_warps=4, num_stages=1, PRE=True, PRE_F32=True),
+        # DNU: gv forms the whole dN as sum_V dXv u'^T (= dXv U^T + dXk W^T, since W S0 = U - u'), so gw adds no
+        # part of dN (no dXk W^T product, no atomics, W not read) and pwu writes no fp32 copy of W (fifteenth
+        # session)
+        # BV 64 with DNU (gv lighter: no U, no W): 0.71 ms vs 0.78 at BV 32 (fifteenth session)
+        gv=dict(BV=min(V, 64), BK=min(K, 32), num_warps=4, num_stages=1, PRE=True, PRE_F32=True, DNU=True),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
         # gfin to sum: 15.69 ms vs 15.70 (gi2 -0.16, gw +0.13; eleventh session); thirteenth session, with INNER
@@ -198,7 +202,7 @@ def env_launch() -> dict:
 
 # the on / off launch parameters (a string such as "false" would otherwise count as on)
 BOOL_PARAMS = frozenset({"REFLOAD", "FACTOR", "INNER", "PRE", "PRE_F32", "ATOMIC", "EPI_ORDER", "FIN", "BLK",
-                         "ONEPASS"})
+                         "ONEPASS", "DNU"})
 
 
 def apply_launch(lc: dict, *overrides) -> dict:
@@ -244,8 +248,7 @@ def _kw(cfg: dict, *drop) -> dict:
 
 
 def kernel_table(kb=_k):
-    """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head,
-    the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
+    """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head, the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
     return [("pmat", kb.kda_bwd_pmat_kernel, "chunk"), ("pwu", kb.kda_bwd_pwu_kernel, "chunk"),
             ("states", kb.kda_bwd_states_kernel, "states"), ("dstates", kb.kda_bwd_dstates_kernel, "dstates"),
             ("gv", kb.kda_bwd_gv_kernel, "chunk"), ("gw", kb.kda_bwd_gw_kernel, "chunk"),
@@ -335,10 +338,11 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         pre = bool(lc["gv"]["PRE"])
         sf32 = bool(lc["gv"]["PRE_F32"])
         # W / k e^(G_l - G) for the gradient kernels: fp32 copies, or the intermediate-dtype ones (w, kd); with gv's
-        # PRE only gw reads W and nothing k e^(G_l - G) (gw's fp32 x2s is then allocated by _grads); the fp32 Aq
-        # only without PRE (gv forming du'; fourteenth session: pmat 1.78 -> 1.75 ms, backward 10.24 -> 10.16 at B1
-        # T8K H96, and 201 MB less at T8K, 3.2 GB at T128K)
-        ws = torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else w
+        # PRE only gw reads W (not with gv's DNU either) and nothing k e^(G_l - G) (gw's fp32 x1s / x2s are then
+        # allocated by _grads); the fp32 Aq only without PRE (gv forming du'; fourteenth session: pmat 1.78 -> 1.75
+        # ms, backward 10.24 -> 10.16 at B1 T8K H96, and 201 MB less at T8K, 3.2 GB at T128K)
+        need_w = not (pre and lc["gv"]["DNU"])
+        ws = torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk and need_w else w if need_w else None
         ks = None if pre else torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else kd
         aqf = cmat if pre else torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
@@ -348,8 +352,9 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             AQF=not pre, **{n: c for n, c in const.items() if n != "V"})  # (PTS: checked above)
         pw = lc["pwu"]
         _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + V // pw["BV"], pw["INNER"])](
-            qc, kc, vc, bc, qg, kd, w, u, eg, cmat, ws, ws if ks is None else ks, gcs, rqk, ctok, cend,
-            float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, F32_W=f32_wk, F32_K=f32_wk and not pre, **_kw(pw))
+            qc, kc, vc, bc, qg, kd, w, u, eg, cmat, w if ws is None else ws, (w if ws is None else ws) if ks is None
+            else ks, gcs, rqk, ctok, cend, float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee,
+            F32_W=f32_wk and need_w, F32_K=f32_wk and not pre, **_kw(pw))
         # the per-chunk states / state gradients: at the scratch dtype, or with "states" alone at the input dtype
         states = torch.empty(NC, H, K, V, device=dev, dtype=dt if scr == "states" else sdt)
         dstates = torch.empty_like(states)
@@ -379,7 +384,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
 def _nonfinite(**tensors) -> None:
     """Debug aid ($K3_KDA_BWD_CHECK=1): print the non-finite element count of each intermediate."""
     if os.environ.get("K3_KDA_BWD_CHECK", "0") not in ("", "0"):
-        print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items()}, flush=True)
+        print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items() if t is not None},
+              flush=True)
 
 
 def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
@@ -391,25 +397,29 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     cdb = torch.empty(NC, H, BT, device=dev, dtype=torch.float32)
     if uns is None:  # the W / U scratch dtype
         uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))
-    _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, ws, ws if ks is None else ks, states, dstates, uns, dus, cmat,
-                                  cdb, dv, ctok, cend, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast,
-                                  **_kw(lc["gv"], "PRE_F32"))  # (PRE_F32: for the passes above)
+    dnu = bool(lc["gv"]["DNU"])
+    _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, uns if ws is None else ws, uns if ks is None else ks, states,
+                                  dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee,
+                                  UPCAST=upcast, **_kw(lc["gv"], "PRE_F32"))  # (PRE_F32: for the passes above)
     _nonfinite(uns=uns, dus=dus, dAq=cmat[:, :, 2], dNv=cmat[:, :, 3], cdb=cdb, dv=dv)
     BKW = lc["gw"]["BK"]
-    NKB = K // BKW  # gw's K blocks, and (NKW) how many per-block parts of dN / dbeta gi2 and gfin add up
-    NKW = 0 if lc["gw"]["ATOMIC"] else NKB
-    # gw's fp32 outputs x1s / x2s take the places of the fp32 W / k e^(G_l - G) copies: gv (done) reads them whole,
-    # gw reads only its own block of W before it writes x1s there (-2 x 4 B per token-head and K column, 12.9 GB at
-    # B1 T128K H96 D128: fwd+bwd peak 103.6 GB there against fla's 97.0 on the H200, eleventh session)
-    f32 = ws.dtype == torch.float32
+    NKB = K // BKW  # gw's K blocks, and how many per-block parts of dN (NKW) / dbeta (NDB) gi2 and gfin add up
+    NDB = 0 if lc["gw"]["ATOMIC"] else NKB
+    NKW = 0 if dnu else NDB
+    # gw's fp32 outputs x1s / x2s take the places of the fp32 W / k e^(G_l - G) copies where there are such: gv
+    # (done) reads them whole, gw reads only its own block of W before it writes x1s there (-2 x 4 B per token-head
+    # and K column, 12.9 GB at B1 T128K H96 D128: fwd+bwd peak 103.6 GB there against fla's 97.0 on the H200,
+    # eleventh session)
+    f32 = ws is not None and ws.dtype == torch.float32
     x1s = ws if f32 else torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     x2s = ks if f32 and ks is not None else torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     dgis = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32) if NKW else cdb
-    dbp = torch.empty(NC, H, NKW, BT, device=dev, dtype=torch.float32) if NKW else cdb
+    dbp = torch.empty(NC, H, NDB, BT, device=dev, dtype=torch.float32) if NDB else cdb
     _k.kda_bwd_gw_kernel[_split_grid(NC, H, NKB, lc["gw"]["INNER"])](
-        qc, kc, gcs, bc, doc, ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis, nkp, dbp,
-        ctok, cend, scale, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, **_kw(lc["gw"]))
+        qc, kc, gcs, bc, doc, x1s if ws is None else ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis,
+        nkp, dbp, ctok, cend, scale, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, DNW=not dnu,
+        **_kw(lc["gw"]))
     _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
     BKI = lc["gi2"]["BK"]
@@ -428,7 +438,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
         **gate, **_kw(lc["gi2"]))
     _k.kda_bwd_gfin_kernel[(NC, H)](
         qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk, dq, dk, dg, dbeta, dal_part,
-        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, FUSED=fused, NKI=NKI, **gate,
+        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, NDB=NDB, FUSED=fused, NKI=NKI, **gate,
         **{**_kw(lc["gfin"]), "ONEPASS": onepass})
 
 
