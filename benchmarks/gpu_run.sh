@@ -53,8 +53,11 @@ for stage in "$@"; do case $stage in
   # BWDSWEEP_FLA=SECONDS: then fla's fwd+bwd on the same inputs, with that much more time (its first backward autotunes)
   # fourteenth session's next-run item: our fwd+bwd against fla's at the `small` preset's KDA shape (B8 T4096, 8 heads
   # of 128), where the compiled training step with our backend was 2.5-4% slower (fla may autotune this shape first)
-  bwdsmall) step bwdsmall 200 python3 benchmarks/kda_bwd_sweep.py --B 8 --T 4096 --H 8 --configs default --fla \
-      --budget-s 20 --json "$OUT/kda_bwd_small.json" ;;
+  # (fifteenth session: fla's first backward at this shape autotuned past the 200 s it had: now 420, then its pack)
+  bwdsmall) step bwdsmall 420 python3 benchmarks/kda_bwd_sweep.py --B 8 --T 4096 --H 8 --configs default --fla \
+      --budget-s 20 --json "$OUT/kda_bwd_small.json"
+    step pack 60 python3 -c \
+      "import sys; sys.path.insert(0, 'benchmarks'); import fla_warmup as f; print(f.pack('$OUT/autotune.tgz'))" ;;
   bwdsweep) step bwdsweep $(( ${BWDSWEEP_BUDGET:-150} + 40 + ${BWDSWEEP_FLA:-0} )) python3 benchmarks/kda_bwd_sweep.py \
       --budget-s ${BWDSWEEP_BUDGET:-150} --json "$OUT/kda_bwd_sweep.json" ${BWDSWEEP_CONFIGS:+--configs $BWDSWEEP_CONFIGS} \
       $( [ "${BWDSWEEP_FLA:-0}" != 0 ] && echo --fla ) ;;

@@ -135,6 +135,7 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
                  NKW=0 if lc["gw"]["ATOMIC"] or lc["gv"]["DNU"] else K // lc["gw"]["BK"],
                  NDB=0 if lc["gw"]["ATOMIC"] else K // lc["gw"]["BK"], DNW=not lc["gv"]["DNU"], UPCAST=False,
+                 NSQ=K // lc["gi2"]["BK"] + K // lc["gw"]["BK"] if lc["gi2"]["RED"] else 0, RED=lc["gi2"]["RED"],
                  F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]),
                  F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"], NKI=K // lc["gi2"]["BK"],
                  SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"], AQF=not lc["gv"]["PRE"])

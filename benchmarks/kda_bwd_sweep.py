@@ -38,6 +38,15 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # its own parts and gw adding them (gi2 1.92 -> 1.43 without its scratch reads, but gw 1.89 -> 3.46: 960 B of
     # spill stack, its three extra [64, 64] reads) 10.19, with gv at BV 64 10.11, gw at 2 stages 10.30, gi2 capped
     # at 128 10.34. Also: gw at 2 stages 9.28, gw at BK 32 9.43
+    # (measured then removed, at 9.08 ms: gi2 loading its tile's rows of gw's terms before its products (EARLY) 9.22,
+    # gi2 2.06 vs 1.94, at 128 registers / uncapped 9.25 / 9.22; gw capped at 168 at 2 stages 10.73, gw 3.55; gv at BV
+    # 32 9.16)
+    ("gi2_red", {"gi2": {"RED": True}}),
+    ("gi2_red_uncapped", {"gi2": {"RED": True, "maxnreg": None}}),
+    ("gi2_red_r80", {"gi2": {"RED": True, "maxnreg": 80}}),
+    ("pmat_s2", {"pmat": {"num_stages": 2}}),
+    ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
+    ("states_s3", {"states": {"num_stages": 3}}),
     ("dn_parts", {"gv": {"DNU": False}}),
     ("gv_bv32", {"gv": {"BV": 32}}),
     ("dnu_gw_s2", {"gw": {"num_stages": 2}}),

@@ -43,6 +43,11 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   # gv forms the whole dN from u'), with atomics and stored per K block
                   ("gv_dn_parts", {"gv": {"DNU": False}}),
                   ("gv_dn_parts_no_atomic", {"gv": {"DNU": False}, "gw": {"ATOMIC": False}}),
+                  # gi2 reading gw's terms and rewriting the sums (RED off: the default until the fifteenth session,
+                  # since it adds its own by atomics), and RED with two full-tile row tiles per program at BK 32 (gw
+                  # and gi2 row-sum slots of different widths)
+                  ("gi2_no_red", {"gi2": {"RED": False}}),
+                  ("gi2_red_tpp2_bk32", {"gi2": {"RED": True, "TPP": 2, "BK": 32}}),
                   ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True, "TPP": 4}}),
                   # gv forming u' / du' itself against the stored states (the default until the twelfth session:
                   # the sequential passes store them, fp32 here: their 3-pass tf32 dots, ~fp32), and PRE with the
@@ -357,6 +362,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"BLK": "false"}})
     with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 2, "FIN": True}})
+    with pytest.raises(ValueError, match="gi2 RED .* and FIN .* exclude each other"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"RED": True, "FIN": True, "TPP": 4}})
     with pytest.raises(ValueError, match="pmat PTS=24 must be 16 or 32"):
         ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"PTS": 24}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
@@ -402,17 +409,22 @@ def test_register_caps():
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_no_atomics_under_deterministic_algorithms():
     """gw adds its dN / dbeta parts with fp32 atomics (run-to-run last bits) by default, not under
-    torch.use_deterministic_algorithms; gi2 then runs one row tile per program either way."""
+    torch.use_deterministic_algorithms; gi2 then runs one row tile per program either way. gi2's RED atomics stay:
+    one add per element onto gw's stored value, whose result does not depend on any order. FIN (gi2 finishing the
+    columns) turns the default RED off."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import launch_config
+    from k3.ops.kda.triton.ops_bwd import apply_launch, launch_config
     assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["ATOMIC"] is True
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["ATOMIC"] is False
+        assert launch_config(128, 128, 96, torch.bfloat16)["gi2"]["RED"] is True
     finally:
         torch.use_deterministic_algorithms(prev)
     assert launch_config(128, 128, 96, torch.bfloat16)["gi2"]["TPP"] == 1
+    lc = apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"gi2": {"FIN": True, "TPP": 4}})
+    assert lc["gi2"]["RED"] is False
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

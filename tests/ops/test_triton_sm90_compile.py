@@ -43,12 +43,13 @@ def _bwd_cases(kb, cb, cg):
         "dstates": dict(cb, HAS_DHT=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
         "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
         "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "USE_GATE", "L2NORM")}, UPCAST=False,
-                   DNW=not lc["gv"]["DNU"]),
+                   DNW=not lc["gv"]["DNU"], RED=lc["gi2"]["RED"], NSQ=4 if lc["gi2"]["RED"] else 0),
         "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2, AQF=not lc["gv"]["PRE"]),
         "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")},
                     F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]), F32_K=not lc["gv"]["PRE"]),
         # (gw's per-K-block parts of dN / dbeta as stored without its atomics, gv's DNU aside: the largest form)
-        "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True, SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"]),
+        "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True, SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"],
+                    NSQ=4 if lc["gi2"]["RED"] else 0),
         "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, NDB=2, FUSED=False,
                      NKI=2)}
     out = {}

@@ -527,19 +527,22 @@ def kda_bwd_gv_kernel(v, beta, do, aqf, ws, ks, states, dstates, uns, dus, cmat,
 @triton.jit
 def _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H: tl.constexpr, BT: tl.constexpr, ATOMIC: tl.constexpr):
     """gw's part of dbeta for its K block, sum_K dXk k e^G (dbx = dXk k e^G): stored per K block, or ATOMIC added
-    into gv's part."""
+    into gv's part. Returns that row sum."""
+    rs = tl.sum(dbx, 1)
     if ATOMIC:
-        tl.atomic_add(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, tl.sum(dbx, 1), sem="relaxed")
+        tl.atomic_add(cdb + (i_c * H + i_h).to(tl.int64) * BT + o_t, rs, sem="relaxed")
     else:
-        tl.store(dbp + pp + o_t, tl.sum(dbx, 1))
+        tl.store(dbp + pp + o_t, rs)
+    return rs
 
 
 @triton.jit
 def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, cdb, rqk,
-                      x1s, x2s, dgis, nkp, dbp, chunk_tok, chunk_end, scale, Ttot,
+                      x1s, x2s, dgis, nkp, dbp, sqk, chunk_tok, chunk_end, scale, Ttot,
                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, ATOMIC: tl.constexpr,
-                      INNER: tl.constexpr, EPI_ORDER: tl.constexpr, DNW: tl.constexpr):
+                      INNER: tl.constexpr, EPI_ORDER: tl.constexpr, DNW: tl.constexpr, RED: tl.constexpr = False,
+                      NSQ: tl.constexpr = 0):
     """State side. One program = one chunk of one head and BK columns of K, with S0 / dS the chunk's stored
     start state / end-state gradient: dW = -du' S0^T, dXk = T^T dW, d(q e^G) = do S0^T, d(k e^(G_l-G)) = u' dS^T
     and sum_V S0 dS. Writes (fp32) x1s = d(q e^G) e^G, x2s = dXk beta e^G + d(k e^(G_l-G)) e^(G_l-G) (the inter-
@@ -547,7 +550,10 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
     nkp = dXk W^T (part of dN) and dbp = sum_K dXk k e^G (part of dbeta); ATOMIC: those two added into gv's dN
     (cmat slot 3) and dbeta part (cdb) instead (fp32 atomics: the sum's order, so its last bits, vary between runs).
     The L2-norm row factors and the cumsum G come from the prep (rqk, gcs); grid order: `_split_pid`. Without DNW
-    (gv's DNU: its dN is already whole) no part of dN here, and W is not read."""
+    (gv's DNU: its dN is already whole) no part of dN here, and W is not read. RED (gi2's RED: gi2 then adds its
+    terms to these by atomics, without reading them): x1s is stored scaled (d(q scale)), and with NSQ > 0 (the L2
+    norm) this block's row sums sum_K qn x1, sum_K kn x2 go into sqk slots NSQ - K / BK + block of [2, NSQ, H,
+    Ttot] (gi2's own in the first slots), as gfin's one pass needs them (EPI_ORDER's order)."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, K // BK, INNER)
     i_k = _split_pid(K // BK, INNER)[1]
     o_kb = i_k * BK + tl.arange(0, BK)
@@ -592,12 +598,21 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
         qn = tl.load(q + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rq[:, None]
         x1 = d_qg * eG
         tl.debug_barrier()
-        tl.store(x1s + hkb, x1, mask=m_t[:, None])
-        dgi = x1 * (qn * scale)
+        if RED:
+            # (the row sums of gw's own terms: sum_K qn x1 is that of dgi's first term, sum_K kn x2 = beta sum_K dbx
+            # + sum_K dkk, from tiles formed anyway)
+            x1 = x1 * scale
+            tl.store(x1s + hkb, x1, mask=m_t[:, None])
+            dgi = x1 * qn
+            if NSQ > 0:
+                tl.store(sqk + ((NSQ - K // BK + i_k) * H + i_h) * Ttot + tok, tl.sum(dgi, 1), mask=m_t)
+        else:
+            tl.store(x1s + hkb, x1, mask=m_t[:, None])
+            dgi = x1 * (qn * scale)
         kn = tl.load(k + pk, mask=m_t[:, None], other=0.).to(tl.float32) * rk[:, None]
         keg = kn * eG
         dbx = dxk * keg
-        _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H, BT, ATOMIC)
+        rs_dbx = _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H, BT, ATOMIC)
         dgi += dbx * b_b[:, None]
         x2 = dxk * (b_b[:, None] * eG)
         ed = tl.exp(g_last[None, :] - G)
@@ -605,6 +620,9 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
         x2 += d_kd * ed
         tl.store(x2s + hkb, x2, mask=m_t[:, None])
         dkk = d_kd * kd
+        if RED and NSQ > 0:
+            tl.store(sqk + ((2 * NSQ - K // BK + i_k) * H + i_h) * Ttot + tok, b_b * rs_dbx + tl.sum(dkk, 1),
+                     mask=m_t)
         dgi -= dkk
         d_gl = d_gl * tl.exp(g_last) + tl.sum(dkk, 0)
     else:
@@ -613,13 +631,17 @@ def kda_bwd_gw_kernel(q, k, gcs, beta, do, ws, states, dstates, uns, dus, cmat, 
         keg = kn * eG
         dbx = dxk * keg
         _gw_dbeta(cdb, dbp, pp, i_c, i_h, o_t, dbx, H, BT, ATOMIC)
-        x1 = d_qg * eG
+        x1 = d_qg * eG * scale if RED else d_qg * eG
         kd = kn * ed
-        dgi = x1 * (qn * scale) + dbx * b_b[:, None] - d_kd * kd
+        dgi = x1 * (qn if RED else qn * scale) + dbx * b_b[:, None] - d_kd * kd
         d_gl = d_gl * tl.exp(g_last) + tl.sum(d_kd * kd, 0)
+        x2 = dxk * (b_b[:, None] * eG) + d_kd * ed
         tl.debug_barrier()
         tl.store(x1s + hkb, x1, mask=m_t[:, None])
-        tl.store(x2s + hkb, dxk * (b_b[:, None] * eG) + d_kd * ed, mask=m_t[:, None])
+        tl.store(x2s + hkb, x2, mask=m_t[:, None])
+        if RED and NSQ > 0:
+            tl.store(sqk + ((NSQ - K // BK + i_k) * H + i_h) * Ttot + tok, tl.sum(qn * x1, 1), mask=m_t)
+            tl.store(sqk + ((2 * NSQ - K // BK + i_k) * H + i_h) * Ttot + tok, tl.sum(kn * x2, 1), mask=m_t)
     # on the chunk's last token (rows past a sequence end are not stored; their g is 0, so G there is G_l)
     dgi += tl.where(row == tl.minimum(t1 - t0, BT) - 1, d_gl[None, :], 0.)
     tl.store(dgis + hkb, dgi, mask=m_t[:, None])
@@ -879,7 +901,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                        BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr,
                        FIN: tl.constexpr, SQK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
-                       INNER: tl.constexpr, BLK: tl.constexpr):
+                       INNER: tl.constexpr, BLK: tl.constexpr, RED: tl.constexpr = False, NSQ: tl.constexpr = 0):
     """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
     columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
     as in `_intra_bwd`), for the tile's rows R:
@@ -895,8 +917,12 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
     program; any TPP, FIN too): each tile's products walk the chunk in TS-row blocks, only those its causal rows /
     columns reach (blocks <= r for the row side, >= r for the column side: on average 2.5 of 4 each), with [TS, BK]
     operands loaded per block in a loop (pipelined at num_stages > 1; 1 stage measured fastest) instead of [BT, BK]
-    chunk tiles masked per tile."""
+    chunk tiles masked per tile. RED (not with FIN; gw's RED): the tile's terms are added into x1s / x2s / dgis by
+    fp32 atomic adds (one per element: the sum is gw's + gi2's, so the result does not depend on the order), never
+    read back, so no load latency sits at the tile's end; SQK then stores row sums of its own terms only (gw stores
+    its own; NSQ: the slots per q / k in sqk)."""
     NS: tl.constexpr = (BT // TS // TPP) * (K // BK)  # splits: tile groups x K blocks (grid order: `_split_pid`)
+    NQS: tl.constexpr = NSQ if NSQ > 0 else K // BK  # row-sum slots per q / k in sqk
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
     i_s = _split_pid(NS, INNER)[1]
     i_kb = i_s // (BT // TS // TPP)
@@ -953,9 +979,17 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
         rq_r, rk_r = _row_factors(rqk, tok_r, m_r, i_h, Ttot, H)
         kn_r = tl.load(k + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rk_r[:, None]
         qn_r = tl.load(q + pkr, mask=m_r[:, None], other=0.).to(tl.float32) * rq_r[:, None]
-        x1 = (tl.load(x1s + hr, mask=m_r[:, None], other=0.) + dqp) * scale
-        x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.) + dkr + dkc
-        dG = tl.load(dgis + hr, mask=m_r[:, None], other=0.) + dqp * (qn_r * scale) + kn_r * (dkr - dkc)
+        if RED:
+            x1 = dqp * scale
+            x2 = dkr + dkc
+            dG = x1 * qn_r + kn_r * (dkr - dkc)
+            tl.atomic_add(x1s + hr, x1, mask=m_r[:, None], sem="relaxed")
+            tl.atomic_add(x2s + hr, x2, mask=m_r[:, None], sem="relaxed")
+            tl.atomic_add(dgis + hr, dG, mask=m_r[:, None], sem="relaxed")
+        else:
+            x1 = (tl.load(x1s + hr, mask=m_r[:, None], other=0.) + dqp) * scale
+            x2 = tl.load(x2s + hr, mask=m_r[:, None], other=0.) + dkr + dkc
+            dG = tl.load(dgis + hr, mask=m_r[:, None], other=0.) + dqp * (qn_r * scale) + kn_r * (dkr - dkc)
         if FIN:
             dG = tl.where(m_r[:, None], dG, 0.)
             dgs = carry[None, :] + tl.sum(dG, 0)[None, :] - tl.cumsum(dG, axis=0) + dG
@@ -972,12 +1006,13 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
                 tl.store(dq + pkr, x1.to(dq.dtype.element_ty), mask=m_r[:, None])
                 tl.store(dk + pkr, x2.to(dk.dtype.element_ty), mask=m_r[:, None])
         else:
-            tl.store(dgis + hr, dG, mask=m_r[:, None])
-            tl.store(x1s + hr, x1, mask=m_r[:, None])
-            tl.store(x2s + hr, x2, mask=m_r[:, None])
+            if not RED:
+                tl.store(dgis + hr, dG, mask=m_r[:, None])
+                tl.store(x1s + hr, x1, mask=m_r[:, None])
+                tl.store(x2s + hr, x2, mask=m_r[:, None])
             if SQK:
                 tl.store(sqk + (i_kb * H + i_h) * Ttot + tok_r, tl.sum(qn_r * x1, 1), mask=m_r)
-                tl.store(sqk + (((K // BK) + i_kb) * H + i_h) * Ttot + tok_r, tl.sum(kn_r * x2, 1), mask=m_r)
+                tl.store(sqk + ((NQS + i_kb) * H + i_h) * Ttot + tok_r, tl.sum(kn_r * x2, 1), mask=m_r)
     if FIN and USE_GATE:
         tl.store(dal_part + (i_c * H + i_h) * K + i_kb, d_al)
         tl.store(ddt_part + (i_c * H + i_h) * K + o_kb, d_dt)

@@ -144,7 +144,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # (thirteenth session; at 2 / 3 pipeline stages 2.40 / 2.28, capped at 96 registers 2.23). With more tiles
         # per program (fourteenth session, first allowed then): TPP 2 / 4 gi2 2.33 ms vs 2.10 at 1, FIN (TPP 4, 243
         # registers) 4.32 (backward 11.95 vs 10.15, gfin's part gone)
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=True),
+        # RED: gi2 adds its terms into gw's by fp32 atomic adds (one add per element onto gw's stored value, so the
+        # result does not depend on their order: kept under deterministic algorithms) instead of reading and
+        # rewriting them; gw stores the row sums of its own terms for gfin's one pass: gi2 1.92 -> 1.64 ms, gw 1.89 ->
+        # 2.05, backward 9.04 -> 8.90 at B1 T8K H96 (fifteenth session; gw's row sums from x2 itself: 2.07, 8.98)
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=True, RED=True),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
         # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
@@ -202,15 +206,16 @@ def env_launch() -> dict:
 
 # the on / off launch parameters (a string such as "false" would otherwise count as on)
 BOOL_PARAMS = frozenset({"REFLOAD", "FACTOR", "INNER", "PRE", "PRE_F32", "ATOMIC", "EPI_ORDER", "FIN", "BLK",
-                         "ONEPASS", "DNU"})
+                         "ONEPASS", "DNU", "RED"})
 
 
 def apply_launch(lc: dict, *overrides) -> dict:
     """`launch_config` result lc with each override dict ({kernel: {param: value}}, None = none) applied in order;
     unknown kernels or parameters are refused by name. gi2's default BLK (with its one row tile per program) gives
     way to an override asking for TPP > 1 or FIN without asking for BLK (so those rows keep their former, full-tile
-    products), and so does its default register cap (sized for one tile) unless maxnreg is asked for too."""
-    blk_asked = nreg_asked = False
+    products), and so does its default register cap (sized for one tile) unless maxnreg is asked for too; its
+    default RED gives way to FIN unless RED is asked for too (then refused: they exclude each other)."""
+    blk_asked = nreg_asked = red_asked = False
     for over in overrides:
         for name, params in (over or {}).items():
             if name not in lc:
@@ -226,7 +231,10 @@ def apply_launch(lc: dict, *overrides) -> dict:
             lc[name] = {**lc[name], **params}
             blk_asked |= name == "gi2" and "BLK" in params
             nreg_asked |= name == "gi2" and "maxnreg" in params
+            red_asked |= name == "gi2" and "RED" in params
     gi2 = lc.get("gi2")
+    if gi2 is not None and gi2["FIN"] and gi2.get("RED") and not red_asked:
+        gi2 = lc["gi2"] = {**gi2, "RED": False}  # (FIN finishes the columns itself: nothing to add into)
     if gi2 is not None and (gi2["TPP"] != 1 or gi2["FIN"]):
         if gi2.get("BLK") and not blk_asked:
             gi2 = lc["gi2"] = {**gi2, "BLK": False}
@@ -312,6 +320,9 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             n = c.get("maxnreg")
             if n is not None and not (isinstance(n, int) and 24 <= n <= 255):
                 raise ValueError(f"kda_chunk_bwd: {name} maxnreg={n!r}: expected None or an int in [24, 255]")
+        if lc["gi2"]["RED"] and lc["gi2"]["FIN"]:
+            raise ValueError("kda_chunk_bwd: gi2 RED (its terms added by atomics) and FIN (it finishes the columns) "
+                             "exclude each other")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         pts = lc["pmat"]["PTS"]
@@ -416,29 +427,33 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     dgis = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     nkp = torch.empty(NC, H, NKW, BT, BT, device=dev, dtype=torch.float32) if NKW else cdb
     dbp = torch.empty(NC, H, NDB, BT, device=dev, dtype=torch.float32) if NDB else cdb
-    _k.kda_bwd_gw_kernel[_split_grid(NC, H, NKB, lc["gw"]["INNER"])](
-        qc, kc, gcs, bc, doc, x1s if ws is None else ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis,
-        nkp, dbp, ctok, cend, scale, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, DNW=not dnu,
-        **_kw(lc["gw"]))
-    _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     gate = dict(USE_GATE=const["USE_GATE"], L2NORM=const["L2NORM"])
     BKI = lc["gi2"]["BK"]
     NKI = K // BKI
     # FIN: gi2 (all of a chunk's row tiles per program) also finishes the columns (dg, the gate, dq / dk or their
     # pre-norm form with row-sum partials sqk), leaving dbeta and the L2 norm's backward to gfin
     fused = bool(lc["gi2"]["FIN"])
+    # RED: gi2 adds its terms into gw's by atomics; with the L2 norm gw and gi2 then store the row-sum partials of
+    # their own terms (NSQ slots per q / k: gi2's NKI, then gw's NKB)
+    red = bool(lc["gi2"]["RED"])
     # gfin's ONEPASS: gi2 (without FIN) stores the same row-sum partials (its SQK), so gfin finishes dq / dk in its one
     # pass over the columns
     onepass = bool(lc["gfin"]["ONEPASS"]) and not fused and const["L2NORM"]
-    sqk = torch.empty(2, NKI, H, Tt, device=dev, dtype=torch.float32) if (fused or onepass) and const["L2NORM"] \
+    NSQ = NKI + NKB if red and onepass else NKI
+    sqk = torch.empty(2, NSQ, H, Tt, device=dev, dtype=torch.float32) if (fused or onepass) and const["L2NORM"] \
         else cdb
+    _k.kda_bwd_gw_kernel[_split_grid(NC, H, NKB, lc["gw"]["INNER"])](
+        qc, kc, gcs, bc, doc, x1s if ws is None else ws, states, dstates, uns, dus, cmat, cdb, rqk, x1s, x2s, dgis,
+        nkp, dbp, sqk, ctok, cend, scale, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, UPCAST=upcast, DNW=not dnu, RED=red,
+        NSQ=NSQ if red and onepass else 0, **_kw(lc["gw"]))
+    _nonfinite(x1s=x1s, x2s=x2s, dgis=dgis, nkp=nkp, dbp=dbp)
     _k.kda_bwd_gi2_kernel[_split_grid(NC, H, (BT // const["TS"] // lc["gi2"]["TPP"]) * NKI, lc["gi2"]["INNER"])](
         qc, kc, gc, bc, a_log, dtb, cmat, nkp, gcs, rqk, x1s, x2s, dgis, dq, dk, dg, dal_part, ddt_part, sqk,
         ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, TS=const["TS"], REF=const["REF"], NKW=NKW, IEEE=ieee, SQK=onepass,
-        **gate, **_kw(lc["gi2"]))
+        NSQ=NSQ, **gate, **_kw(lc["gi2"]))
     _k.kda_bwd_gfin_kernel[(NC, H)](
         qc, kc, gc, bc, a_log, dtb, cmat, cdb, nkp, dbp, x1s, x2s, dgis, rqk, sqk, dq, dk, dg, dbeta, dal_part,
-        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, NDB=NDB, FUSED=fused, NKI=NKI, **gate,
+        ddt_part, ctok, cend, scale, lb, Tt, H=H, K=K, BT=BT, NKW=NKW, NDB=NDB, FUSED=fused, NKI=NSQ, **gate,
         **{**_kw(lc["gfin"]), "ONEPASS": onepass})
 
 
