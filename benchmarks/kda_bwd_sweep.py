@@ -41,9 +41,10 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # (measured then removed, at 9.08 ms: gi2 loading its tile's rows of gw's terms before its products (EARLY) 9.22,
     # gi2 2.06 vs 1.94, at 128 registers / uncapped 9.25 / 9.22; gw capped at 168 at 2 stages 10.73, gw 3.55; gv at BV
     # 32 9.16)
-    ("gi2_red", {"gi2": {"RED": True}}),
-    ("gi2_red_uncapped", {"gi2": {"RED": True, "maxnreg": None}}),
-    ("gi2_red_r80", {"gi2": {"RED": True, "maxnreg": 80}}),
+    # gi2 adding its terms by atomics (RED, the default since) against reading and rewriting them: 8.90 ms vs 9.04
+    # (gi2 1.92 -> 1.64, gw 1.89 -> 2.05 with its row sums; those from x2 itself: 2.07, 8.98); gi2 RED capped at 80
+    # registers 9.06 (gi2 1.79); pmat at 2 stages 9.08 vs 9.08, pwu uncapped 9.11-9.12, states at 3 stages 9.15
+    ("gi2_no_red", {"gi2": {"RED": False}}),
     ("pmat_s2", {"pmat": {"num_stages": 2}}),
     ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
     ("states_s3", {"states": {"num_stages": 3}}),

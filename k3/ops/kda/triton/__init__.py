@@ -44,31 +44,37 @@ while a 64-token span may decay by e^-320). Nothing is recomputed:
    the L2-norm factors, in fp32 (Aq also in the input dtype for step 4), and the chunk-local cumsum G (fp32) that
    every later kernel reads instead of recomputing the gate.
 2. `kda_bwd_pwu_kernel` (chunk, head, column block): q e^G, k e^(G_l - G), W, U, e^(G_l) for the sequential passes
-   (input dtype), and W in fp32 for the gradient kernels.
+   (input dtype).
 3. `kda_bwd_states_kernel` (sequence, head, V block), sequential: the fp32 state at every chunk start, and u' = U -
    W S (W S against the fp32 state as two bf16 products, ~16 mantissa bits).
 4. `kda_bwd_dstates_kernel` (sequence, head, V block), reverse sequential from dht: the fp32 state gradient at
    every chunk end, du' = Aq^T do + (k e^(G_l - G)) dS, dS <- e^(G_l) dS + (q e^G)^T do - W^T du'; ends with dh0.
-5. `kda_bwd_gv_kernel` (chunk, head): value side per value block from the passes' u' / du': dv, dAq and the value
-   parts of dN / dbeta.
-6. `kda_bwd_gw_kernel` (chunk, head, K block): dXk, the state-side dq / dk / dG terms, a partial dN per K block.
-7. `kda_bwd_gi2_kernel` (chunk, head, K block; its 16-row tiles in a loop): the intra-chunk backward of
-   everything landing on each tile's rows, from [16, 64] slices of dAq / dL.
+5. `kda_bwd_gv_kernel` (chunk, head): value side per value block from the passes' u' / du': dXv = T^T du', dv, dAq,
+   the whole dN = -tril(dXv u'^T) (gw's former part dXk W^T is -dXv (U - u')^T, since W S0 = U - u') and the
+   value part of dbeta.
+6. `kda_bwd_gw_kernel` (chunk, head, K block): dXk, the state-side dq / dk / dG terms (fp32 scratch) and their L2-norm
+   row sums, its dbeta part (atomics).
+7. `kda_bwd_gi2_kernel` (chunk, head, 16-row tile, K block): the intra-chunk backward of everything landing on the
+   tile's rows, walking the chunk in 16-row blocks, added into gw's terms by fp32 atomic adds (one per element:
+   order-independent) rather than read and rewritten.
 8. `kda_bwd_gfin_kernel` (chunk, head): dbeta, dg through the suffix sum and the gate (per-chunk partials of
    dA_log / ddt_bias that torch sums), dq / dk through the L2 norm and the q scale.
 Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K = V = 128) plus ~6.8 KB of fp32 scratch
 per token-head at K = V = 128 (~43 GB at B8 T8K H96). Measured on the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md):
 19.5 ms in the fifth session, 17.3-17.5 ms in the ninth (the one-pass tf32 inverse), 16.0 in the tenth, 15.2 in the
 eleventh, 11.9 in the twelfth (u' / du' from the sequential passes, dstates in one wave, pwu under a register cap,
-the stored cumsum instead of recomputed gates in gw / gi2 / pwu); fwd+bwd 0.88-0.93× fla's at B1 T8K / T32K / T128K
-and varlen 64K (at 12.2 ms; ~0.91× at T8K with 11.9), at a peak memory 1.07× fla's (103.6 vs 97.0 GB at T128K).
+the stored cumsum instead of recomputed gates in gw / gi2 / pwu), 10.2 in the thirteenth, 9.7 in the fourteenth,
+8.9 in the fifteenth (the whole dN in gv, gi2 adding by atomics); fwd+bwd 1.16-1.24× fla's at B1 T8K / T32K / T128K
+and varlen 64K in one process (fifteenth session), at a peak memory below fla's (94.2 vs 97.0 GB at T128K).
 Launch parameters: `ops_bwd.launch_config`, overridden per call (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g.
 '{"pmat": {"INV_PREC": "tf32x3"}}'; every kernel also takes "maxnreg"). Opt-in: the scratch in bf16
 (`ops_bwd.SCRATCH_INPUT_LAUNCH`: 11.5 ms vs 12.2, dk / dv up to ~1.2e-2 in the interpreter's small-head cases), gv
 forming u' / du' itself in fp32 against the stored states ('{"gv": {"PRE": false}}': the default until the twelfth
 session, ~1.7 ms slower, ~2/3 of the default's dq / dk / dv error in the interpreter), the passes against the state's
 bf16 rounding ('{"gv": {"PRE_F32": false}}': dv ~9e-3 there), gi2 finishing the columns ('{"gi2": {"FIN": true}}':
-slower) and gw adding its dN / dbeta parts with atomics ('{"gw": {"ATOMIC": true}}': no faster). The earlier
+slower), the states / state gradients alone in bf16 ('{"scratch": {"DTYPE": "states"}}': -0.27 ms, dk ~8.8e-3 in the
+interpreter's small-head cases). gw's dbeta atomics (order-dependent last bits) are off under
+torch.use_deterministic_algorithms; gi2's (order-independent) stay. The earlier
 recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and was removed, as were the per-chunk intra backward (gi,
 9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms), gv reloading
 T per value block (3.26 vs 2.98 ms), the states pass on a side stream and bf16 x1s / x2s (no gain). Their numbers stay

@@ -498,11 +498,13 @@ def _value_side(v, do, states, dstates, ws, ks, uns, dus, cmat, cdb, dv, Tm, AqT
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Gradient kernels. The prep (pmat + pwu) keeps T, tril_-1(L), tril(Aq), W and k e^(G_l - G) in fp32, so no chunk
-# is recomputed; the work is split so that each kernel holds few tiles (several programs per SM):
-#   gv (chunk, head)           value side (`_value_side`): u', du', dv, dAq, the value part of dN and dbeta
+# Gradient kernels. The prep (pmat + pwu) keeps T, tril_-1(L), tril(Aq) (and without gv's PRE / DNU W and
+# k e^(G_l - G)) in fp32, so no chunk is recomputed; the work is split so that each kernel holds few tiles (several
+# programs per SM):
+#   gv (chunk, head)           value side (`_value_side`): (u', du',) dv, dAq, dN (whole with DNU, else its value
+#                              part) and the value part of dbeta
 #   gw (chunk, head, K block)  the state side per K block: dW -> dXk, d(q e^G), d(k e^(G_l - G)), their dG terms,
-#                              partial dN (dXk W^T) and dbeta per K block
+#                              dbeta per K block (and without DNU the partial dN dXk W^T)
 #   gi2 (chunk, head, tile, K block) + gfin (chunk, head): the intra-chunk backward from dAq and dL = diag(beta) dN,
 #                              dG -> dg (gate), dq, dk through the L2 norm
 # ---------------------------------------------------------------------------------------------------------------

@@ -4,14 +4,17 @@
 1. kda_bwd_pmat_kernel    (chunk, head)              T, tril_-1(L), tril(Aq) (fp32 and intermediate dtype), norms,
                                                      the cumsum G (fp32, read by every later chunk kernel)
 2. kda_bwd_pwu_kernel     (chunk, head, col. block)  q e^G, k e^(G_l - G), W, U (sequential passes' operands) and
-                                                     W in fp32 (k e^(G_l - G) too without gv's PRE)
+                                                     without gv's PRE / DNU W, k e^(G_l - G) in fp32
 3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32), and
                                                      u' = U - W S (gv's PRE)
 4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), dh0, and du' (PRE)
-5. kda_bwd_gv_kernel      (chunk, head)              value side: dv, dAq, value parts of dN / dbeta (and u', du'
-                                                     without PRE)
-6. kda_bwd_gw_kernel      (chunk, head, K block)     state side: dXk, the state terms of dq / dk / dG, partial dN
-7. kda_bwd_gi2_kernel     (chunk, head, tile, K blk) intra-chunk backward of each 16-row tile
+5. kda_bwd_gv_kernel      (chunk, head)              value side: dv, dAq, dN (whole with DNU), the value part of
+                                                     dbeta (and u', du' without PRE)
+6. kda_bwd_gw_kernel      (chunk, head, K block)     state side: dXk, the state terms of dq / dk / dG (and their
+                                                     L2-norm row sums with gi2's RED), its dbeta part (partial dN
+                                                     without DNU)
+7. kda_bwd_gi2_kernel     (chunk, head, tile, K blk) intra-chunk backward of each 16-row tile, added into gw's terms
+                                                     (RED: by atomics)
 8. kda_bwd_gfin_kernel    (chunk, head)              dbeta, dg (suffix sum, gate), dq / dk through the L2 norm
 then sums the per-chunk partials of dA_log / ddt_bias in torch. `gpu_selfcheck()` compares against the torch
 path on a CUDA device at K3 head shapes.
@@ -120,8 +123,8 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # selfcheck dq 3.07e-3, dv 2.44e-3 (2.76e-3 / 2.12e-3 without PRE). PRE=False: the former default
         # DNU: gv forms the whole dN as sum_V dXv u'^T (= dXv U^T + dXk W^T, since W S0 = U - u'), so gw adds no
         # part of dN (no dXk W^T product, no atomics, W not read) and pwu writes no fp32 copy of W (fifteenth
-        # session)
-        # BV 64 with DNU (gv lighter: no U, no W): 0.71 ms vs 0.78 at BV 32 (fifteenth session)
+        # session: backward 9.76 -> 9.18 ms at B1 T8K H96, gw 2.19 -> 1.89, gv 0.99 -> 0.79, pwu 0.76 -> 0.66); then
+        # BV 64 (gv lighter: no U): 0.71 ms vs 0.78 at BV 32
         gv=dict(BV=min(V, 64), BK=min(K, 32), num_warps=4, num_stages=1, PRE=True, PRE_F32=True, DNU=True),
         # gw: BK 64 / 4 warps 3.01 ms vs 3.78 at 8 warps (tenth session), 4.33 at BK 32 / 4 warps
         # ATOMIC: its per-K-block parts of dN / dbeta added into gv's (fp32 atomics) instead of stored for gi2 and
@@ -256,7 +259,8 @@ def _kw(cfg: dict, *drop) -> dict:
 
 
 def kernel_table(kb=_k):
-    """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head, the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
+    """(launch_config key, kernel, kind) of the backward kernels in launch order; kind: "chunk" (per chunk and head,
+    the chunk constexprs) or "states"/"dstates" (the sequential passes)."""
     return [("pmat", kb.kda_bwd_pmat_kernel, "chunk"), ("pwu", kb.kda_bwd_pwu_kernel, "chunk"),
             ("states", kb.kda_bwd_states_kernel, "states"), ("dstates", kb.kda_bwd_dstates_kernel, "dstates"),
             ("gv", kb.kda_bwd_gv_kernel, "chunk"), ("gw", kb.kda_bwd_gw_kernel, "chunk"),
@@ -352,8 +356,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         # PRE only gw reads W (not with gv's DNU either) and nothing k e^(G_l - G) (gw's fp32 x1s / x2s are then
         # allocated by _grads); the fp32 Aq only without PRE (gv forming du'; fourteenth session: pmat 1.78 -> 1.75
         # ms, backward 10.24 -> 10.16 at B1 T8K H96, and 201 MB less at T8K, 3.2 GB at T128K)
-        need_w = not (pre and lc["gv"]["DNU"])
-        ws = torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk and need_w else w if need_w else None
+        if pre and lc["gv"]["DNU"]:
+            ws = None  # (nothing reads W after the passes)
+        else:
+            ws = torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else w
         ks = None if pre else torch.empty(H, Tt, K, device=dev, dtype=torch.float32) if f32_wk else kd
         aqf = cmat if pre else torch.empty(NC, H, BT, BT, device=dev, dtype=torch.float32)
         gcs = torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
@@ -362,10 +368,11 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             qc, kc, gc, bc, a_log, dtb, aq, cmat, aqf, rqk, gcs, ctok, cend, float(scale), lb, Tt, **_kw(lc["pmat"]),
             AQF=not pre, **{n: c for n, c in const.items() if n != "V"})  # (PTS: checked above)
         pw = lc["pwu"]
+        wsa = w if ws is None else ws  # (pwu's fp32 W / k e^(G_l - G) slots: unused without F32_W / F32_K)
         _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + V // pw["BV"], pw["INNER"])](
-            qc, kc, vc, bc, qg, kd, w, u, eg, cmat, w if ws is None else ws, (w if ws is None else ws) if ks is None
-            else ks, gcs, rqk, ctok, cend, float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee,
-            F32_W=f32_wk and need_w, F32_K=f32_wk and not pre, **_kw(pw))
+            qc, kc, vc, bc, qg, kd, w, u, eg, cmat, wsa, wsa if ks is None else ks, gcs, rqk, ctok, cend,
+            float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, F32_W=f32_wk and ws is not None,
+            F32_K=f32_wk and not pre, **_kw(pw))
         # the per-chunk states / state gradients: at the scratch dtype, or with "states" alone at the input dtype
         states = torch.empty(NC, H, K, V, device=dev, dtype=dt if scr == "states" else sdt)
         dstates = torch.empty_like(states)
@@ -409,6 +416,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     if uns is None:  # the W / U scratch dtype
         uns, dus = (torch.empty(H, Tt, V, device=dev, dtype=ws.dtype) for _ in range(2))
     dnu = bool(lc["gv"]["DNU"])
+    # (ws / ks: gv reads them only without PRE; uns stands in)
     _k.kda_bwd_gv_kernel[(NC, H)](vc, bc, doc, aqf, uns if ws is None else ws, uns if ks is None else ks, states,
                                   dstates, uns, dus, cmat, cdb, dv, ctok, cend, Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee,
                                   UPCAST=upcast, **_kw(lc["gv"], "PRE_F32"))  # (PRE_F32: for the passes above)
