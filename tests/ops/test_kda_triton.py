@@ -411,3 +411,25 @@ def test_pipe_auto_rule():
     assert ops.pipe_tokens(auto, "c64f", 4 * n, 96) == 0                   # no separate prep
     assert ops.pipe_tokens(ops.state_config(dict(pipe=0)), "c16", 4 * n, 96) == 0
     assert ops.pipe_tokens(ops.state_config(dict(pipe=512)), "c16", 1000, 5000) == 512
+
+
+def test_fixed_length_tables_built_once_per_shape():
+    """Without cu_seqlens the device chunk tables are built once per (B, T, chunk, device) and reused (no host
+    work or host-to-device copy per call); they equal a fresh build; varlen tables are built per call."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    import torch
+    from k3.ops.kda.triton import ops
+    ops._FIXED_TABLES.clear()
+    a = ops._seq_tables(3, 100, None, "cpu", 16)
+    b = ops._seq_tables(3, 100, None, "cpu", 16)
+    assert all(x is y for x, y in zip(a[:4], b[:4])) and a[4:] == b[4:] == (3, 21)
+    cu = torch.tensor([0, 100, 200, 300])
+    fresh = ops._seq_tables(1, 300, cu, "cpu", 16)  # the same boundaries as varlen: built, not cached
+    assert all(torch.equal(x, y) for x, y in zip(a[:4], fresh[:4])) and fresh[4:] == a[4:]
+    assert ops._seq_tables(1, 300, cu, "cpu", 16)[1] is not fresh[1]
+    c = ops._seq_tables(3, 100, None, "cpu", 64)  # another chunk length: its own entry
+    assert c[5] == 6 and len(ops._FIXED_TABLES) == 2
+    for t in range(ops._FIXED_TABLES_MAX + 5):  # bounded: the oldest shapes go
+        ops._seq_tables(1, 16 * (t + 1), None, "cpu", 16)
+    assert len(ops._FIXED_TABLES) == ops._FIXED_TABLES_MAX

@@ -219,14 +219,36 @@ def _chunk_tables(starts: torch.Tensor, ends: torch.Tensor, bt: int):
     return starts[seq_of] + j * bt, ends[seq_of], seq_chunk, NC
 
 
+# device chunk tables of fixed-length batches (no cu_seqlens), per (kind, B, T, chunk, ..., device): built on the host
+# and copied once per shape instead of on every call (a training step repeats the same shapes in every KDA layer's
+# forward, recomputed forward and backward; a copy from pageable host memory may wait for the stream)
+_FIXED_TABLES: "dict[tuple, tuple]" = {}
+_FIXED_TABLES_MAX = 64
+
+
+def _fixed_tables(key: tuple, build):
+    """build() for a fixed-length batch's tables, cached under key (at most _FIXED_TABLES_MAX shapes, oldest out)."""
+    hit = _FIXED_TABLES.get(key)
+    if hit is None:
+        hit = build()
+        if len(_FIXED_TABLES) >= _FIXED_TABLES_MAX:
+            _FIXED_TABLES.pop(next(iter(_FIXED_TABLES)))
+        _FIXED_TABLES[key] = hit
+    return hit
+
+
 def _seq_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], device, bt: int = BT, cu_cpu=None):
     """(cu int32 [N+1] on device, chunk_tok/chunk_end int32 [NC], seq_chunk int32 [N+1], N, NC) for bt-token
     chunks: chunk c covers tokens [chunk_tok[c], min(chunk_tok[c] + bt, chunk_end[c])), sequence-major order.
-    cu_cpu: _cu_cpu(B, T, cu_seqlens) when the caller has it."""
-    cu_cpu = _cu_cpu(B, T, cu_seqlens) if cu_cpu is None else cu_cpu
-    chunk_tok, chunk_end, seq_chunk, NC = _chunk_tables(cu_cpu[:-1], cu_cpu[1:], bt)
-    to = lambda x: x.to(torch.int32).to(device, non_blocking=True)
-    return to(cu_cpu), to(chunk_tok), to(chunk_end), to(seq_chunk), cu_cpu.numel() - 1, NC
+    cu_cpu: _cu_cpu(B, T, cu_seqlens) when the caller has it. Without cu_seqlens: built once per (B, T, bt, device)."""
+    def build():
+        cpu = _cu_cpu(B, T, cu_seqlens) if cu_cpu is None else cu_cpu
+        chunk_tok, chunk_end, seq_chunk, NC = _chunk_tables(cpu[:-1], cpu[1:], bt)
+        to = lambda x: x.to(torch.int32).to(device, non_blocking=True)
+        return to(cpu), to(chunk_tok), to(chunk_end), to(seq_chunk), cpu.numel() - 1, NC
+    if cu_seqlens is None:
+        return _fixed_tables(("seq", B, T, bt, str(torch.device(device))), build)
+    return build()
 
 
 def pipe_tokens(scfg: dict, variant: str, max_len: int, n_pairs: int, bt: int = BT) -> int:
@@ -444,17 +466,23 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
         perm = perm.to(q.device)
         h0 = h0.index_select(0, perm) if h0 is not None else None
     ht_user, ht = ht, (torch.empty_like(ht) if ht is not None and perm is not None else ht)
-    tabs, blobs = [], []
-    off = 0
-    for p in range(P):  # every table of every piece in one int32 host tensor, one copy to the device
-        s = starts + lens.clamp(max=p * piece)
-        e = starts + lens.clamp(max=(p + 1) * piece)
-        ctok, cend, seq_chunk, NC = _chunk_tables(s, e, bt)
-        parts = (torch.stack([s, e], 1).reshape(-1), ctok, cend, seq_chunk)
-        tabs.append((off, NC, [x.numel() for x in parts]))
-        blobs += parts
-        off += NC
-    dev_tab = torch.cat(blobs).to(torch.int32).to(q.device, non_blocking=True)
+
+    def build():
+        tabs, blobs = [], []
+        off = 0
+        for p in range(P):  # every table of every piece in one int32 host tensor, one copy to the device
+            s = starts + lens.clamp(max=p * piece)
+            e = starts + lens.clamp(max=(p + 1) * piece)
+            ctok, cend, seq_chunk, NC = _chunk_tables(s, e, bt)
+            parts = (torch.stack([s, e], 1).reshape(-1), ctok, cend, seq_chunk)
+            tabs.append((off, NC, [x.numel() for x in parts]))
+            blobs += parts
+            off += NC
+        return tabs, off, torch.cat(blobs).to(torch.int32).to(q.device, non_blocking=True)
+    if fixed_T is not None and perm is None:
+        tabs, off, dev_tab = _fixed_tables(("pipe", B, T, bt, piece, str(q.device)), build)
+    else:
+        tabs, off, dev_tab = build()
     inter = _alloc_inter(q, v, off, bt)
     eg_all = inter[5]
     cuda = q.is_cuda
