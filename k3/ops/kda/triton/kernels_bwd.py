@@ -1027,11 +1027,11 @@ def kda_bwd_gfin_kernel(q, k, g, beta, A_log, dt_bias, cmat, cdb, nkp, dbp, x1s,
                         NDB: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr, FUSED: tl.constexpr,
                         NKI: tl.constexpr, ONEPASS: tl.constexpr):
     """After gi2: per chunk and head, dbeta (value part + gw's NDB partials + sum_i dN_ti L_ti; dN with gw's NKW
-    partials), and per BK columns
-    dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s / x2s. FUSED (gi2 finished
-    the columns): with the L2 norm only dq / dk from x1s / x2s and gi2's NKI row-sum partials in sqk. ONEPASS (gi2's
-    SQK wrote those partials, with the L2 norm): dq / dk in the same pass over the columns as dg, instead of the
-    row sums first and a second read of q / k / x1s / x2s."""
+    partials), and per BK columns dG -> dg (suffix sum, gate), dq / dk from the pre-norm gradients gi2 left in x1s /
+    x2s. FUSED (gi2 finished the columns): with the L2 norm only dq / dk from x1s / x2s and gi2's NKI row-sum
+    partials in sqk. ONEPASS (gi2's SQK wrote those partials, with gi2's RED gw some of the NKI too; with the L2
+    norm): dq / dk in the same pass over the columns as dg, instead of the row sums first and a second read of q /
+    k / x1s / x2s."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     pc0 = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT
     pp = (i_c * H + i_h).to(tl.int64) * NKW * BT
