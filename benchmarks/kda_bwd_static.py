@@ -137,7 +137,8 @@ def cases(H, N, K, V, dtype=torch.bfloat16):
                  NDB=0 if lc["gw"]["ATOMIC"] else K // lc["gw"]["BK"], DNW=not lc["gv"]["DNU"], UPCAST=False,
                  NSQ=K // lc["gi2"]["BK"] + K // lc["gw"]["BK"] if lc["gi2"]["RED"] else 0, RED=lc["gi2"]["RED"],
                  F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]),
-                 F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"], NKI=K // lc["gi2"]["BK"],
+                 F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"],
+                 NKI=K // lc["gi2"]["BK"] + (K // lc["gw"]["BK"] if lc["gi2"]["RED"] else 0),
                  SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"], AQF=not lc["gv"]["PRE"])
     seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"],
                SF32=lc["gv"]["PRE"] and lc["gv"]["PRE_F32"])

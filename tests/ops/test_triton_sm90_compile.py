@@ -51,7 +51,7 @@ def _bwd_cases(kb, cb, cg):
         "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True, SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"],
                     NSQ=4 if lc["gi2"]["RED"] else 0),
         "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, NDB=2, FUSED=False,
-                     NKI=2)}
+                     NKI=4 if lc["gi2"]["RED"] else 2)}
     out = {}
     for name, c in consts.items():
         launch = dict(lc[name])  # (lc["scratch"] is not a kernel)
