@@ -85,6 +85,11 @@ for stage in "$@"; do case $stage in
            -k 'regex:_${kn}_kernel' > '$NR/src/$kn.csv' 2>&1; wc -c '$NR/src/$kn.csv'"
        done
        tar czf "$OUT/ncu_sass.tgz" -C $NR/src . ;;
+  # sixteenth session: the sequential passes run next to the parallel kernels (a pipelined backward's potential)
+  overlap) step overlap 200 python3 benchmarks/kda_bwd_overlap.py ${OVERLAP_ARGS:-} ;;
+  # sixteenth session: gradient accuracy of our backward (per scratch dtype) and fla against the fp64 token loop on
+  # the same inputs (the interpreter tests' bf16 cases and K3-shaped ones: calibrates the bf16 tolerances)
+  bwdacc) step bwdacc ${BWDACC_BUDGET:-300} python3 benchmarks/kda_bwd_accuracy.py ${BWDACC_ARGS:-} ;;
   bwdnan) step bwdnan 120 python3 benchmarks/kda_bwd_nan.py ;;
   bwd) step bwd $(( ${KDAFB_BUDGET:-150} + 30 )) python3 benchmarks/kda_triton.py --bwd-only --shapes B8_T8K \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-150} ;;

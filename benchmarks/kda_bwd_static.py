@@ -95,6 +95,11 @@ SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
 
 
 def _signature(fn, consts, dtype="bf16"):
+    """Argument types as launched at `dtype` token inputs (the default scratch's pointers in that dtype)."""
+    from k3.ops.kda.triton import ops_bwd as ob
+    lowp = dtype in ("bf16", "fp16")
+    t = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[dtype]
+    scratch = ob.SCRATCH_PTRS[ob.launch_config(128, 128, 1, t)["scratch"]["DTYPE"]] if lowp else ()
     sig = {}
     for n in fn.arg_names:
         if n in consts:
@@ -103,7 +108,7 @@ def _signature(fn, consts, dtype="bf16"):
             sig[n] = SCALARS[n]
         elif n in I32_PTRS:
             sig[n] = "*i32"
-        elif n in F32_PTRS:
+        elif n in F32_PTRS and n not in scratch:
             sig[n] = "*fp32"
         else:
             sig[n] = f"*{dtype}"

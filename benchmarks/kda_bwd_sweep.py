@@ -44,6 +44,19 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # gi2 adding its terms by atomics (RED, the default since) against reading and rewriting them: 8.90 ms vs 9.04
     # (gi2 1.92 -> 1.64, gw 1.89 -> 2.05 with its row sums; those from x2 itself: 2.07, 8.98); gi2 RED capped at 80
     # registers 9.06 (gi2 1.79); pmat at 2 stages 9.08 vs 9.08, pwu uncapped 9.11-9.12, states at 3 stages 9.15
+    # sixteenth session (B1 T8K H96): the scratch and per-chunk states in the input dtype (the default since at bf16 /
+    # fp16 inputs) against the fp32 scratch: 8.37 ms vs 8.95 (states 0.63 -> 0.46, dstates 0.85 -> 0.59, gw 2.05 ->
+    # 1.91); the states alone in bf16 8.63. At the bf16 default (8.36-8.37 ms): gw on 8 warps 8.52-8.55 (gw 2.12; 213
+    # registers, 1 CTA per SM), 8 warps at 4 stages 8.49, 8 warps at BV 64 / 2 stages 8.49, 8 warps capped at 128
+    # registers 8.42 (gw 1.99), 4 stages 8.37, 2 stages 8.57, BV 64 8.87; states at BV 32 8.55, at BV 128 / 8 warps
+    # 8.50; dstates at 1 stage 8.77, at BV 64 / 4 warps 8.49. Measured then removed (fp32 scratch, 8.90-8.98 ms): gi2's
+    # column-side [16, 16] blocks of dAq / dL loaded row-contiguous and transposed in the dot instead of gathered
+    # transposed (ncu: gi2 at 84% of its L1 throughput) 8.93 vs 8.90 (gi2 1.66 vs 1.64); gw's do tile loaded
+    # transposed so that its fp32 tiles take 16-byte-per-thread cp.async layouts instead of bf16's 32 bytes in two
+    # copies (ncu: 40% of gw's L2 sectors excess, Triton's coalescing takes the largest vector of the slice) 8.98 vs
+    # 8.98 (gw 2.05 vs 2.06): neither kernel was bound by those transfers
+    ("scr_fp32", {"scratch": {"DTYPE": "fp32"}}),
+    ("gw_w8_r128", {"gw": {"num_warps": 8, "maxnreg": 128}}),
     ("gi2_no_red", {"gi2": {"RED": False}}),
     ("pmat_s2", {"pmat": {"num_stages": 2}}),
     ("pwu_uncapped", {"pwu": {"maxnreg": None}}),

@@ -110,7 +110,8 @@ CONFIGS = {
     "c64s": [dict(bv=64, num_warps=4, num_stages=2)],
     "c64f": [dict(num_warps=8)],
 }
-SHAPES = {"B8_T8K": (8, 8192), "B2_T32K": (2, 32768), "B1_T128K": (1, 131072), "varlen": (1, 65536)}
+SHAPES = {"B8_T8K": (8, 8192), "B2_T32K": (2, 32768), "B1_T128K": (1, 131072), "varlen": (1, 65536),
+          "B1_T8K": (1, 8192)}
 HBM_TBPS = 4.8
 
 
@@ -708,6 +709,7 @@ STATE_SWEEP += [  # eighth session: prep of piece p + 1 overlapped with the walk
     # from the fifth session's split (B1 T128K: prep 12.8 + walk ~11 ms; B2 T32K ~6.4 + 5.6; B8 T8K ~6.4 + 4.0) as
     # max(prep + last walk piece, first prep piece + walk) plus ~15% for the two kernels sharing SMs and memory
     ("nopipe", dict(pipe=0, num_stages=3), None, "not pipelined (control; the default pipelines sequences > 8K)"),
+    ("pipe1k", dict(pipe=1024, num_stages=3), None, "1,024-token pieces (B1 T8K: 8 pieces; sixteenth session)"),
     ("pipe2k", dict(pipe=2048, num_stages=3), None, "2,048-token pieces (B8 T8K: 4 pieces; predicted ~8 ms)"),
     ("pipe4k", dict(pipe=4096, num_stages=3), None, "4,096-token pieces (B2 T32K: 8; predicted ~7.5 ms)"),
     ("pipe8k", dict(pipe=8192, num_stages=3), None, "8,192-token pieces (B1 T128K: 16; predicted ~15 ms)"),

@@ -22,6 +22,9 @@ TOL_FP32 = 1e-4
 TOL_FP32_DG_BOUND = 2.5e-4
 TOL_FP32_GATE_BOUND10 = 5e-4
 TOL_BF16_DQKV, TOL_BF16_DGB = 8e-3, 2e-2
+# bf16 inputs with g = -5 at every step, GPU-like rounding (tf32 products of the gradient kernels' fp32 operands): dg,
+# the small difference of large terms above, 1.7e-2 to 2.5e-2 across the scratch options (fp32 scratch 2.2e-2)
+TOL_BF16_DG_BOUND = 3e-2
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}, "gv": {"BK": 16, "BV": 16}}),
                   ("gi2_bk32_w2", {"gi2": {"BK": 32, "num_warps": 2}}),
@@ -85,11 +88,11 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
-# opt-in launches with bf16-level u' / du' or states (checked against the fp64 reference with twice the bf16
-# tolerances): the bf16 scratch, only its per-chunk states / state gradients ("states"), and the sequential passes
-# forming u' / du' against the state's bf16 rounding (PRE without PRE_F32); and
-# the former default, gv forming u' / du' in fp32 (no PRE), within the bf16 tolerances themselves
-SCRATCH_LOWP = {"input": {"scratch": {"DTYPE": "input"}}, "pre_bf16_state": {"gv": {"PRE_F32": False}},
+# other scratch options at bf16 inputs, checked against the fp64 reference within the bf16 tolerances: the fp32
+# scratch (the default until the sixteenth session), only the per-chunk states / state gradients in bf16 ("states"),
+# the sequential passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32), and gv forming u' /
+# du' itself (no PRE)
+SCRATCH_LOWP = {"fp32": {"scratch": {"DTYPE": "fp32"}}, "pre_bf16_state": {"gv": {"PRE_F32": False}},
                 "no_pre": {"gv": {"PRE": False}}, "states": {"scratch": {"DTYPE": "states"}}}
 
 
@@ -104,8 +107,13 @@ def _checks() -> dict:
     import torch.nn.functional as F
     from k3.ops.kda import chunk_kda, recurrent_kda
     from k3.ops.kda.triton import available, ops_bwd
+    from k3.ops.triton_interp import emulate_gpu, fix_interpreter_bf16_dot
 
     assert available(), "triton backend should be available under TRITON_INTERPRET=1"
+    # the bf16 cases round as the GPU does (emulate_gpu, per run below): the interpreter truncates fp32 -> bf16 casts
+    # (about twice the rounding error, biased), which put the bf16 scratch's dk at ~8.5e-3 here against 3.2e-3 on
+    # the H200 for the same inputs (benchmarks/kda_bwd_accuracy.py); emulated: 3.2e-3
+    fix_interpreter_bf16_dot()
     calls = {"n": 0}
     real_bwd = ops_bwd.kda_chunk_bwd
 
@@ -135,6 +143,7 @@ def _checks() -> dict:
         cu_t = None if cu is None else torch.tensor(cu)
         want = set(GRADS) if want is None else set(want)
         grads = []
+        emulate_gpu(dtype != torch.float32)
         for ref in (True, False):
             xs = []
             for i, x in enumerate(leaves):
@@ -153,6 +162,7 @@ def _checks() -> dict:
                 loss = loss + (S * dS.to(S.dtype)).sum()
             loss.backward()
             grads.append([None if x is None else x.grad for x in xs])
+        emulate_gpu(False)
         for i, (n, a, b) in enumerate(zip(GRADS, grads[1], grads[0])):
             if n in want and b is not None:
                 assert a is not None and a.dtype == (dtype if i < 5 else leaves[i].dtype), (name, n)
@@ -187,11 +197,13 @@ def _checks() -> dict:
         run("wide_K128_V256_dstates_bv128", 1, 40, 1, 128, 256, gate=True, l2=True, h0=True, dht=True)
     finally:
         del os.environ["K3_KDA_BWD_LAUNCH"]
-    # 6. bf16 token inputs (fp32 h0 / A_log / dt_bias), gate + L2 + h0 + dht; bf16 varlen with precomputed g = -5
+    # 6. bf16 token inputs (fp32 h0 / A_log / dt_bias), gate + L2 + h0 + dht; bf16 varlen with precomputed g = -5;
+    # K3's head width (the default's bf16 scratch and states at K = V = 128)
     run("bf16", 1, 100, H, 32, 32, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
     run("bf16_varlen_bound", 1, 90, H, 16, 16, gate=False, l2=True, h0=True, dht=True, dtype=torch.bfloat16,
         cu=[0, 65, 66, 90], g_const=-5.0)
-    # 6b. the same with the scratch (W, k e^(G_l - G), u', du', states, state gradients) in bf16
+    run("bf16_K128", 1, 70, H, 128, 128, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
+    # 6b. the first two with the other scratch options
     for scr, launch in SCRATCH_LOWP.items():
         os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps(launch)
         try:
@@ -295,21 +307,21 @@ def test_fp32_gradients(results, case, grad):
 
 @pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
 def test_bf16_scratch_options(results, scr):
-    """The bf16 scratch (whole, or only its states / state gradients) and PRE against the state's bf16 rounding against
-    the fp64 reference within twice the bf16 tolerances (their dk / dv reach ~9e-3 in these small-head cases, the
-    bf16 scratch 3e-3 at K3 heads on the H200: opt-in, not the default); gv forming u' / du' in fp32 (no PRE) within
-    the bf16 tolerances themselves."""
-    slack = 1. if scr == "no_pre" else 2.
+    """The other scratch options (SCRATCH_LOWP) against the fp64 reference within the bf16 tolerances."""
     for case, grads in (("bf16", GRADS), ("bf16_varlen_bound", ("dq", "dk", "dv", "dg", "dbeta", "dh0"))):
         for grad in grads:
-            tol = slack * (TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB)
+            tol = TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB
+            if case == "bf16_varlen_bound" and grad == "dg":
+                tol = TOL_BF16_DG_BOUND
             assert results[f"{case}_{scr}.{grad}"] <= tol, (case, scr, grad, results[f"{case}_{scr}.{grad}"])
 
 
-@pytest.mark.parametrize("case,grad", [("bf16", g) for g in GRADS]
+@pytest.mark.parametrize("case,grad", [(c, g) for c in ("bf16", "bf16_K128") for g in GRADS]
                          + [("bf16_varlen_bound", g) for g in ("dq", "dk", "dv", "dg", "dbeta", "dh0")])
 def test_bf16_gradients(results, case, grad):
     tol = TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB
+    if case == "bf16_varlen_bound" and grad == "dg":
+        tol = TOL_BF16_DG_BOUND
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
 
 
@@ -328,7 +340,7 @@ def test_only_requested_gradients(results):
 
 
 def test_triton_backward_used_and_torch_fallback_reachable(results):
-    assert results["calls.triton_bwd"] == 12.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
+    assert results["calls.triton_bwd"] == 13.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
     assert results["calls.during_fallback"] == 0.0
     assert "K3_KDA_TRITON_BWD='v9'" in results["bad_name_error"] and "triton" in results["bad_name_error"]
 
@@ -373,6 +385,18 @@ def test_bad_launch_options_are_refused_by_name():
     lowp = tuple(a.bfloat16() if a is not None and a.dtype == torch.float32 else a for a in args[:7]) + args[7:]
     with pytest.raises(ValueError, match="gv BK=64 with the bf16 scratch is refused"):
         ops_bwd.kda_chunk_bwd(*lowp, launch={"scratch": {"DTYPE": "input"}, "gv": {"BK": 64}})
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_default_scratch_dtype():
+    """The scratch and per-chunk states are bf16 at bf16 inputs (fla's choice; accuracy: the bf16 cases above) and fp32
+    at fp16 (fp16's range) and fp32 inputs; SCRATCH_PTRS names the pointers each option makes input-dtype."""
+    import torch
+    from k3.ops.kda.triton.ops_bwd import SCRATCH, SCRATCH_PTRS, launch_config
+    for dtype, want in ((torch.bfloat16, "input"), (torch.float16, "fp32"), (torch.float32, "fp32")):
+        assert launch_config(128, 128, 96, dtype)["scratch"]["DTYPE"] == want, dtype
+    assert set(SCRATCH_PTRS) == set(SCRATCH) and SCRATCH_PTRS["fp32"] == ()
+    assert set(SCRATCH_PTRS["states"]) < set(SCRATCH_PTRS["input"])
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

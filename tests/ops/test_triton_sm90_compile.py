@@ -34,8 +34,9 @@ def _bwd_cases(kb, cb, cg):
     """The backward kernels at the block sizes, warps and stages of their real launch (ops_bwd.launch_config,
     bf16, K = V = 128, 8 x 96 (sequence, head) pairs)."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import launch_config
+    from k3.ops.kda.triton.ops_bwd import SCRATCH_PTRS, launch_config
     lc = launch_config(128, 128, 8 * 96, torch.bfloat16)
+    scratch = {n: "*bf16" for n in SCRATCH_PTRS[lc["scratch"]["DTYPE"]]}  # (pointers in the input dtype)
     gk = {n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")}
     consts = {
         # STORE_U / SF32 from gv's PRE / PRE_F32, as launched (the forms without: benchmarks/kda_bwd_static.py)
@@ -59,6 +60,7 @@ def _bwd_cases(kb, cb, cg):
         opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
         if launch.pop("maxnreg", None) is not None:
             opts["maxnreg"] = lc[name]["maxnreg"]
+        opts["types"] = scratch
         out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
     return out
 
@@ -115,9 +117,10 @@ def test_kernel_compiles_for_sm90(name):
         from k3.ops.conv_triton import BWD_CONFIGS
         assert CONV_BWD == [f"conv_bwd {bt}x{bc}w{nw}{v}" for bt, bc, nw in BWD_CONFIGS for v in ("", " varlen")]
     fn, consts, *opts = _cases()[name]
-    ck = compile_sm90(fn, consts, TYPES, **(opts[0] if opts else {}))
+    opts = dict(opts[0]) if opts else {}
+    ck = compile_sm90(fn, consts, {**TYPES, **opts.pop("types", {})}, **opts)
     assert ck.asm.get("cubin"), "no cubin produced"
     assert ck.metadata.shared <= SMEM_LIMIT, f"{name}: {ck.metadata.shared} B of shared memory"
     if name.startswith(("conv", "moe", "muon")):  # the launch tiles were chosen to fit the registers: no spills
         from k3.ops.triton_sm90 import stats
-        assert stats(ck, (opts[0] if opts else {}).get("num_warps", 4))["stack_B"] == 0, name
+        assert stats(ck, opts.get("num_warps", 4))["stack_B"] == 0, name

@@ -59,26 +59,26 @@ while a 64-token span may decay by e^-320). Nothing is recomputed:
    order-independent) rather than read and rewritten.
 8. `kda_bwd_gfin_kernel` (chunk, head): dbeta, dg through the suffix sum and the gate (per-chunk partials of
    dA_log / ddt_bias that torch sums), dq / dk through the L2 norm and the q scale.
-Memory: two fp32 K x V states per 64 tokens and head (2 KiB per token-head at K = V = 128) plus ~6.8 KB of fp32 scratch
-per token-head at K = V = 128 (~43 GB at B8 T8K H96). Measured on the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md):
-19.5 ms in the fifth session, 17.3-17.5 ms in the ninth (the one-pass tf32 inverse), 16.0 in the tenth, 15.2 in the
-eleventh, 11.9 in the twelfth (u' / du' from the sequential passes, dstates in one wave, pwu under a register cap,
-the stored cumsum instead of recomputed gates in gw / gi2 / pwu), 10.2 in the thirteenth, 9.7 in the fourteenth,
-8.9 in the fifteenth (the whole dN in gv, gi2 adding by atomics); fwd+bwd 1.16-1.24× fla's at B1 T8K / T32K / T128K
-and varlen 64K in one process (fifteenth session), at a peak memory below fla's (94.2 vs 97.0 GB at T128K).
+Memory: two K x V states per 64 tokens and head (bf16 at bf16 inputs: 1 KiB per token-head at K = V = 128; fp32 with
+the fp32 scratch, the default at fp16 / fp32 inputs) plus ~6 KB of scratch per token-head at K = V = 128 (~38 GB at
+B8 T8K H96).
+Measured on the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md): 19.5 ms in the fifth session, 17.3-17.5 ms in the ninth
+(the one-pass tf32 inverse), 16.0 in the tenth, 15.2 in the eleventh, 11.9 in the twelfth (u' / du' from the sequential
+passes, dstates in one wave, pwu under a register cap, the stored cumsum instead of recomputed gates in gw / gi2 / pwu),
+10.2 in the thirteenth, 9.7 in the fourteenth, 8.9 in the fifteenth (the whole dN in gv, gi2 adding by atomics), 8.4 in
+the sixteenth (the scratch and states in the input dtype, as fla keeps them); fwd+bwd against fla's at B1 T8K / T32K /
+T128K and varlen 64K in one process: benchmarks/RESULTS.md.
 Launch parameters: `ops_bwd.launch_config`, overridden per call (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g.
-'{"pmat": {"INV_PREC": "tf32x3"}}'; every kernel also takes "maxnreg"). Opt-in: the scratch in bf16
-(`ops_bwd.SCRATCH_INPUT_LAUNCH`: 11.5 ms vs 12.2, dk / dv up to ~1.2e-2 in the interpreter's small-head cases), gv
-forming u' / du' itself in fp32 against the stored states ('{"gv": {"PRE": false}}': the default until the twelfth
-session, ~1.7 ms slower, ~2/3 of the default's dq / dk / dv error in the interpreter), the passes against the state's
-bf16 rounding ('{"gv": {"PRE_F32": false}}': dv ~9e-3 there), gi2 finishing the columns ('{"gi2": {"FIN": true}}':
-slower), the states / state gradients alone in bf16 ('{"scratch": {"DTYPE": "states"}}': -0.27 ms, dk ~8.8e-3 in the
-interpreter's small-head cases). gw's dbeta atomics (order-dependent last bits) are off under
-torch.use_deterministic_algorithms; gi2's (order-independent) stay. The earlier
-recomputing pair ("v1": prep, grad_v, grad_k) took 41 ms and was removed, as were the per-chunk intra backward (gi,
-9.5 ms vs gi2's 3.5), the one-kernel prep (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms), gv reloading
-T per value block (3.26 vs 2.98 ms), the states pass on a side stream and bf16 x1s / x2s (no gain). Their numbers stay
-in benchmarks/RESULTS.md.
+'{"pmat": {"INV_PREC": "tf32x3"}}'; every kernel also takes "maxnreg"). Opt-in: the scratch in fp32 at bf16
+inputs ('{"scratch": {"DTYPE": "fp32"}}': +0.6 ms at B1 T8K H96, dk 2.6e-3 vs 3.2e-3), gv forming u' / du' itself in
+fp32 against the stored states ('{"gv": {"PRE": false}}': the default until the twelfth session, ~1.7 ms slower, ~2/3 of
+the default's dq / dk / dv error in the interpreter), the passes against the state's bf16 rounding ('{"gv": {"PRE_F32":
+false}}': dv ~9e-3 there), gi2 finishing the columns ('{"gi2": {"FIN": true}}': slower), the states / state gradients
+alone in bf16 ('{"scratch": {"DTYPE": "states"}}'). gw's dbeta atomics (order-dependent last bits) are off under
+torch.use_deterministic_algorithms; gi2's (order-independent) stay. The earlier recomputing pair ("v1": prep, grad_v,
+grad_k) took 41 ms and was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep
+(6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms), gv reloading T per value block (3.26 vs 2.98 ms), the
+states pass on a side stream and bf16 x1s / x2s (no gain). Their numbers stay in benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
