@@ -55,6 +55,10 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # transposed so that its fp32 tiles take 16-byte-per-thread cp.async layouts instead of bf16's 32 bytes in two
     # copies (ncu: 40% of gw's L2 sectors excess, Triton's coalescing takes the largest vector of the slice) 8.98 vs
     # 8.98 (gw 2.05 vs 2.06): neither kernel was bound by those transfers
+    # gi2's products with the decayed q / k as tf32 part plus rest (PREC "split_b", opt-in: the gate's gradients
+    # several times more accurate) 8.85 ms vs 8.32 (gi2 2.17 vs 1.63), capped at 128 registers 8.91, 3-pass tf32
+    # (removed) 9.04
+    ("gi2_split_b", {"gi2": {"PREC": "split_b"}}),
     ("scr_fp32", {"scratch": {"DTYPE": "fp32"}}),
     ("gw_w8_r128", {"gw": {"num_warps": 8, "maxnreg": 128}}),
     ("gi2_no_red", {"gi2": {"RED": False}}),

@@ -74,7 +74,9 @@ inputs ('{"scratch": {"DTYPE": "fp32"}}': +0.6 ms at B1 T8K H96, dk 2.6e-3 vs 3.
 fp32 against the stored states ('{"gv": {"PRE": false}}': the default until the twelfth session, ~1.7 ms slower, ~2/3 of
 the default's dq / dk / dv error in the interpreter), the passes against the state's bf16 rounding ('{"gv": {"PRE_F32":
 false}}': dv ~9e-3 there), gi2 finishing the columns ('{"gi2": {"FIN": true}}': slower), the states / state gradients
-alone in bf16 ('{"scratch": {"DTYPE": "states"}}'). gw's dbeta atomics (order-dependent last bits) are off under
+alone in bf16 ('{"scratch": {"DTYPE": "states"}}'), gi2's products with the decayed q / k in two tf32 parts ('{"gi2":
+{"PREC": "split_b"}}': +0.5 ms, the gate's gradients several times more accurate: ddt_bias 1.6e-2 -> 2.7e-3, dg at
+the bound 2.2e-2 -> 3.1e-3 in the interpreter's GPU-rounding cases). gw's dbeta atomics (order-dependent last bits) are off under
 torch.use_deterministic_algorithms; gi2's (order-independent) stay. The earlier recomputing pair ("v1": prep, grad_v,
 grad_k) took 41 ms and was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep
 (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms), gv reloading T per value block (3.26 vs 2.98 ms), the

@@ -41,6 +41,20 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot_p(a, b, IEEE: tl.constexpr, PREC: tl.constexpr):
+    """`_dot` of fp32 operands at low-precision inputs with the tensor-core precision PREC: "tf32" (one pass: both
+    operands keep 11 significant bits), or "split_b" (b as its tf32 part plus the rest, two passes: b at ~22 bits, a
+    at tf32); fp32 inputs (IEEE) exact as in `_dot`."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    elif PREC == "split_b":
+        b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        return tl.dot(a, b_hi, input_precision="tf32") + tl.dot(a, b - b_hi, input_precision="tf32")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
 def _dot_lp(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """Dot of the sequential passes (operands in the intermediate dtype). UPCAST (the Triton CPU interpreter, whose
     tl.dot multiplies the raw bits of bf16/fp16 tensors) does the same math in fp32: low-precision products are
@@ -858,7 +872,7 @@ def _dl_slice(cmat, nkp, pc0, pp, rows, cols, b_rows, NKW: tl.constexpr, BT: tl.
 @triton.jit
 def _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, o_kb, t0, t1, pc0, pp, scale, Ttot,
                 H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, BK: tl.constexpr,
-                NKW: tl.constexpr, IEEE: tl.constexpr):
+                NKW: tl.constexpr, IEEE: tl.constexpr, PREC: tl.constexpr = "tf32"):
     """gi2's BLK products for row tile r (rows rr, beta b_r, reference-row G g_ref), block by block of TS rows:
     (dAq[R, :] kc, dL[R, :] kc, dAq[:, R]^T qe + dL[:, R]^T ke) over the blocks s <= r (kc = kn e^(G_m - G)) and
     s >= r (qe / ke = q scale / kn times e^(G - G_m)), each [TS, BK] before the tile's own row factors. Exponents
@@ -878,8 +892,8 @@ def _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, 
         kc = kn_s * tl.exp(g_ref[None, :] - G_s)
         a_rs = tl.load(cmat + pc0 + 2 * BT * BT + rr * BT + ts[None, :])            # dAq[R, block s]
         l_rs = _dl_slice(cmat, nkp, pc0, pp, rr, ts[None, :], b_r[:, None], NKW, BT)
-        dqa += _dot(a_rs, kc, IEEE)
-        dka += _dot(l_rs, kc, IEEE)
+        dqa += _dot_p(a_rs, kc, IEEE, PREC)
+        dka += _dot_p(l_rs, kc, IEEE, PREC)
     for s in range(r, BT // TS):
         ts = s * TS + tb
         tok_s = t0.to(tl.int64) + ts
@@ -893,7 +907,7 @@ def _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, 
         ke = kn_s * e_s
         a_cs = tl.load(cmat + pc0 + 2 * BT * BT + ts[None, :] * BT + rr)            # [j, t] = dAq[t, R_j]
         l_cs = _dl_slice(cmat, nkp, pc0, pp, ts[None, :], rr, b_s[None, :], NKW, BT)
-        dca += _dot(a_cs, qe, IEEE) + _dot(l_cs, ke, IEEE)
+        dca += _dot_p(a_cs, qe, IEEE, PREC) + _dot_p(l_cs, ke, IEEE, PREC)
     return dqa, dka, dca
 
 
@@ -903,7 +917,8 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
                        H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                        BK: tl.constexpr, NKW: tl.constexpr, IEEE: tl.constexpr, TPP: tl.constexpr,
                        FIN: tl.constexpr, SQK: tl.constexpr, USE_GATE: tl.constexpr, L2NORM: tl.constexpr,
-                       INNER: tl.constexpr, BLK: tl.constexpr, RED: tl.constexpr = False, NSQ: tl.constexpr = 0):
+                       INNER: tl.constexpr, BLK: tl.constexpr, RED: tl.constexpr = False, NSQ: tl.constexpr = 0,
+                       PREC: tl.constexpr = "tf32"):
     """Intra-chunk backward, one program = one chunk, head, TPP consecutive TS-row tiles and BK columns (the chunk's
     columns are loaded once for the program's tiles). With m = a tile's reference row (decays factored through G_m
     as in `_intra_bwd`), for the tile's rows R:
@@ -953,7 +968,7 @@ def kda_bwd_gi2_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk, x1s, 
         b_r = tl.load(beta + tok_r * H + i_h, mask=m_r, other=0.).to(tl.float32)
         if BLK:
             dqa, dka, dca = _gi2_blocks(q, k, beta, cmat, nkp, gcs, rqk, g_ref, g_end, b_r, rr, r, i_h, o_kb, t0, t1,
-                                        pc0, pp, scale, Ttot, H, K, BT, TS, BK, NKW, IEEE)
+                                        pc0, pp, scale, Ttot, H, K, BT, TS, BK, NKW, IEEE, PREC)
         else:
             upto = row < r * TS + TS
             start = row >= r * TS

@@ -151,7 +151,15 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # result does not depend on their order: kept under deterministic algorithms) instead of reading and
         # rewriting them; gw stores the row sums of its own terms for gfin's one pass: gi2 1.92 -> 1.64 ms, gw 1.89 ->
         # 2.05, backward 9.04 -> 8.90 at B1 T8K H96 (fifteenth session; gw's row sums from x2 itself: 2.07, 8.98)
-        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=True, RED=True),
+        # PREC (BLK): the tensor-core precision of the tile's products at bf16 / fp16 inputs: "tf32", or "split_b"
+        # (the decayed q / k operands as their tf32 part plus the rest: two passes). Their tf32 rounding, shared by
+        # every row a block feeds, makes dG's errors correlated along the chunk, so its suffix sum adds them up: in
+        # the interpreter's GPU-rounding emulation (which gives the H200's numbers) ddt_bias 1.62e-2 -> 2.66e-3, dg
+        # 4.76e-3 -> 3.17e-3, dA_log 6.06e-3 -> 4.61e-3 with "split_b" (dq / dk / dv unchanged; fla: ddt_bias
+        # 6.19e-3). Sixteenth session, B1 T8K H96: gi2 1.63 -> 2.17 ms (backward 8.32 -> 8.85; 3-pass tf32 9.04):
+        # opt-in for the gate's gradients
+        gi2=dict(BK=min(K, 64), num_warps=4, num_stages=1, TPP=1, FIN=False, INNER=True, BLK=True, RED=True,
+                 PREC="tf32"),
         # gfin (and gw) take the L2-norm row factors from pmat's rqk instead of re-reading q / k: 1.50 -> 1.28 ms
         # (gw 3.02 -> 2.96; eleventh session); then BK 64 1.22 ms vs 1.27 at 32
         # ONEPASS: gi2 stores the L2 norm's row-sum partials (as with its FIN) and gfin finishes dq / dk in its pass
@@ -335,6 +343,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
                              "exclude each other")
         if lc["gi2"]["FIN"] and tpp != BT // TS:
             raise ValueError(f"kda_chunk_bwd: gi2 FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
+        if lc["gi2"]["PREC"] not in ("tf32", "split_b"):
+            raise ValueError(f"kda_chunk_bwd: gi2 PREC={lc['gi2']['PREC']!r} must be 'tf32' or 'split_b'")
         pts = lc["pmat"]["PTS"]
         if pts not in (16, 32):
             raise ValueError(f"kda_chunk_bwd: pmat PTS={pts!r} must be 16 or 32")
