@@ -78,7 +78,8 @@ def main():
         # the reference sees the bf16-rounded token inputs, in fp64 (on the GPU: the token loop is sequential)
         rounded = [x.to(torch.bfloat16).float() if i < 5 else x for i, x in enumerate(leaves)]
         ref = grads(recurrent_kda, rounded, torch.float64, cu, do, dS, dev)
-        runs = [(f"triton[{o}]", "triton", o) for o in args.options.split(",")] + ([] if args.no_fla else [("fla", "fla", None)])
+        runs = [(f"triton[{o}]", "triton", o) for o in args.options.split(",")]
+        runs += [] if args.no_fla else [("fla", "fla", None)]
         for tag, backend, opt in runs:
             if opt is not None:
                 os.environ[ENV_LAUNCH] = json.dumps({"scratch": {"DTYPE": opt}})
