@@ -69,18 +69,18 @@ passes, dstates in one wave, pwu under a register cap, the stored cumsum instead
 the sixteenth (the scratch and states in the input dtype, as fla keeps them); fwd+bwd against fla's at B1 T8K / T32K /
 T128K and varlen 64K in one process: benchmarks/RESULTS.md.
 Launch parameters: `ops_bwd.launch_config`, overridden per call (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g.
-'{"pmat": {"INV_PREC": "tf32x3"}}'; every kernel also takes "maxnreg"). Opt-in: the scratch in fp32 at bf16
-inputs ('{"scratch": {"DTYPE": "fp32"}}': +0.6 ms at B1 T8K H96, dk 2.6e-3 vs 3.2e-3), gv forming u' / du' itself in
-fp32 against the stored states ('{"gv": {"PRE": false}}': the default until the twelfth session, ~1.7 ms slower, ~2/3 of
-the default's dq / dk / dv error in the interpreter), the passes against the state's bf16 rounding ('{"gv": {"PRE_F32":
+'{"pmat": {"INV_PREC": "tf32x3"}}'; every kernel also takes "maxnreg"). Opt-in: the scratch in fp32 at bf16 inputs
+('{"scratch": {"DTYPE": "fp32"}}': +0.6 ms at B1 T8K H96, dk 2.6e-3 vs 3.2e-3), gv forming u' / du' itself in fp32
+against the stored states ('{"gv": {"PRE": false}}': the default until the twelfth session, ~1.7 ms slower, ~2/3 of the
+default's dq / dk / dv error in the interpreter), the passes against the state's bf16 rounding ('{"gv": {"PRE_F32":
 false}}': dv ~9e-3 there), gi2 finishing the columns ('{"gi2": {"FIN": true}}': slower), the states / state gradients
 alone in bf16 ('{"scratch": {"DTYPE": "states"}}'), gi2's products with the decayed q / k in two tf32 parts ('{"gi2":
-{"PREC": "split_b"}}': +0.5 ms, the gate's gradients several times more accurate: ddt_bias 1.6e-2 -> 2.7e-3, dg at
-the bound 2.2e-2 -> 3.1e-3 in the interpreter's GPU-rounding cases). gw's dbeta atomics (order-dependent last bits)
-are off under torch.use_deterministic_algorithms; gi2's (order-independent) stay. The earlier recomputing pair ("v1": prep, grad_v,
-grad_k) took 41 ms and was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the one-kernel prep
-(6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms), gv reloading T per value block (3.26 vs 2.98 ms), the
-states pass on a side stream and bf16 x1s / x2s (no gain). Their numbers stay in benchmarks/RESULTS.md.
+{"PREC": "split_b"}}': +0.5 ms, the gate's gradients several times more accurate: ddt_bias 1.6e-2 -> 2.7e-3, dg at the
+bound 2.2e-2 -> 3.1e-3 in the interpreter's GPU-rounding cases). gw's dbeta atomics (order-dependent last bits) are off
+under torch.use_deterministic_algorithms; gi2's (order-independent) stay. The earlier recomputing pair ("v1": prep,
+grad_v, grad_k) took 41 ms and was removed, as were the per-chunk intra backward (gi, 9.5 ms vs gi2's 3.5), the
+one-kernel prep (6.8 ms vs 5.9 for pmat + pwu), pmat by 16-row tiles (6.2 ms), gv reloading T per value block (3.26 vs
+2.98 ms), the states pass on a side stream and bf16 x1s / x2s (no gain). Their numbers stay in benchmarks/RESULTS.md.
 K3_KDA_TRITON_BWD=torch selects the old backward (recompute through `chunk_kda_torch` and autograd).
 
 Notable:
