@@ -5,9 +5,11 @@
                                                      the cumsum G (fp32, read by every later chunk kernel)
 2. kda_bwd_pwu_kernel     (chunk, head, col. block)  q e^G, k e^(G_l - G), W, U (sequential passes' operands) and
                                                      without gv's PRE / DNU W, k e^(G_l - G) in fp32
-3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (fp32), and
+3. kda_bwd_states_kernel  (sequence, head, V block)  forward: the start state of every 64-token chunk (scratch
+                                                     dtype: bf16 at bf16 inputs, else fp32), and
                                                      u' = U - W S (gv's PRE)
-4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (fp32), dh0, and du' (PRE)
+4. kda_bwd_dstates_kernel (sequence, head, V block)  backward: dS at every chunk end (scratch dtype), dh0, and du'
+                                                     (PRE)
 5. kda_bwd_gv_kernel      (chunk, head)              value side: dv, dAq, dN (whole with DNU), the value part of
                                                      dbeta (and u', du' without PRE)
 6. kda_bwd_gw_kernel      (chunk, head, K block)     state side: dXk, the state terms of dq / dk / dG (and their
@@ -175,7 +177,7 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # session). "states": only the per-chunk states / state gradients at the input dtype (gw upcasts them after
         # its loads): 9.89-9.98 ms vs 10.16-10.25 at B1 T8K H96, H200 selfcheck dk 2.97e-3 vs 2.57e-3, but dk 8.6e-3
         # to 8.8e-3 (over the 8e-3 bf16 line) in the interpreter's bf16 cases at K 32 and 128 (fourteenth session):
-        # opt-in. Sixteenth session: "input" the default at bf16 / fp16 inputs: backward 8.95 -> 8.37 ms at B1 T8K H96
+        # opt-in. Sixteenth session: "input" the default at bf16 inputs: backward 8.95 -> 8.37 ms at B1 T8K H96
         # (states 0.63 -> 0.46, dstates 0.85 -> 0.59, gw 2.05 -> 1.91); the interpreter's small-head errors over the
         # line came from its fp32 -> bf16 casts, which truncate (the GPU rounds to nearest even): with GPU-like
         # rounding (triton_interp.emulate_gpu) it gives the H200's numbers on the same inputs (dk 3.23e-3 vs 3.23e-3,
