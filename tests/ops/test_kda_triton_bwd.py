@@ -89,10 +89,10 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
-# other scratch options at bf16 inputs, checked against the fp64 reference within the bf16 tolerances: the fp32
-# scratch (the default until the sixteenth session), only the per-chunk states / state gradients in bf16 ("states"),
-# the sequential passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32), and gv forming u' /
-# du' itself (no PRE)
+# other options at bf16 inputs, checked against the fp64 reference within the bf16 tolerances: the fp32 scratch (the
+# default until the sixteenth session), only the per-chunk states / state gradients in bf16 ("states"), the sequential
+# passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32), gv forming u' / du' itself (no
+# PRE), and gi2's products with the decayed q / k in two tf32 parts (also checked for their gain below)
 SCRATCH_LOWP = {"fp32": {"scratch": {"DTYPE": "fp32"}}, "pre_bf16_state": {"gv": {"PRE_F32": False}},
                 "no_pre": {"gv": {"PRE": False}}, "states": {"scratch": {"DTYPE": "states"}},
                 "gi2_split_b": {"gi2": {"PREC": "split_b"}}}
@@ -205,7 +205,7 @@ def _checks() -> dict:
     run("bf16_varlen_bound", 1, 90, H, 16, 16, gate=False, l2=True, h0=True, dht=True, dtype=torch.bfloat16,
         cu=[0, 65, 66, 90], g_const=-5.0)
     run("bf16_K128", 1, 70, H, 128, 128, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
-    # 6b. the first two with the other scratch options
+    # 6b. the first two with the other options (SCRATCH_LOWP)
     for scr, launch in SCRATCH_LOWP.items():
         os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps(launch)
         try:
@@ -309,7 +309,7 @@ def test_fp32_gradients(results, case, grad):
 
 @pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
 def test_bf16_scratch_options(results, scr):
-    """The other scratch options (SCRATCH_LOWP) against the fp64 reference within the bf16 tolerances."""
+    """The other bf16 options (SCRATCH_LOWP) against the fp64 reference within the bf16 tolerances."""
     for case, grads in (("bf16", GRADS), ("bf16_varlen_bound", ("dq", "dk", "dv", "dg", "dbeta", "dh0"))):
         for grad in grads:
             tol = TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB
