@@ -45,13 +45,11 @@ def _dot_p(a, b, IEEE: tl.constexpr, PREC: tl.constexpr):
     """`_dot` of fp32 operands at low-precision inputs with the tensor-core precision PREC: "tf32" (one pass: both
     operands keep 11 significant bits), or "split_b" (b as its tf32 part plus the rest, two passes: b at ~22 bits, a
     at tf32); fp32 inputs (IEEE) exact as in `_dot`."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    elif PREC == "split_b":
+    if PREC == "split_b" and not IEEE:
         b_hi = (b.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
         return tl.dot(a, b_hi, input_precision="tf32") + tl.dot(a, b - b_hi, input_precision="tf32")
     else:
-        return tl.dot(a, b, input_precision="tf32")
+        return _dot(a, b, IEEE)
 
 
 @triton.jit
