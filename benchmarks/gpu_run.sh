@@ -67,7 +67,7 @@ for stage in "$@"; do case $stage in
   # with both sides' per-kernel CUDA times; then fla's autotune winners packed for the next run's .tcache
   bwdall) step bwdall $(( ${KDAFB_BUDGET:-420} + 30 )) python3 benchmarks/kda_triton.py --bwd-only \
       --shapes ${BWDALL_SHAPES:-B8_T8K,varlen,B2_T32K,B1_T128K} --json "$OUT/kda_triton_bwdall.json" \
-      --budget-s ${KDAFB_BUDGET:-420}
+      --budget-s ${KDAFB_BUDGET:-420} ${BWDALL_ENVS:+--ours-envs "$BWDALL_ENVS"}
     step pack 60 python3 -c \
       "import sys; sys.path.insert(0, 'benchmarks'); import fla_warmup as f; print(f.pack('$OUT/autotune.tgz'))" ;;
   # thirteenth session: Nsight Compute on one backward's kernels (kda_bwd_ncu.py; NCU_ARGS=--fwd for the forward;

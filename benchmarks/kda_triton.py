@@ -136,6 +136,8 @@ def main():
     ap.add_argument("--decode", action="store_true", help="also time decode (one token) vs fla")
     ap.add_argument("--bwd", action="store_true", help="also time fwd+bwd (slow: fla's backward autotune)")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the accuracy rows (timing only)")
+    ap.add_argument("--ours-envs", default="", help="fwd+bwd: also time ours under these environments, one JSON "
+                    "object {label: {VAR: value}} (e.g. K3_KDA_BWD_LAUNCH / K3_KDA_STATE_CFG variants), same process")
     ap.add_argument("--bwd-only", action="store_true",
                     help="only the fwd+bwd rows (with each kernel's CUDA time): no accuracy or forward rows")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
@@ -544,6 +546,32 @@ def main():
                         no_grads()
                         rowb["fla_peak_gb"] = peak_gb(fb_fla)
                 rowb["ours_fwdbwd_ms"] = bench(fb_ours)
+                # the forward alone as training runs it (gradients on: tensors saved, final state stored), so
+                # fwd+bwd splits into its two halves on both sides (seventeenth session)
+                rowb["ours_fwd_ms"] = bench(lambda: chunk_kda_triton(*ins[:5], scale=scale, cu_seqlens=cu, **gk(ins)))
+                if fla_chunk is not None:
+                    rowb["fla_fwd_ms"] = bench(lambda: fla_fwd(ins, cu=cu))
+                for label, env in (json.loads(args.ours_envs) if args.ours_envs else {}).items():
+                    old_env = {n: os.environ.get(n) for n in env}
+                    os.environ.update({n: str(x) for n, x in env.items()})
+                    try:
+                        rowb[f"ours_fwdbwd_ms[{label}]"] = bench(fb_ours)
+                        rowb[f"ours_fwd_ms[{label}]"] = bench(
+                            lambda: chunk_kda_triton(*ins[:5], scale=scale, cu_seqlens=cu, **gk(ins)))
+                        if dev == "cuda":
+                            no_grads()
+                            rowb[f"ours_peak_gb[{label}]"] = peak_gb(fb_ours)
+                    except Exception as e:  # noqa: BLE001
+                        rowb[f"ours_error[{label}]"] = repr(e)[:300]
+                    finally:
+                        for n, x in old_env.items():
+                            if x is None:
+                                os.environ.pop(n, None)
+                            else:
+                                os.environ[n] = x
+                    print(f"{name} [{label}]: fwd+bwd {rowb.get(f'ours_fwdbwd_ms[{label}]')} ms, forward "
+                          f"{rowb.get(f'ours_fwd_ms[{label}]')}, peak {rowb.get(f'ours_peak_gb[{label}]')} GB",
+                          flush=True)
                 if dev == "cuda":
                     no_grads()
                     rowb["ours_peak_gb"] = peak_gb(fb_ours)
@@ -849,14 +877,17 @@ def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
     from k3.ops.triton_sm90 import compile_sm90, sass, stats
 
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
-    sig = dict(qg=bf, kd=bf, w=bf, u=bf, aqk=bf, eg=f32, o=bf, h0=f32, ht=f32, cu=i32, seq_chunk=i32, Ttot="i32")
+    sig = dict(qg=bf, kd=bf, w=bf, u=bf, aqk=bf, eg=f32, o=bf, h0=f32, ht=f32, cu=i32, seq_chunk=i32, Ttot="i32",
+               states=bf, uns=bf, save_chunk=i32, save_off="i32")
     N, nc, ghz, n_sm = 8, 512, 1.755, 132
 
     def one(scfg):
         bv = scfg["bv"] or 128
-        fn, consts, launch = ours.state_meta(scfg)
+        fn, consts, launch = ours.state_meta(scfg, bv, D)
         nw, ch = launch["num_warps"], consts.get("CH", 1)
         consts = dict(consts, H=H, K=D, V=D, BT=16, BV=bv, HAS_H0=True, STORE_HT=True)
+        if fn is ours._k.kda_state_fwd_kernel:
+            consts["SAVE"] = 0
         ck = compile_sm90(fn, consts, sig, **launch)
         st = stats(ck, nw)
         _, body = _sass_body(sass(ck))
@@ -916,11 +947,12 @@ def summary(res, variants, sweep, H, D):
     if fb:  # (--bwd-only / --bwd)
         print(f"\nH={H} D={D} bf16. Forward + backward, ms (fla in the same process; peak = memory allocated during "
               "one fwd+bwd)")
-        print("| shape | fla | ours | ours / fla speed | peak GB fla / ours |")
-        print("|---|---|---|---|---|")
+        print("| shape | fla | ours | ours / fla speed | forward alone fla / ours | peak GB fla / ours |")
+        print("|---|---|---|---|---|---|")
         for r in fb:
             print(f"| {r['shape']} (run at B{r.get('B')} T{r.get('T')}) | {r.get('fla_fwdbwd_ms', nan):.2f} | "
                   f"{r.get('ours_fwdbwd_ms', nan):.2f} | {r.get('speedup_fwdbwd', nan):.3f}x | "
+                  f"{r.get('fla_fwd_ms', nan):.2f} / {r.get('ours_fwd_ms', nan):.2f} | "
                   f"{r.get('fla_peak_gb', nan)} / {r.get('ours_peak_gb', nan)} |")
     if acc:
         print(f"\nH={H} D={D} bf16. Accuracy: rel. RMSE of o / final state vs the fp32 token loop "

@@ -431,6 +431,35 @@ def test_kda_triton_backward_finite_with_saturated_gates():
     assert not bad, bad
 
 
+def test_kda_triton_backward_from_the_forwards_saved_states():
+    """The training forward's saved chunk states and u' (the default at bf16) against the backward's own states pass
+    at H96 D128 bf16, varlen with an initial state and sequences past one 8K time piece (the pipelined forward saves
+    piece by piece): every gradient within the bf16 lines of each other (both are bf16 roundings of the same
+    arithmetic; a wrong chunk index would put whole chunks' states out of place)."""
+    from k3.ops.kda.triton import ops as fops, ops_bwd
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)
+    H, D, cu = 96, 128, [0, 1, 9000, 9000, 20000]
+    q, k, v, f, do = (r(1, cu[-1], H, D).to(BF) for _ in range(5))
+    beta = r(1, cu[-1], H).sigmoid().to(BF)
+    kw = dict(initial_state=r(len(cu) - 1, H, D, D) * 0.1, cu_seqlens=torch.tensor(cu, device=DEV),
+              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=torch.rand(H, device=DEV, generator=gen),
+              dt_bias=r(H * D) * 0.5, lower_bound=-5.0)
+    dht = r(len(cu) - 1, H, D, D)
+    save = ops_bwd.fwd_save(D, D, BF)
+    assert save is not None
+    fops.kda_chunk_fwd(q, k, v, f, beta, D ** -0.5, output_final_state=True, save=save, **kw)
+    assert save.filled
+    got = ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, dht, D ** -0.5, saved=save, **kw)
+    ref = ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, dht, D ** -0.5, **kw)
+    rr = lambda a, b: float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    errs = {n: rr(a, b) for n, a, b in zip(names, got, ref)}
+    report("kda triton bwd from the forward's states vs its own", **errs)
+    for n, e in errs.items():
+        assert e <= (8e-3 if n in ("dq", "dk", "dv", "dh0") else 2e-2), (n, errs)
+
+
 # ---------------------------------------------------------------------------------------------------- our KDA forward, full shapes
 def _fp32_ref(q, k, v, f, beta, A_log, dt_bias, h0=None, cu=None):
     from k3.ops.kda import chunk_kda

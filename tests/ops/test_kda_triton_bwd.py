@@ -235,6 +235,51 @@ def _checks() -> dict:
     for name, launch in LAUNCH_OPTIONS_LOWP:
         got = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, launch=launch, **kw)
         res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
+    # 7c. the training forward's saved chunk states and u' (ops.FwdSave; the default at bf16 / fp16 inputs, asked for
+    # here at fp32, where the forward's and the states pass's products agree to rounding): the backward from them
+    # against the backward's own states pass, on the varlen batch above, through the plain walk, the 64-token
+    # variant, time pieces (in walk order, and longest sequence first), and a piece the save cannot use
+    from k3.ops.kda.triton import kernels_bwd as kbw, ops as of
+    launches = {"states": 0}
+    real_states = kbw.kda_bwd_states_kernel
+
+    class CountStates:
+        def __getitem__(self, grid):
+            launches["states"] += 1
+            return real_states[grid]
+
+    kbw.kda_bwd_states_kernel = CountStates()
+    try:
+        ref = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, **kw)
+        n_ref = launches["states"]
+        for name, fkw in (("c16p", {}), ("c64", dict(variant="c64")), ("pipe64", dict(state_cfg={"pipe": 64})),
+                          ("pipe64_lpt", dict(state_cfg={"pipe": 64, "lpt": True})),
+                          ("pipe48", dict(state_cfg={"pipe": 48}))):
+            sv = of.FwdSave(64, torch.float32, torch.float32)
+            o, _ = of.kda_chunk_fwd(q, k, v, f, beta, K ** -0.5, output_final_state=True, save=sv, **kw, **fkw)
+            o_ref, _ = of.kda_chunk_fwd(q, k, v, f, beta, K ** -0.5, output_final_state=True, **kw, **fkw)
+            res[f"fwdsave.{name}.o"] = _rr(o, o_ref)
+            res[f"fwdsave.{name}.filled"] = float(sv.filled)
+            n0 = launches["states"]
+            got = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, saved=sv if sv.filled else None, **kw)
+            res[f"fwdsave.{name}.states_passes"] = float(launches["states"] - n0)
+            res[f"fwdsave.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
+        res["fwdsave.ref_states_passes"] = float(n_ref)
+        # a save of another chunk length than the backward's is not used (its states pass runs)
+        sv = of.FwdSave(32, torch.float32, torch.float32)
+        of.kda_chunk_fwd(q, k, v, f, beta, K ** -0.5, save=sv, **kw)
+        n0 = launches["states"]
+        got = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, saved=sv, **kw)
+        res["fwdsave.bt32.states_passes"] = float(launches["states"] - n0)
+        res["fwdsave.bt32"] = max(_rr(a, b) for a, b in zip(got, ref))
+        # through autograd at bf16 (the default: the forward saves, no states pass)
+        n0 = launches["states"]
+        xs = [x.bfloat16().requires_grad_() for x in (q, k, v, f, beta)]
+        o, _ = chunk_kda(*xs, backend="triton", **kw)
+        o.float().sum().backward()
+        res["fwdsave.autograd_bf16.states_passes"] = float(launches["states"] - n0)
+    finally:
+        kbw.kda_bwd_states_kernel = real_states
     # 8. K3_KDA_TRITON_BWD=torch: the old recompute backward is still reachable and agrees
     prev = os.environ.get("K3_KDA_TRITON_BWD")
     os.environ["K3_KDA_TRITON_BWD"] = "torch"
@@ -340,6 +385,21 @@ def test_launch_options_match_the_default(results):
         assert results[f"launch.{name}"] <= 1e-5, results
     for name, _ in LAUNCH_OPTIONS_LOWP:  # bf16 gradients: a last-bit difference in fp32 flips a few bf16 roundings
         assert results[f"launch.{name}"] <= 1e-4, results
+
+
+def test_forward_saved_states(results):
+    """The backward from the forward's saved chunk states and u' equals the one from its own states pass (fp32), which
+    it then skips; the forward's output is unchanged by saving; where the forward cannot save (a time piece that is
+    not a multiple of the backward's 64-token chunk) or saved for another chunk length, the states pass runs."""
+    assert results["fwdsave.ref_states_passes"] == 1.0, results
+    for name in ("c16p", "c64", "pipe64", "pipe64_lpt", "pipe48"):
+        assert results[f"fwdsave.{name}.o"] == 0.0, (name, results)
+        assert results[f"fwdsave.{name}"] <= 1e-5, (name, results)
+        want = name != "pipe48"
+        assert results[f"fwdsave.{name}.filled"] == float(want), (name, results)
+        assert results[f"fwdsave.{name}.states_passes"] == float(not want), (name, results)
+    assert results["fwdsave.bt32.states_passes"] == 1.0 and results["fwdsave.bt32"] <= 1e-5, results
+    assert results["fwdsave.autograd_bf16.states_passes"] == 0.0, results
 
 
 def test_only_requested_gradients(results):

@@ -14,6 +14,7 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32"
              LENS="*i64", ACC="*fp32", MAX="*fp32", SUM="*fp32", O="*fp32", KV="*bf16", H="i32", W="i32",
              NSPLIT="i32", s_qn="i32", s_qh="i32", s_kn="i32", s_kw="i32", s_on="i32", s_oh="i32",
              eg="*fp32", h0="*fp32", ht="*fp32", cu="*i32", seq_chunk="*i32", Ttot="i32", states="*fp32",
+             save_chunk="*i32", save_off="i32",
              dht="*fp32", dstates="*fp32", dh0="*fp32", A_log="*fp32", dt_bias="*fp32", eg_out="*fp32",
              chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16",
              uns="*fp32", dus="*fp32", cmat="*fp32", cdb="*fp32", x1s="*fp32", x2s="*fp32", dgis="*fp32",
@@ -69,7 +70,7 @@ def _cases():
     from k3.ops import activations_triton as at, conv_triton as ct, mla_decode_triton as md, moe_triton as mt
     from k3.train import optim_triton as ot
     from k3.ops.kda.triton import kernels as kf, kernels_bwd as kb
-    c = dict(H=96, K=128, V=128, BT=16, BV=64, HAS_H0=True, STORE_HT=True)
+    c = dict(H=96, K=128, V=128, BT=16, BV=64, HAS_H0=True, STORE_HT=True, SAVE=0)
     cb = dict(H=96, K=128, V=128, BT=64, BV=32, IEEE=False, UPCAST=False)
     cg = dict(H=96, K=128, V=128, BT=64, TS=16, REF=7, USE_GATE=True, L2NORM=True, IEEE=False)
     return {
@@ -78,6 +79,9 @@ def _cases():
         "kda_state_fwd c16": (kf.kda_state_fwd_kernel, dict(c, CU_STRIDE=1)),
         "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64, CU_STRIDE=1)),
         "kda_state_fwd c16 pairs": (kf.kda_state_fwd_kernel, dict(c, CU_STRIDE=2), dict(num_stages=3)),
+        # a training forward saving the backward's chunk states and u' (bf16), at B1 T8K H96's launch
+        "kda_state_fwd c16 save": (kf.kda_state_fwd_kernel, dict(c, BV=32, CU_STRIDE=1, SAVE=4),
+                                   dict(num_stages=3, maxnreg=168, types=dict(states="*bf16", uns="*bf16"))),
         "kda_recurrent_fwd": (kf.kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
                                                                 L2NORM=True, HAS_H0=True, STORE_HT=True)),
         **_bwd_cases(kb, cb, cg),
@@ -104,7 +108,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64",
-                                  "kda_state_fwd c16 pairs", "kda_recurrent_fwd",
+                                  "kda_state_fwd c16 pairs", "kda_state_fwd c16 save", "kda_recurrent_fwd",
                                   "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw",
                                   "kda_bwd_gi2", "kda_bwd_gfin",
                                   "kda_bwd_pmat", "kda_bwd_pwu",

@@ -181,9 +181,13 @@ class _ChunkKDATriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, A_log, dt_bias, cfg):
+        # the forward's sequential pass also stores what the backward's states pass would recompute (its chunk
+        # tables, per-chunk states, u'), where the backward's config uses them (ops_bwd.fwd_save)
+        save = _ops_bwd().fwd_save(q.shape[-1], v.shape[-1], q.dtype) if _bwd_mode() == "triton" else None
         o, ht = _ops().kda_chunk_fwd(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                     A_log=A_log, dt_bias=dt_bias, **cfg)
+                                     A_log=A_log, dt_bias=dt_bias, save=save, **cfg)
         ctx.cfg = cfg
+        ctx.fwd_save = save if save is not None and save.filled else None  # (read, never written, by backward)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias)
         return o, ht
 
@@ -200,7 +204,7 @@ class _ChunkKDATriton(torch.autograd.Function):
         dq, dk, dv, dg, db, dh0, dal, ddt = _ops_bwd().kda_chunk_bwd(
             q, k, v, g, beta, do, dht, scale=cfg["scale"], initial_state=h0, cu_seqlens=cfg["cu_seqlens"],
             use_qk_l2norm_in_kernel=cfg["use_qk_l2norm_in_kernel"], use_gate_in_kernel=cfg["use_gate_in_kernel"],
-            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"])
+            A_log=A_log, dt_bias=dt_bias, lower_bound=cfg["lower_bound"], saved=ctx.fwd_save)
         res = [dq, dk, dv, dg, db,
                None if h0 is None else dh0.to(h0.dtype),
                None if A_log is None else dal.to(A_log.dtype).view_as(A_log),

@@ -118,19 +118,27 @@ def _seq_walk_start(cu, seq_chunk, s0, i_n, i_h, i_v, H: tl.constexpr, K: tl.con
 
 
 @triton.jit
-def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
+def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot, states, uns, save_chunk, save_off,
                          H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CU_STRIDE: tl.constexpr = 1):
+                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CU_STRIDE: tl.constexpr = 1,
+                         SAVE: tl.constexpr = 0):
     """One program = one sequence, one head, BV value columns; walks the chunks carrying the fp32 state S [K, BV]:
     u' = U - W S;  o = (q e^G) S + Aqk u';  S <- e^{G_last} S + (k e^{G_last - G})^T u'.
-    CU_STRIDE: see _seq_walk_start."""
+    CU_STRIDE: see _seq_walk_start. SAVE > 0 (training: what the backward's states pass would recompute): every SAVE
+    chunks, the state at the start of the backward's SAVE * BT-token chunk goes to states [C, H, K, V] at chunk
+    save_chunk[i_n] + save_off + j // SAVE, and every chunk's u' to uns [H, Ttot, V] (their dtypes)."""
     i_n = tl.program_id(0)
     i_h = tl.program_id(1)
     i_v = tl.program_id(2)
     bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
                                                                  HAS_H0, CU_STRIDE)
     dt = w.dtype.element_ty
+    if SAVE:
+        cs = tl.load(save_chunk + i_n).to(tl.int64) + save_off
     for j in range(0, nc):
+        if SAVE:
+            if j % SAVE == 0:
+                tl.store(states + ((cs + j // SAVE) * H + i_h) * K * V + kv, S.to(states.dtype.element_ty))
         tok = bos + j * BT + o_t
         m_t = tok < eos
         ik = (i_h * Ttot + tok[:, None]) * K + o_k[None, :]
@@ -146,6 +154,9 @@ def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot,
         b_o = tl.dot(b_qg, s_lo) + tl.dot(b_a, vn_lo)
         S = S * b_e[:, None] + tl.dot(tl.trans(b_kd), vn_lo)
         tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+        if SAVE:
+            tl.store(uns + (i_h * Ttot + tok[:, None]) * V + o_v[None, :], b_vn.to(uns.dtype.element_ty),
+                     mask=m_t[:, None])
     if STORE_HT:
         tl.store(ht + ps, S)
 

@@ -837,10 +837,11 @@ def kda_bwd_pwu_kernel(q, k, v, beta, qg_out, kd_out, w_out, u_out, eg_out, cmat
                        chunk_tok, chunk_end, scale, Ttot,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                        BK: tl.constexpr, IEEE: tl.constexpr, F32_W: tl.constexpr, F32_K: tl.constexpr,
-                       INNER: tl.constexpr):
+                       INNER: tl.constexpr, VCOLS: tl.constexpr = True):
     """Prep part 2 (pwu), per (chunk, head, column block j; grid order: `_split_pid`): j < K / BK: `_prep_kcols`
-    for that K block, else `_prep_vcols` for value block j - K / BK; T, rq, rk, G read back from part 1."""
-    NS: tl.constexpr = K // BK + V // BV
+    for that K block, else `_prep_vcols` for value block j - K / BK; T, rq, rk, G read back from part 1. Without
+    VCOLS (the forward saved u', so nothing reads U) only the K blocks run."""
+    NS: tl.constexpr = K // BK + V // BV if VCOLS else K // BK
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT, NS, INNER)
     Tm = tl.load(cmat + (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col)
     j = _split_pid(NS, INNER)[1]

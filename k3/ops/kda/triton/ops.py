@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 from typing import Optional
 
@@ -79,6 +81,11 @@ STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None
 # 11.96 -> 11.13 (4K pieces 11.02), varlen 64K / 12 documents 12.52 -> 11.97; B8 T8K is one piece (10.33; 2K pieces
 # 10.57: its 768 walk programs fill the GPU, nothing to overlap).
 PIPE_AUTO = 8192
+# Value block cap of a sequential pass that saves the backward's states (FwdSave; unless bv is given): at BV 128 on 4
+# warps (the pick from 264 (sequence, head) pairs, e.g. the varlen 12-document 64K batch at H96) the stores of the
+# [128, 128] state spill (sm_90: 144 -> 456 B per thread); measured there (seventeenth session, H200, fwd+bwd): BV 128
+# 78.90 ms (forward 18.00), BV 64 75.46 (14.67), 8 warps at BV 128 75.57 (15.14); not saving 81.28 (12.77)
+SAVE_MAX_BV = 64
 PIPE_MAX_PROGS = 1536
 PIPE_MIN_BV = 64
 LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled handle by variant name
@@ -135,8 +142,20 @@ def prep16p_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: boo
     return consts, launch
 
 
+ENV_STATE_CFG = "K3_KDA_STATE_CFG"  # JSON: state_cfg keys for every call (a call's state_cfg wins where both give one)
+
+
 def state_config(state_cfg: Optional[dict] = None) -> dict:
-    """STATE_CFG_DEFAULT updated with state_cfg, validated."""
+    """STATE_CFG_DEFAULT updated with $K3_KDA_STATE_CFG, then with state_cfg, validated."""
+    env = os.environ.get(ENV_STATE_CFG, "").strip()
+    if env:
+        try:
+            env_cfg = json.loads(env)
+        except ValueError as e:
+            raise ValueError(f"{ENV_STATE_CFG}: not JSON ({e}): {env!r}") from None
+        if not isinstance(env_cfg, dict):
+            raise ValueError(f"{ENV_STATE_CFG}: expected a JSON object of state_cfg keys, got {env!r}")
+        state_cfg = {**_merged(ENV_STATE_CFG, STATE_CFG_DEFAULT, env_cfg), **(state_cfg or {})}
     cfg = _merged("state_cfg", STATE_CFG_DEFAULT, state_cfg)
     if cfg["kernel"] not in ("base", "v2"):
         raise ValueError(f"state_cfg['kernel']: expected 'base' or 'v2', got {cfg['kernel']!r}")
@@ -162,10 +181,22 @@ def state_config(state_cfg: Optional[dict] = None) -> dict:
     return cfg
 
 
-def state_meta(scfg: dict):
-    """(kernel, extra constexpr arguments, launch options) of the sequential pass for a validated config."""
+# Register cap of the base sequential pass at value blocks of at most 32 on 4 warps (no maxnreg in the config): it
+# holds 165 registers (3 programs per SM) until it also stores the final state or loads an initial one, which took
+# 176-191 (2 per SM: B1 T8K H96's 384 programs then ran in two waves, 1.14 ms instead of 0.68 in the training
+# forward, which always stored the final state; seventeenth session). Capped: 168, no spill in the loop (sm_90).
+BASE_SMALL_BV_MAXNREG = 168
+
+
+def state_meta(scfg: dict, bv: Optional[int] = None, k: Optional[int] = None):
+    """(kernel, extra constexpr arguments, launch options) of the sequential pass for a validated config; bv and k:
+    the value block and key width it runs at (the base kernel's register cap at K <= 128 and value blocks <= 32:
+    BASE_SMALL_BV_MAXNREG)."""
     nw = scfg["num_warps"] or 4
     launch = {} if scfg["maxnreg"] is None else dict(maxnreg=scfg["maxnreg"])
+    if scfg["kernel"] == "base" and not launch and nw == 4 and bv is not None and bv <= 32 and k is not None \
+            and k <= 128:
+        launch = dict(maxnreg=BASE_SMALL_BV_MAXNREG)
     if scfg["kernel"] == "base":
         return _k.kda_state_fwd_kernel, {}, dict(launch, num_warps=nw, num_stages=scfg["num_stages"] or 2)
     ns = scfg["num_stages"] or (1 if scfg["prefetch"] else 2)
@@ -309,12 +340,28 @@ def _pick_bv64(V: int, nprog: int) -> int:
     return bv
 
 
+@dataclasses.dataclass
+class FwdSave:
+    """What a training forward's sequential pass stores for the backward (`kda_chunk_fwd(save=...)`): the state at
+    the start of every bt-token chunk (the backward's chunks) and u' = U - W S at every token, which the backward's
+    states pass would otherwise recompute. Asked for with bt and the two dtypes; the forward fills tables (the
+    backward's chunk tables: _seq_tables at bt), states [C, H, K, V], uns [H, B*T, V] and sets filled, or leaves
+    filled False where its pass cannot save (variant, state kernel, a time piece that is not a multiple of bt)."""
+    bt: int
+    states_dtype: torch.dtype
+    uns_dtype: torch.dtype
+    tables: Optional[tuple] = None
+    states: Optional[torch.Tensor] = None
+    uns: Optional[torch.Tensor] = None
+    filled: bool = False
+
+
 def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_final_state: bool = False,
                   cu_seqlens=None, use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
                   A_log=None, dt_bias=None, lower_bound: Optional[float] = -5.0, variant: Optional[str] = None,
                   bv: Optional[int] = None, num_warps: Optional[int] = None, num_stages: Optional[int] = None,
                   prep_warps: Optional[int] = None, prec: str = "tf32", prep_only: bool = False,
-                  prep_cfg: Optional[dict] = None, state_cfg: Optional[dict] = None):
+                  prep_cfg: Optional[dict] = None, state_cfg: Optional[dict] = None, save: Optional[FwdSave] = None):
     """Chunked forward: (o [B,T,H,V] v.dtype, final state [N,H,K,V] fp32 or None). Inputs validated/supported.
 
     variant: one of FWD_VARIANTS (default: fwd_variant()). Tuning knobs (None = heuristic): bv, num_warps and
@@ -323,7 +370,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     ("tf32", "tf32x3" or "ieee"; the 16x16 diagonal-block inverses are always "ieee"). prep_cfg: options of the
     c16p prep (see PREP16P_DEFAULT; ignored by the other variants). state_cfg: options of the sequential pass of
     c16 / c16p / c64 (see STATE_CFG_DEFAULT; its bv / num_warps / num_stages win over the plain kwargs; ignored by
-    c64s / c64f). prep_only (benchmarks): run the parallel prep kernel only and return (None, None)."""
+    c64s / c64f). prep_only (benchmarks): run the parallel prep kernel only and return (None, None). save: a FwdSave
+    the sequential pass fills for the backward (c16 / c16p / c64 with the base kernel; see FwdSave)."""
     name = fwd_variant(variant)
     scfg = state_config(state_cfg)
     bv = scfg["bv"] if scfg["bv"] is not None else bv
@@ -352,12 +400,21 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     piece = 0 if prep_only or name == "c64f" else pipe_tokens(scfg, name, max_len, N * H, bt)
+    if save is not None and (name not in ("c16", "c16p", "c64") or scfg["kernel"] != "base" or prep_only
+                             or save.bt % bt or piece % save.bt):
+        save = None  # (this pass cannot store the backward's chunk states: the backward recomputes them)
+    if save is not None:
+        save.tables = _seq_tables(B, T, cu_seqlens, q.device, save.bt, cu_cpu)
+        save.states = torch.empty(max(save.tables[5], 1), H, K, V, device=q.device, dtype=save.states_dtype)
+        save.uns = torch.empty(H, B * T, V, device=q.device, dtype=save.uns_dtype)
+        save.filled = True
     if piece:
         BV = bv or max(_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H), min(V, PIPE_MIN_BV))
-        kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
+        BV = BV if bv or save is None else min(BV, SAVE_MAX_BV)
+        kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages), BV, K)
         _fwd_pipelined(name, ins, gate, flags, float(scale), cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg,
                        kern, dict(consts, BV=BV, **launch), fixed_T=T if cu_seqlens is None else None,
-                       lpt=scfg["lpt"])
+                       lpt=scfg["lpt"], save=save)
         return o, ht
     cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt, cu_cpu)
     if name == "c64f":
@@ -375,10 +432,12 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     state = dict(HAS_H0=h0 is not None, STORE_HT=ht is not None)
     if name in ("c16", "c16p", "c64"):
         BV = bv or (_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H))
-        kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages))
+        BV = BV if bv or save is None else min(BV, SAVE_MAX_BV)
+        kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages), BV, K)
         LAST_STATE[name] = kern[(N, H, V // BV)](
             qg, kd, w, u, aqk, eg, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
-            seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, CU_STRIDE=1, **state, **consts, **launch)
+            seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, CU_STRIDE=1, **state, **consts, **launch,
+            **_save_args(kern, save, bt, dummy, cu))
         return o, ht
     # c64s: lean sequential pass (states + u'), then the chunk-parallel output
     BV = bv or _pick_bv64(V, N * H)
@@ -392,6 +451,18 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         _k.kda_out_kernel[(NC, H, V // BVo)](qg, aqk, hs, vn, o, ctok, cend, Tt, H=H, K=K, V=V, BT=bt, BV=BVo,
                                              num_warps=4, num_stages=2)
     return o, ht
+
+
+def _save_args(kern, save: Optional[FwdSave], bt: int, dummy, dummy_i32, save_chunk=None, save_off: int = 0) -> dict:
+    """The FwdSave arguments of the base sequential kernel (dummies and SAVE=0 without a save; none for the "v2"
+    kernel, which has no such arguments). save_chunk: the first backward chunk of each walked sequence (default:
+    the save's tables), save_off: added to it (a time piece's offset, in backward chunks)."""
+    if kern is not _k.kda_state_fwd_kernel:
+        return {}
+    if save is None:
+        return dict(states=dummy, uns=dummy, save_chunk=dummy_i32, save_off=0, SAVE=0)
+    return dict(states=save.states, uns=save.uns, save_chunk=save.tables[3] if save_chunk is None else save_chunk,
+                save_off=save_off, SAVE=save.bt // bt)
 
 
 def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=None, fixed=None, out=None):
@@ -443,7 +514,7 @@ def _alloc_inter(q, v, NC: int, bt: int):
 
 @torch.compiler.disable
 def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg, kern, kw,
-                   fixed_T=None, lpt=False):
+                   fixed_T=None, lpt=False, save=None):
     """The c16 / c16p / c64 forward in time pieces of `piece` tokens per sequence: piece p of every sequence is
     prepped (its own chunk tables, its rows of eg), then walked by the sequential kernel from the state piece p - 1
     left (fp32, two ping-pong buffers; CU_STRIDE=2 start/end pairs). On CUDA the preps run in order on the current
@@ -451,7 +522,8 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
     p + 1 overlaps walk p; the current stream waits for the last walk before returning. Elsewhere (the
     interpreter) the same launches run one after another. Writes o and ht (if given) in place. fixed_T: the
     sequence length when every sequence has it (no cu_seqlens): c16p's prep then finds its chunks without tables.
-    lpt (varlen): the sequences are walked in order of decreasing length (states permuted in and out)."""
+    lpt (varlen): the sequences are walked in order of decreasing length (states permuted in and out). save: a
+    FwdSave with its tables and buffers (piece a multiple of its bt), filled piece by piece."""
     q, v = ins[0], ins[2]
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -488,6 +560,9 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
     cuda = q.is_cuda
     if cuda:
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+    save_chunk = None
+    if save is not None:  # the backward's first chunk of each walked sequence (in walk order)
+        save_chunk = save.tables[3][:-1] if perm is None else save.tables[3][:-1].index_select(0, perm)
     carry = [torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2 if P > 2 else P - 1)]
     h_in = h0
     pos = 0
@@ -507,7 +582,8 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
             LAST_STATE[name] = kern[(N, H, V // kw["BV"])](
                 *inter[:5], eg, o, h_in if h_in is not None else dummy, h_out if h_out is not None else dummy,
                 pairs, seq_chunk, B * T, H=H, K=K, V=V, BT=bt, HAS_H0=h_in is not None, STORE_HT=h_out is not None,
-                CU_STRIDE=2, **kw)
+                CU_STRIDE=2, **kw, **_save_args(kern, save, bt, dummy, pairs, save_chunk,
+                                                p * piece // save.bt if save is not None else 0))
         h_in = h_out
     if cuda:
         main.wait_stream(side)

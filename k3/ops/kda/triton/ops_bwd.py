@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from . import kernels_bwd as _k
-from .ops import _seq_tables  # chunk tables shared with the forward
+from .ops import FwdSave, _seq_tables  # chunk tables shared with the forward
 
 BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
@@ -184,7 +184,10 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # fp32 scratch 2.62e-3 vs 2.68e-3), below fla's dq / dk / dv there (3.69e-3 / 3.89e-3 / 3.40e-3;
         # benchmarks/kda_bwd_accuracy.py). "fp32" stays for the last digits (dk 2.6e-3 vs 3.2e-3), and is the default
         # at fp16 inputs (a state or u' past 65504 would overflow fp16; bf16 has fp32's range)
-        scratch=dict(DTYPE="input" if dtype == torch.bfloat16 else "fp32"),
+        # FWD: a training forward's sequential pass stores the per-chunk states and u' (ops.FwdSave) at bf16 / fp16
+        # inputs, so the backward runs no states pass and pwu no U (seventeenth session). Off at fp32 inputs: the
+        # forward's products there are one-pass tf32 on a GPU, the states pass's are 3-pass
+        scratch=dict(DTYPE="input" if dtype == torch.bfloat16 else "fp32", FWD=lowp),
     )
     for name, c in cfg.items():
         if name != "scratch":
@@ -225,7 +228,7 @@ def env_launch() -> dict:
 
 # the on / off launch parameters (a string such as "false" would otherwise count as on)
 BOOL_PARAMS = frozenset({"REFLOAD", "FACTOR", "INNER", "PRE", "PRE_F32", "ATOMIC", "EPI_ORDER", "FIN", "BLK",
-                         "ONEPASS", "DNU", "RED"})
+                         "ONEPASS", "DNU", "RED", "FWD"})
 
 
 def apply_launch(lc: dict, *overrides) -> dict:
@@ -283,21 +286,45 @@ def kernel_table(kb=_k):
             ("gi2", kb.kda_bwd_gi2_kernel, "chunk"), ("gfin", kb.kda_bwd_gfin_kernel, "chunk")]
 
 
+def _scratch_dtypes(lc: dict, dt: torch.dtype) -> tuple:
+    """(per-chunk states dtype, u' / du' dtype) of a launch config at token compute dtype dt."""
+    scr = lc["scratch"]["DTYPE"]
+    sdt = dt if scr == "input" else torch.float32
+    return (dt if scr == "states" else sdt), sdt
+
+
+def fwd_save(K: int, V: int, dtype: torch.dtype, launch: Optional[dict] = None) -> Optional[FwdSave]:
+    """The FwdSave a training forward should fill for this backward (its chunk length and scratch dtypes under the
+    launch config, $K3_KDA_BWD_LAUNCH and `launch`), or None where the backward would not use one (scratch FWD off,
+    or gv without PRE: u' is then formed in gv)."""
+    lc = apply_launch(launch_config(K, V, 1, dtype), env_launch(), launch)
+    if not (lc["scratch"]["FWD"] and lc["gv"]["PRE"]):
+        return None
+    dt = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    return FwdSave(chunk_len(K), *_scratch_dtypes(lc, dt))
+
+
 def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, cu_seqlens=None,
                   use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False, A_log=None,
-                  dt_bias=None, lower_bound: Optional[float] = -5.0, launch: Optional[dict] = None):
+                  dt_bias=None, lower_bound: Optional[float] = -5.0, launch: Optional[dict] = None,
+                  saved: Optional[FwdSave] = None):
     """Gradients of chunk_kda's (o, final_state) given do [B,T,H,V] and dht [N,H,K,V] (or None = zero).
 
     Returns (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias): token gradients in their inputs' dtypes, dg w.r.t. g
     as given (the raw gate input f when use_gate_in_kernel), dh0 [N,H,K,V] fp32, dA_log [H] / ddt_bias [H*K] fp32
     (None without the gate). Inputs are validated and supported (see the package's `_unsupported`).
-    launch: per-kernel overrides of `launch_config` ({kernel name: {param: value}}, for benchmarks)."""
+    launch: per-kernel overrides of `launch_config` ({kernel name: {param: value}}, for benchmarks). saved: the
+    FwdSave the forward filled (`fwd_save`): its chunk tables, per-chunk states and u' replace the states pass (and
+    pwu's U); one of another chunk length or dtypes than this backward's config is not used."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     Tt = B * T
     BT = chunk_len(K)
-    cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, dev, BT)
+    if saved is not None and not (saved.filled and saved.bt == BT):
+        saved = None
+    # (the forward's tables: no second copy of cu_seqlens to the host, whose wait stalls the GPU between the two)
+    cu, ctok, cend, seq_chunk, N, NC = saved.tables if saved is not None else _seq_tables(B, T, cu_seqlens, dev, BT)
     qc, kc, vc, gc, bc, doc = (x.contiguous() for x in (q, k, v, g, beta, do))
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     ieee = dt == torch.float32
@@ -323,7 +350,6 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     else:
         qg = torch.empty(H, Tt, K, device=dev, dtype=dt)
         kd, w = torch.empty_like(qg), torch.empty_like(qg)
-        u = torch.empty(H, Tt, V, device=dev, dtype=dt)
         aq = torch.empty(H, Tt, BT, device=dev, dtype=dt)
         eg = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
         lc = apply_launch(launch_config(K, V, N * H, dt), env_launch(), launch)
@@ -361,6 +387,9 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         if scr not in SCRATCH:
             raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
         sdt = dt if scr == "input" else torch.float32  # the scratch dtype (fp32 at fp32 inputs either way)
+        if saved is not None and not (lc["gv"]["PRE"] and (saved.states.dtype, saved.uns.dtype)
+                                      == _scratch_dtypes(lc, dt)):
+            saved = None  # (config changed since the forward: the states pass recomputes them)
         if sdt != torch.float32 and lc["gv"]["BK"] > 32:
             # correct in the interpreter, but an illegal memory access on the H200 (triton 3.6, tenth session)
             raise ValueError(f"kda_chunk_bwd: gv BK={lc['gv']['BK']} with the bf16 scratch is refused (an illegal "
@@ -387,20 +416,26 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             AQF=not pre, **{n: c for n, c in const.items() if n != "V"})  # (PTS: checked above)
         pw = lc["pwu"]
         wsa = w if ws is None else ws  # (pwu's fp32 W / k e^(G_l - G) slots: unused without F32_W / F32_K)
-        _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + V // pw["BV"], pw["INNER"])](
+        vcols = saved is None  # (with the forward's u' nothing reads U: pwu's value blocks do not run)
+        u = torch.empty(H, Tt, V, device=dev, dtype=dt) if vcols else eg
+        _k.kda_bwd_pwu_kernel[_split_grid(NC, H, K // pw["BK"] + vcols * (V // pw["BV"]), pw["INNER"])](
             qc, kc, vc, bc, qg, kd, w, u, eg, cmat, wsa, wsa if ks is None else ks, gcs, rqk, ctok, cend,
             float(scale), Tt, H=H, K=K, V=V, BT=BT, IEEE=ieee, F32_W=f32_wk and ws is not None,
-            F32_K=f32_wk and not pre, **_kw(pw))
-        # the per-chunk states / state gradients: at the scratch dtype, or with "states" alone at the input dtype
-        states = torch.empty(NC, H, K, V, device=dev, dtype=dt if scr == "states" else sdt)
-        dstates = torch.empty_like(states)
-        # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
-        # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
-        uns = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
-        _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
-            kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
-            **_kw(lc["states"]))
+            F32_K=f32_wk and not pre, VCOLS=vcols, **_kw(pw))
+        if saved is not None:  # the forward's per-chunk states and u'
+            states, uns = saved.states, saved.uns
+            dstates = torch.empty_like(states)
+        else:
+            # the per-chunk states / state gradients: at the scratch dtype, or with "states" alone at the input dtype
+            states = torch.empty(NC, H, K, V, device=dev, dtype=dt if scr == "states" else sdt)
+            dstates = torch.empty_like(states)
+            # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
+            # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
+            uns = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
+            _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
+                kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
+                H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
+                **_kw(lc["states"]))
         del u
         dus = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
         _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
