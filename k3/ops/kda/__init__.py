@@ -67,10 +67,11 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 # Automatic choice on CUDA (no backend= and no K3_BACKEND kda entry): calls that need no gradient (prefill,
 # evaluation) with at least this many tokens per sequence on average go to our Triton forward ("triton", c16p),
 # measured 1.6-2.0x fla's forward at H96 D128 on the H200 (benchmarks/RESULTS.md, third session); calls with
-# gradients stay on fla (our Triton fwd+bwd: 0.29x fla's in the third session, 1.16-1.24x in the fifteenth at K3
-# heads and 1.44x at the `small` preset's 8 heads in one process, but the whole compiled `small` training step with
-# K3_BACKEND=kda:triton took 340.1 ms against fla's 335.7-337.6 in the fifteenth session, 342.8-348.3 vs 334.1-334.5
-# in the fourteenth), and so do decode-sized calls (fla's fused_recurrent). 0 disables the rule.
+# gradients stay on fla (our Triton fwd+bwd: 0.29x fla's in the third session, 1.33-1.37x in the seventeenth at K3
+# heads and 1.59x at the `small` preset's 8 heads in one process, but the whole compiled `small` training step with
+# K3_BACKEND=kda:triton took 341.8 / 352.2 ms against fla's 338.7 / 363.9 in the seventeenth session, 340.1 vs
+# 335.7-337.6 in the fifteenth: host-bound, and 9 GiB more peak memory with ours), and so do decode-sized calls
+# (fla's fused_recurrent). 0 disables the rule.
 FORWARD_ONLY_TRITON_MIN_TOKENS = 256
 
 

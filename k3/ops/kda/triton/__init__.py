@@ -46,7 +46,10 @@ while a 64-token span may decay by e^-320). Nothing is recomputed:
 2. `kda_bwd_pwu_kernel` (chunk, head, column block): q e^G, k e^(G_l - G), W, U, e^(G_l) for the sequential passes
    (input dtype).
 3. `kda_bwd_states_kernel` (sequence, head, V block), sequential: the fp32 state at every chunk start, and u' = U -
-   W S (W S against the fp32 state as two bf16 products, ~16 mantissa bits).
+   W S (W S against the fp32 state as two bf16 products, ~16 mantissa bits). Skipped when the training forward saved
+   them (`ops.FwdSave`, the default at bf16 / fp16 inputs: the forward's walk stores the state at every 64-token
+   boundary and every u', which is the same per-token innovation for 16- and 64-token chunks; pwu then computes no U,
+   and the forward's chunk tables are reused). Off: '{"scratch": {"FWD": false}}'.
 4. `kda_bwd_dstates_kernel` (sequence, head, V block), reverse sequential from dht: the fp32 state gradient at
    every chunk end, du' = Aq^T do + (k e^(G_l - G)) dS, dS <- e^(G_l) dS + (q e^G)^T do - W^T du'; ends with dh0.
 5. `kda_bwd_gv_kernel` (chunk, head): value side per value block from the passes' u' / du': dXv = T^T du', dv, dAq,
@@ -66,8 +69,9 @@ Measured on the H200 at B1 T8K H96 D128 (benchmarks/RESULTS.md): 19.5 ms in the 
 (the one-pass tf32 inverse), 16.0 in the tenth, 15.2 in the eleventh, 11.9 in the twelfth (u' / du' from the sequential
 passes, dstates in one wave, pwu under a register cap, the stored cumsum instead of recomputed gates in gw / gi2 / pwu),
 10.2 in the thirteenth, 9.7 in the fourteenth, 8.9 in the fifteenth (the whole dN in gv, gi2 adding by atomics), 8.4 in
-the sixteenth (the scratch and states in the input dtype, as fla keeps them); fwd+bwd against fla's at B1 T8K / T32K /
-T128K and varlen 64K in one process: benchmarks/RESULTS.md.
+the sixteenth (the scratch and states in the input dtype, as fla keeps them), 7.65 in the seventeenth (the forward's
+saved states; the forward's walk 0.70 -> 0.90 ms for the stores); fwd+bwd against fla's at B1 T8K / T32K / T128K and
+varlen 64K in one process (1.33-1.37× in the seventeenth session): benchmarks/RESULTS.md.
 Launch parameters: `ops_bwd.launch_config`, overridden per call (`launch=`) or by $K3_KDA_BWD_LAUNCH (JSON, e.g.
 '{"pmat": {"INV_PREC": "tf32x3"}}'; every kernel also takes "maxnreg"). Opt-in: the scratch in fp32 at bf16 inputs
 ('{"scratch": {"DTYPE": "fp32"}}': +0.6 ms at B1 T8K H96, dk 2.6e-3 vs 3.2e-3), gv forming u' / du' itself in fp32
@@ -291,9 +295,10 @@ def fused_recurrent_kda_triton(q, k, v, g, beta, scale: Optional[float] = None, 
         lower_bound=lower_bound, inplace=inplace)
 
 
-PRIORITY = 5  # below "fla" (10) for calls with gradients: our fwd+bwd measured 0.29x fla's (third session) and
-# 1.03-1.10x (thirteenth, H96 D128 bf16 on the H200, near fla's spread between processes; see k3.ops.kda); calls
-# without gradients prefer this backend on CUDA (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS)
+PRIORITY = 5  # below "fla" (10) for calls with gradients: our fwd+bwd measured 0.29x fla's (third session),
+# 1.33-1.37x (seventeenth, H96 D128 bf16 on the H200), but the compiled `small` training step with it is even with
+# fla's (host-bound; see k3.ops.kda); calls without gradients prefer this backend on CUDA
+# (k3.ops.kda.FORWARD_ONLY_TRITON_MIN_TOKENS)
 
 
 def register() -> None:
