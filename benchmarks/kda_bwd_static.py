@@ -90,7 +90,7 @@ import torch  # noqa: E402
 
 F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part",
             "ws", "ks", "uns", "dus", "cmat", "cdb", "x1s", "x2s", "dgis", "nkp", "dbp", "aqf", "gcs", "rqk", "sqk"}
-I32_PTRS = {"chunk_tok", "chunk_end", "cu", "seq_chunk"}
+I32_PTRS = {"chunk_tok", "chunk_end", "cu", "seq_chunk", "order"}
 SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
 
 

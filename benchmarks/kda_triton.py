@@ -747,6 +747,11 @@ STATE_SWEEP += [  # eighth session: prep of piece p + 1 overlapped with the walk
     ("pipe8k_lpt", dict(pipe=8192, lpt=True, num_stages=3), None, "8,192-token pieces, longest documents' walks "
      "first (varlen)"),
     ("pipe4k_lpt", dict(pipe=4096, lpt=True, num_stages=3), None, "4,096-token pieces, longest first (varlen)"),
+    # seventeenth session: longest first became real (a sequence-major grid; before, the sort acted inside each head's
+    # group of programs only) and the default at varlen; these are the grid-order controls
+    ("nopipe_grid", dict(pipe=0, lpt=False, num_stages=3), None, "not pipelined, walks in grid order"),
+    ("pipe8k_grid", dict(pipe=8192, lpt=False, num_stages=3), None, "8,192-token pieces, walks in grid order"),
+    ("nopipe_bv64", dict(pipe=0, bv=64, num_stages=3), None, "not pipelined, BV 64 (twice the walk programs)"),
 ]
 STATE_ORDER = ["base", "base_s3", "v2_w4_late_s3", "v2_w8_r128_late_s3", "v2_w8_r128_pf_late", "v2_w8_pf", "base_w8_r128", "v2_w8_ch2_pf_late",
                "v2_w8_pf_late", "base_w8_s3", "v2_w4_bv64_pf_late", "v2_w4_bv64_r128_pf_late", "v2_w8_ch2_late",

@@ -182,13 +182,16 @@ def _checks() -> dict:
         res[f"pipe.{variant}.o_no_final"] = _rr(o2, o0)
         res[f"pipe.{variant}.used"] = float(ops.pipe_tokens(ops.state_config(dict(pipe=piece)), variant, 280, 12,
                                                             64 if variant == "c64" else 16) == piece)
-    # longest documents walked first (lengths 5, 64, 1, 0, 280, 17 -> order 280, 64, 17, 5, 1, 0): same result,
-    # final states back in the caller's order
-    o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True, state_cfg=dict(pipe=0),
-                               **kw)
+    # longest documents walked first (lengths 5, 64, 1, 0, 280, 17 -> order 280, 64, 17, 5, 1, 0; the default at
+    # varlen), unpiped and pipelined, against grid order (lpt=False): same result, final states per sequence
+    o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True,
+                               state_cfg=dict(pipe=0, lpt=False), **kw)
     o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True,
                                state_cfg=dict(pipe=32, lpt=True), **kw)
-    res["pipe.lpt.o"], res["pipe.lpt.S"] = _rr(o1, o0), _rr(s1, s0)
+    o2, s2 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True, state_cfg=dict(pipe=0),
+                               **kw)
+    res["pipe.lpt.o"], res["pipe.lpt.S"] = max(_rr(o1, o0), _rr(o2, o0)), max(_rr(s1, s0), _rr(s2, s0))
+    res["lpt.order"] = ops._walk_order(ops._cu_cpu(1, 0, kw["cu_seqlens"]), "cpu").tolist()
     # equal-length rows (no cu_seqlens): c16p's prep finds each piece's chunks without tables (T = 100: the last
     # piece's chunk is partial)
     _, args_f, kw_f, _ = next(c for c in cases if c[0] == "gate_l2_h0")
@@ -339,6 +342,7 @@ def test_pipelined_forward_fixed_rows_equals_unpiped(results):
 
 
 def test_pipelined_longest_first_equals_unpiped(results):
+    assert results["lpt.order"] == [4, 1, 5, 0, 2, 3], results["lpt.order"]
     assert results["pipe.lpt.o"] <= 1e-6 and results["pipe.lpt.S"] <= 1e-6, (results["pipe.lpt.o"],
                                                                             results["pipe.lpt.S"])
 

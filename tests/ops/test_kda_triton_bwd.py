@@ -84,6 +84,8 @@ LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 
                   ("gi2_blk_fin", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}}),
                   ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
                   ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
+                  # the sequential passes in grid order (the default walks varlen sequences longest first)
+                  ("walks_grid_order", {"states": {"ORDERED": False}, "dstates": {"ORDERED": False}}),
                   ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))
 # pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals

@@ -14,7 +14,7 @@ TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32"
              LENS="*i64", ACC="*fp32", MAX="*fp32", SUM="*fp32", O="*fp32", KV="*bf16", H="i32", W="i32",
              NSPLIT="i32", s_qn="i32", s_qh="i32", s_kn="i32", s_kw="i32", s_on="i32", s_oh="i32",
              eg="*fp32", h0="*fp32", ht="*fp32", cu="*i32", seq_chunk="*i32", Ttot="i32", states="*fp32",
-             save_chunk="*i32", save_off="i32",
+             save_chunk="*i32", save_off="i32", order="*i32",
              dht="*fp32", dstates="*fp32", dh0="*fp32", A_log="*fp32", dt_bias="*fp32", eg_out="*fp32",
              chunk_tok="*i32", chunk_end="*i32", scale="fp32", lower_bound="fp32", hs="*bf16", vn="*bf16",
              uns="*fp32", dus="*fp32", cmat="*fp32", cdb="*fp32", x1s="*fp32", x2s="*fp32", dgis="*fp32",

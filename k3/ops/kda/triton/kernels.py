@@ -94,6 +94,24 @@ def kda_prep_fwd_kernel(q, k, v, g, beta, A_log, dt_bias,
 
 
 @triton.jit
+def _walk_ids(order, NV: tl.constexpr, ORDERED: tl.constexpr):
+    """(sequence, head, value block) of a sequential pass's program. ORDERED: the grid is (H * NV, N) and slot n walks
+    sequence order[n], so with order = the sequences longest first every head's programs of the longest sequence come
+    first in the launch order (the block scheduler starts programs in grid order; longest-first list scheduling
+    keeps a long document's walks out of the last wave). Else the grid is (N, H, NV)."""
+    if ORDERED:
+        hv = tl.program_id(0)
+        i_n = tl.load(order + tl.program_id(1))
+        i_h = hv // NV
+        i_v = hv % NV
+    else:
+        i_n = tl.program_id(0)
+        i_h = tl.program_id(1)
+        i_v = tl.program_id(2)
+    return i_n, i_h, i_v
+
+
+@triton.jit
 def _seq_walk_start(cu, seq_chunk, s0, i_n, i_h, i_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                     BT: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr, CU_STRIDE: tl.constexpr = 1):
     """Prologue of the sequential (per sequence, head, value block) kernels: the sequence's token range
@@ -119,17 +137,16 @@ def _seq_walk_start(cu, seq_chunk, s0, i_n, i_h, i_v, H: tl.constexpr, K: tl.con
 
 @triton.jit
 def kda_state_fwd_kernel(qg, kd, w, u, aqk, eg, o, h0, ht, cu, seq_chunk, Ttot, states, uns, save_chunk, save_off,
-                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CU_STRIDE: tl.constexpr = 1,
-                         SAVE: tl.constexpr = 0):
+                         order, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                         BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, CU_STRIDE: tl.constexpr = 1,
+                         SAVE: tl.constexpr = 0, ORDERED: tl.constexpr = False):
     """One program = one sequence, one head, BV value columns; walks the chunks carrying the fp32 state S [K, BV]:
     u' = U - W S;  o = (q e^G) S + Aqk u';  S <- e^{G_last} S + (k e^{G_last - G})^T u'.
     CU_STRIDE: see _seq_walk_start. SAVE > 0 (training: what the backward's states pass would recompute): every SAVE
     chunks, the state at the start of the backward's SAVE * BT-token chunk goes to states [C, H, K, V] at chunk
-    save_chunk[i_n] + save_off + j // SAVE, and every chunk's u' to uns [H, Ttot, V] (their dtypes)."""
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    save_chunk[i_n] + save_off + j // SAVE, and every chunk's u' to uns [H, Ttot, V] (their dtypes). ORDERED: the
+    sequences in the order of `order` (`_walk_ids`)."""
+    i_n, i_h, i_v = _walk_ids(order, V // BV, ORDERED)
     bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
                                                                  HAS_H0, CU_STRIDE)
     dt = w.dtype.element_ty

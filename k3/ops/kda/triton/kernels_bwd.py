@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .kernels import _seq_walk_start
+from .kernels import _seq_walk_start, _walk_ids
 
 
 @triton.jit
@@ -248,17 +248,15 @@ def _lower_inv_at(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr,
 
 
 @triton.jit
-def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
+def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot, order,
                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                           HAS_H0: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr,
-                          SF32: tl.constexpr):
+                          SF32: tl.constexpr, ORDERED: tl.constexpr = False):
     """One program = one sequence, one head, BV value columns; forward over the chunks, storing each chunk's
     start state (fp32) and carrying S <- e^(G_l) S + (k e^(G_l - G))^T (U - W S). STORE_U: also stores u' = U - W S
     (from the intermediate-dtype operands) into uns [H, Ttot, V]. SF32: W S against the fp32 state as two
-    intermediate-dtype halves (`_dot_split`) instead of its intermediate-dtype rounding."""
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    intermediate-dtype halves (`_dot_split`) instead of its intermediate-dtype rounding. ORDERED: `_walk_ids`."""
+    i_n, i_h, i_v = _walk_ids(order, V // BV, ORDERED)
     bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, S = _seq_walk_start(cu, seq_chunk, h0, i_n, i_h, i_v, H, K, V, BT, BV,
                                                                  HAS_H0)
     dt = w.dtype.element_ty
@@ -282,17 +280,16 @@ def kda_bwd_states_kernel(kd, w, u, eg, h0, states, uns, cu, seq_chunk, Ttot,
 
 
 @triton.jit
-def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, seq_chunk, Ttot,
+def kda_bwd_dstates_kernel(qg, kd, w, aq, eg, do, dht, dstates, dh0, dus, cu, seq_chunk, Ttot, order,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                            HAS_DHT: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, STORE_U: tl.constexpr,
-                           SF32: tl.constexpr):
+                           SF32: tl.constexpr, ORDERED: tl.constexpr = False):
     """One program = one sequence, one head, BV value columns; backward over the chunks carrying the fp32 state
     gradient dS (starting from dht): stores dS at each chunk's end, then
     du' = Aq^T do + (k e^(G_l - G)) dS;  dS <- e^(G_l) dS + (q e^G)^T do - W^T du'.  Finally dh0 = dS.
-    STORE_U: also stores du' into dus [H, Ttot, V]. SF32: (k e^(G_l - G)) dS against the fp32 dS (`_dot_split`)."""
-    i_n = tl.program_id(0)
-    i_h = tl.program_id(1)
-    i_v = tl.program_id(2)
+    STORE_U: also stores du' into dus [H, Ttot, V]. SF32: (k e^(G_l - G)) dS against the fp32 dS (`_dot_split`).
+    ORDERED: `_walk_ids`."""
+    i_n, i_h, i_v = _walk_ids(order, V // BV, ORDERED)
     bos, eos, c0, nc, o_t, o_k, o_v, kv, ps, dS = _seq_walk_start(cu, seq_chunk, dht, i_n, i_h, i_v, H, K, V, BT,
                                                                   BV, HAS_DHT)
     dt = w.dtype.element_ty

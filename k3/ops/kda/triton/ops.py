@@ -63,9 +63,11 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 #              piece p + 1 on the current stream while the sequential pass walks piece p of every sequence on a
 #              high-priority side stream (state carried between pieces in fp32, so the result is the unpiped one);
 #              None = pipe_tokens' rule (on above PIPE_AUTO tokens).
-#   lpt        pipelined varlen walks: programs of the longest sequences first (the block scheduler starts them in
-#              grid order, so a long document's walk no longer starts in the last wave); same arithmetic. Not timed.
-#              Long sequences give the sequential pass few programs (B1 T128K H96: 384 at BV 32 for 132 SMs) and
+#   lpt        varlen walks (base kernel), pipelined or not: None / True = the sequences longest first in a
+#              sequence-major grid (`_walk_order`, `kernels._walk_ids`), False = grid order; same arithmetic. Until the
+#              seventeenth session this sorted the sequences inside each head's group of the (N, H, NV) grid only, so
+#              the last wave still started long documents' walks (measured: no effect, eighth session).
+#   (pipe)     Long sequences give the sequential pass few programs (B1 T128K H96: 384 at BV 32 for 132 SMs) and
 #              it ran after the memory-bound prep (12.8 + ~11 ms there); overlapping them hides the shorter one.
 # The old kwargs bv / num_warps / num_stages of kda_chunk_fwd still work (state_cfg wins where both are given).
 # Predictions per option set: benchmarks/kda_triton.py STATE_SWEEP (`--static --state` prints the counts).
@@ -73,7 +75,7 @@ PREP16P_QK = ("tf32", "tf32x3", "bf16")
 # option sets at B8 T8K on the H200 (third session: sequential pass 3.94 vs 4.58 ms at 2 stages).
 BASE16_STAGES = 3
 STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
-                         out_late=False, fold=False, maxnreg=None, pipe=None, lpt=False)
+                         out_late=False, fold=False, maxnreg=None, pipe=None, lpt=None)
 # pipe=None: pieces of PIPE_AUTO tokens when the longest sequence spans at least two of them and there are at most
 # PIPE_MAX_PROGS (sequence, head) pairs (the most measured: 1,152), with value blocks of at least PIPE_MIN_BV.
 # Measured on the H200 (eighth session, benchmarks/RESULTS.md; H96 D128 bf16, whole forward, same process):
@@ -174,8 +176,8 @@ def state_config(state_cfg: Optional[dict] = None) -> dict:
     pipe = cfg["pipe"]
     if pipe is not None and not (isinstance(pipe, int) and pipe >= 0 and pipe % BT == 0):
         raise ValueError(f"state_cfg['pipe']: expected None or a non-negative multiple of {BT} (tokens), got {pipe!r}")
-    if not isinstance(cfg["lpt"], bool):
-        raise ValueError(f"state_cfg['lpt']: expected True or False, got {cfg['lpt']!r}")
+    if cfg["lpt"] is not None and not isinstance(cfg["lpt"], bool):
+        raise ValueError(f"state_cfg['lpt']: expected None, True or False, got {cfg['lpt']!r}")
     if cfg["kernel"] == "base" and (cfg["ch"] != 1 or cfg["prefetch"] or cfg["out_late"] or cfg["fold"]):
         raise ValueError("state_cfg: ch / prefetch / out_late / fold need kernel='v2'")
     return cfg
@@ -353,6 +355,7 @@ class FwdSave:
     tables: Optional[tuple] = None
     states: Optional[torch.Tensor] = None
     uns: Optional[torch.Tensor] = None
+    order: Optional[torch.Tensor] = None  # the walks' sequence order (`_walk_order`), for the backward's passes
     filled: bool = False
 
 
@@ -403,7 +406,9 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     if save is not None and (name not in ("c16", "c16p", "c64") or scfg["kernel"] != "base" or prep_only
                              or save.bt % bt or piece % save.bt):
         save = None  # (this pass cannot store the backward's chunk states: the backward recomputes them)
+    order = _walk_order(cu_cpu, q.device, scfg["lpt"]) if cu_seqlens is not None else None
     if save is not None:
+        save.order = order
         save.tables = _seq_tables(B, T, cu_seqlens, q.device, save.bt, cu_cpu)
         save.states = torch.empty(max(save.tables[5], 1), H, K, V, device=q.device, dtype=save.states_dtype)
         save.uns = torch.empty(H, B * T, V, device=q.device, dtype=save.uns_dtype)
@@ -414,7 +419,7 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages), BV, K)
         _fwd_pipelined(name, ins, gate, flags, float(scale), cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg,
                        kern, dict(consts, BV=BV, **launch), fixed_T=T if cu_seqlens is None else None,
-                       lpt=scfg["lpt"], save=save)
+                       order=order, save=save)
         return o, ht
     cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, q.device, bt, cu_cpu)
     if name == "c64f":
@@ -434,10 +439,11 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         BV = bv or (_pick_bv64(V, N * H) if name == "c64" else _pick_bv(V, N * H))
         BV = BV if bv or save is None else min(BV, SAVE_MAX_BV)
         kern, consts, launch = state_meta(dict(scfg, num_warps=num_warps, num_stages=num_stages), BV, K)
-        LAST_STATE[name] = kern[(N, H, V // BV)](
+        grid, ordered = _walk_grid(N, H, V // BV, order, kern is _k.kda_state_fwd_kernel)
+        LAST_STATE[name] = kern[grid](
             qg, kd, w, u, aqk, eg, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
             seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, CU_STRIDE=1, **state, **consts, **launch,
-            **_save_args(kern, save, bt, dummy, cu))
+            **_save_args(kern, save, bt, dummy, cu, order, ordered))
         return o, ht
     # c64s: lean sequential pass (states + u'), then the chunk-parallel output
     BV = bv or _pick_bv64(V, N * H)
@@ -453,16 +459,39 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     return o, ht
 
 
-def _save_args(kern, save: Optional[FwdSave], bt: int, dummy, dummy_i32, save_chunk=None, save_off: int = 0) -> dict:
-    """The FwdSave arguments of the base sequential kernel (dummies and SAVE=0 without a save; none for the "v2"
-    kernel, which has no such arguments). save_chunk: the first backward chunk of each walked sequence (default:
-    the save's tables), save_off: added to it (a time piece's offset, in backward chunks)."""
+def _walk_order(cu_cpu: torch.Tensor, device, lpt: Optional[bool] = None) -> Optional[torch.Tensor]:
+    """The sequential passes' sequence order (int32 on device): longest first (stable), or None (grid order) when
+    lpt is False, or there is one sequence, or all have the same length (fixed batches). lpt None = on.
+    Longest-first matters at varlen: with every sequence's walks in launch order by sequence, the last wave may
+    start a long document's walks (list scheduling of the varlen 12-document 64K batch at H96 on 264 program slots:
+    31,261 token-steps in grid order, 24,075 longest first, against 24,576 for B8 T8K's equal rows)."""
+    lens = cu_cpu[1:] - cu_cpu[:-1]
+    if lpt is False or lens.numel() < 2 or bool((lens == lens[0]).all()):
+        return None
+    return torch.sort(lens, descending=True, stable=True).indices.to(torch.int32).to(device, non_blocking=True)
+
+
+def _walk_grid(N: int, H: int, NV: int, order: Optional[torch.Tensor], ordered: bool = True):
+    """(grid, ORDERED) of a sequential pass: sequence-major in `order` (kernels with ORDERED, `kernels._walk_ids`)
+    where the caller allows it and there is an order (varlen with unequal lengths: `_walk_order`), else (N, H, NV)
+    in grid order."""
+    if ordered and order is not None:
+        return (H * NV, N), True
+    return (N, H, NV), False
+
+
+def _save_args(kern, save: Optional[FwdSave], bt: int, dummy, dummy_i32, order=None, ordered: bool = False,
+               save_off: int = 0) -> dict:
+    """The FwdSave and order arguments of the base sequential kernel (dummies and SAVE=0 without a save; none for
+    the "v2" kernel, which has no such arguments). save_off: added to the save's first chunk of each sequence (a
+    time piece's offset, in backward chunks)."""
     if kern is not _k.kda_state_fwd_kernel:
         return {}
+    ords = dict(order=order if ordered else dummy_i32, ORDERED=ordered)
     if save is None:
-        return dict(states=dummy, uns=dummy, save_chunk=dummy_i32, save_off=0, SAVE=0)
-    return dict(states=save.states, uns=save.uns, save_chunk=save.tables[3] if save_chunk is None else save_chunk,
-                save_off=save_off, SAVE=save.bt // bt)
+        return dict(states=dummy, uns=dummy, save_chunk=dummy_i32, save_off=0, SAVE=0, **ords)
+    return dict(states=save.states, uns=save.uns, save_chunk=save.tables[3], save_off=save_off, SAVE=save.bt // bt,
+                **ords)
 
 
 def _prep(name, ins, gate, flags, scale, ctok, cend, NC, prec, prep_warps, pcfg=None, fixed=None, out=None):
@@ -514,7 +543,7 @@ def _alloc_inter(q, v, NC: int, bt: int):
 
 @torch.compiler.disable
 def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, prec, prep_warps, pcfg, kern, kw,
-                   fixed_T=None, lpt=False, save=None):
+                   fixed_T=None, order=None, save=None):
     """The c16 / c16p / c64 forward in time pieces of `piece` tokens per sequence: piece p of every sequence is
     prepped (its own chunk tables, its rows of eg), then walked by the sequential kernel from the state piece p - 1
     left (fp32, two ping-pong buffers; CU_STRIDE=2 start/end pairs). On CUDA the preps run in order on the current
@@ -522,8 +551,8 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
     p + 1 overlaps walk p; the current stream waits for the last walk before returning. Elsewhere (the
     interpreter) the same launches run one after another. Writes o and ht (if given) in place. fixed_T: the
     sequence length when every sequence has it (no cu_seqlens): c16p's prep then finds its chunks without tables.
-    lpt (varlen): the sequences are walked in order of decreasing length (states permuted in and out). save: a
-    FwdSave with its tables and buffers (piece a multiple of its bt), filled piece by piece."""
+    order: the walks' sequence order (`_walk_order`; None: grid order). save: a FwdSave with its tables and buffers
+    (piece a multiple of its bt), filled piece by piece."""
     q, v = ins[0], ins[2]
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -531,13 +560,6 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
     lens = ends - starts
     N = lens.numel()
     P = -(-int(lens.max()) // piece)
-    perm = None
-    if lpt and fixed_T is None and N > 1:
-        perm = torch.sort(lens, descending=True, stable=True).indices
-        starts, ends, lens = starts[perm], ends[perm], lens[perm]
-        perm = perm.to(q.device)
-        h0 = h0.index_select(0, perm) if h0 is not None else None
-    ht_user, ht = ht, (torch.empty_like(ht) if ht is not None and perm is not None else ht)
 
     def build():
         tabs, blobs = [], []
@@ -551,7 +573,7 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
             blobs += parts
             off += NC
         return tabs, off, torch.cat(blobs).to(torch.int32).to(q.device, non_blocking=True)
-    if fixed_T is not None and perm is None:
+    if fixed_T is not None:
         tabs, off, dev_tab = _fixed_tables(("pipe", B, T, bt, piece, str(q.device)), build)
     else:
         tabs, off, dev_tab = build()
@@ -560,9 +582,7 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
     cuda = q.is_cuda
     if cuda:
         main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-    save_chunk = None
-    if save is not None:  # the backward's first chunk of each walked sequence (in walk order)
-        save_chunk = save.tables[3][:-1] if perm is None else save.tables[3][:-1].index_select(0, perm)
+    grid, ordered = _walk_grid(N, H, V // kw["BV"], order, kern is _k.kda_state_fwd_kernel)
     carry = [torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2 if P > 2 else P - 1)]
     h_in = h0
     pos = 0
@@ -579,16 +599,14 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
         with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
             if cuda:  # everything before it on the current stream (inputs, tables, buffers, this piece's prep)
                 side.wait_stream(main)
-            LAST_STATE[name] = kern[(N, H, V // kw["BV"])](
+            LAST_STATE[name] = kern[grid](
                 *inter[:5], eg, o, h_in if h_in is not None else dummy, h_out if h_out is not None else dummy,
                 pairs, seq_chunk, B * T, H=H, K=K, V=V, BT=bt, HAS_H0=h_in is not None, STORE_HT=h_out is not None,
-                CU_STRIDE=2, **kw, **_save_args(kern, save, bt, dummy, pairs, save_chunk,
+                CU_STRIDE=2, **kw, **_save_args(kern, save, bt, dummy, pairs, order, ordered,
                                                 p * piece // save.bt if save is not None else 0))
         h_in = h_out
     if cuda:
         main.wait_stream(side)
-    if ht is not ht_user:
-        ht_user.index_copy_(0, perm, ht)   # back to the caller's sequence order
 
 
 def _fwd_fused(ins, gate, flags, scale, o, h0, ht, cu, N, prec, num_warps):

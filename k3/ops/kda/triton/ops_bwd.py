@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from . import kernels_bwd as _k
-from .ops import FwdSave, _seq_tables  # chunk tables shared with the forward
+from .ops import FwdSave, _cu_cpu, _seq_tables, _walk_grid, _walk_order  # shared with the forward
 
 BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernel's [BT, K] fp32 tile operands must fit sm_90 shared memory
@@ -113,8 +113,11 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
         # measured then removed, twelfth session): 13.28 ms vs 13.35, 13.57 vs 13.57 with dstates at BV 64
         # (fourteenth session, measured then removed again: the states pass on a high-priority side stream next to
         # dstates, 10.19 ms vs 10.24; with dstates at BV 64 / 4 warps 10.53, states at BV 32 10.25)
-        states=dict(BV=BV, num_warps=4, num_stages=seq_stages),
-        dstates=dict(BV=dBV, num_warps=dW, num_stages=seq_stages),
+        # ORDERED: at varlen the sequences' walks longest first in a sequence-major grid (ops._walk_order; list
+        # scheduling of the varlen 12-document 64K batch at H96: dstates' 1,152 programs on 132 slots 54,909
+        # token-steps in grid order, 47,994 longest first; seventeenth session)
+        states=dict(BV=BV, num_warps=4, num_stages=seq_stages, ORDERED=True),
+        dstates=dict(BV=dBV, num_warps=dW, num_stages=seq_stages, ORDERED=True),
         # gv: BV 32 2.98 ms vs 4.19 at BV 16
         # PRE: u' / du' stored by the sequential passes (as fla keeps v_new / dv) and read by gv, instead of gv
         # forming them in fp32 against the stored states: gv 2.99 -> 0.98 ms (eleventh session). PRE_F32 (with PRE):
@@ -228,7 +231,7 @@ def env_launch() -> dict:
 
 # the on / off launch parameters (a string such as "false" would otherwise count as on)
 BOOL_PARAMS = frozenset({"REFLOAD", "FACTOR", "INNER", "PRE", "PRE_F32", "ATOMIC", "EPI_ORDER", "FIN", "BLK",
-                         "ONEPASS", "DNU", "RED", "FWD"})
+                         "ONEPASS", "DNU", "RED", "FWD", "ORDERED"})
 
 
 def apply_launch(lc: dict, *overrides) -> dict:
@@ -323,8 +326,13 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     BT = chunk_len(K)
     if saved is not None and not (saved.filled and saved.bt == BT):
         saved = None
-    # (the forward's tables: no second copy of cu_seqlens to the host, whose wait stalls the GPU between the two)
-    cu, ctok, cend, seq_chunk, N, NC = saved.tables if saved is not None else _seq_tables(B, T, cu_seqlens, dev, BT)
+    # (the forward's tables and walk order: no second copy of cu_seqlens to the host, whose wait stalls the GPU)
+    if saved is not None:
+        (cu, ctok, cend, seq_chunk, N, NC), order = saved.tables, saved.order
+    else:
+        cu_cpu = _cu_cpu(B, T, cu_seqlens)
+        cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, dev, BT, cu_cpu)
+        order = _walk_order(cu_cpu, dev) if cu_seqlens is not None else None
     qc, kc, vc, gc, bc, doc = (x.contiguous() for x in (q, k, v, g, beta, do))
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     ieee = dt == torch.float32
@@ -432,16 +440,18 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
             # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
             uns = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
-            _k.kda_bwd_states_kernel[(N, H, V // lc["states"]["BV"])](
+            grid, ordered = _walk_grid(N, H, V // lc["states"]["BV"], order, lc["states"]["ORDERED"])
+            _k.kda_bwd_states_kernel[grid](
                 kd, w, u, eg, h0 if h0 is not None else eg, states, uns if pre else eg, cu, seq_chunk, Tt,
-                H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre, SF32=sf32,
-                **_kw(lc["states"]))
+                order if ordered else cu, H=H, K=K, V=V, BT=BT, HAS_H0=h0 is not None, IEEE=ieee, UPCAST=upcast,
+                STORE_U=pre, SF32=sf32, **_kw(lc["states"], "ORDERED"), ORDERED=ordered)
         del u
         dus = torch.empty(H, Tt, V, device=dev, dtype=sdt) if pre else None
-        _k.kda_bwd_dstates_kernel[(N, H, V // lc["dstates"]["BV"])](
+        grid, ordered = _walk_grid(N, H, V // lc["dstates"]["BV"], order, lc["dstates"]["ORDERED"])
+        _k.kda_bwd_dstates_kernel[grid](
             qg, kd, w, aq, eg, doc, dS0 if dS0 is not None else eg, dstates, dh0, dus if pre else eg, cu, seq_chunk, Tt,
-            H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast, STORE_U=pre,
-            SF32=sf32, **_kw(lc["dstates"]))
+            order if ordered else cu, H=H, K=K, V=V, BT=BT, HAS_DHT=dS0 is not None, IEEE=ieee, UPCAST=upcast,
+            STORE_U=pre, SF32=sf32, **_kw(lc["dstates"], "ORDERED"), ORDERED=ordered)
         del qg, kd, w, aq, eg
         _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
                dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, float(scale), lb, Tt, NC, lc, const, upcast)
