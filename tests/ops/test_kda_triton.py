@@ -412,6 +412,7 @@ def test_pipe_auto_rule():
     assert ops.pipe_tokens(auto, "c16p", n + 1, 96) == n
     assert ops.pipe_tokens(auto, "c16p", n, 96) == 0                       # one piece: nothing to overlap
     assert ops.pipe_tokens(auto, "c16p", 4 * n, ops.PIPE_MAX_PROGS + 1) == 0
+    assert ops.pipe_tokens(auto, "c16p", 4 * n, 192) == n and ops.pipe_tokens(auto, "c16p", 4 * n, 1152) == 0
     assert ops.pipe_tokens(auto, "c64f", 4 * n, 96) == 0                   # no separate prep
     assert ops.pipe_tokens(ops.state_config(dict(pipe=0)), "c16", 4 * n, 96) == 0
     assert ops.pipe_tokens(ops.state_config(dict(pipe=512)), "c16", 1000, 5000) == 512

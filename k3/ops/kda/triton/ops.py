@@ -77,7 +77,7 @@ BASE16_STAGES = 3
 STATE_CFG_DEFAULT = dict(kernel="base", bv=None, num_warps=None, num_stages=None, ch=1, prefetch=False,
                          out_late=False, fold=False, maxnreg=None, pipe=None, lpt=None)
 # pipe=None: pieces of PIPE_AUTO tokens when the longest sequence spans at least two of them and there are at most
-# PIPE_MAX_PROGS (sequence, head) pairs (the most measured: 1,152), with value blocks of at least PIPE_MIN_BV.
+# PIPE_MAX_PROGS (sequence, head) pairs, with value blocks of at least PIPE_MIN_BV.
 # Measured on the H200 (eighth session, benchmarks/RESULTS.md; H96 D128 bf16, whole forward, same process):
 # B1 T128K 23.81 -> 21.45 ms (8K pieces, BV 64; BV 32 26.4: its 384 walk programs crowd out the prep), B2 T32K
 # 11.96 -> 11.13 (4K pieces 11.02), varlen 64K / 12 documents 12.52 -> 11.97; B8 T8K is one piece (10.33; 2K pieces
@@ -88,7 +88,11 @@ PIPE_AUTO = 8192
 # [128, 128] state spill (sm_90: 144 -> 456 B per thread); measured there (seventeenth session, H200, fwd+bwd): BV 128
 # 78.90 ms (forward 18.00), BV 64 75.46 (14.67), 8 warps at BV 128 75.57 (15.14); not saving 81.28 (12.77)
 SAVE_MAX_BV = 64
-PIPE_MAX_PROGS = 1536
+# PIPE_MAX_PROGS: 1536 until the seventeenth session; with the varlen walks longest first (`_walk_order`) the unpiped
+# forward of the varlen 12-document 64K batch (1,152 pairs) took 11.07 ms against 12.25 in 8K pieces (walk 3.76 vs
+# 4.94 ms: ordered, the walk fills the GPU by itself), so pieces are for at most 384 pairs (measured gains at 96 and
+# 192; B8 T8K's 768 lost in 2K pieces, eighth session)
+PIPE_MAX_PROGS = 384
 PIPE_MIN_BV = 64
 LAST_STATE = {}  # benchmarks: the last launched sequential kernel's compiled handle by variant name
 LAST_PREP = {}  # benchmarks: the last launched prep kernel's compiled handle (n_regs, n_spills) by variant name
