@@ -11,7 +11,9 @@ u' = U - W S, o = (q e^G) S + Aqk u', S <- e^(G_last) S + (k e^(G_last - G))^T u
      tile: exponents <= 8*|g| <= 80 for g >= -10), the unit-lower inverse by repeated squaring, W, U, and
      q e^G, k e^(G_last - G), Aqk, e^(G_last) to memory (input dtype, fp32 for fp32 inputs).
   2. `kda_state_fwd_kernel`, parallel over (sequence, head, value block), sequential over chunks: carries the
-     fp32 state in registers and writes o directly (no per-chunk state is materialised).
+     fp32 state in registers and writes o directly (no per-chunk state is materialised, except what a training
+     forward saves for the backward: `ops.FwdSave`). Packed documents of unequal lengths are walked longest first
+     in a sequence-major grid (`ops._walk_order`; so are the backward's states / dstates passes).
 - "c16p": c16's sequential pass after `kda_prep16p_fwd_kernel`, a re-tuned 16-token prep (`ops.PREP16P_DEFAULT`,
   per-call `prep_cfg`): 2 warps with a 128-register cap (the old prep held 246 registers, 2 programs per SM),
   two full-tile exponentials instead of four, the unit-lower inverse by recursive 2x2 block inversion on tf32
