@@ -447,7 +447,7 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
         LAST_STATE[name] = kern[grid](
             qg, kd, w, u, aqk, eg, o, h0 if h0 is not None else dummy, ht if ht is not None else dummy, cu,
             seq_chunk, Tt, H=H, K=K, V=V, BT=bt, BV=BV, CU_STRIDE=1, **state, **consts, **launch,
-            **_save_args(kern, save, bt, dummy, cu, order, ordered))
+            **_walk_args(kern, save, bt, dummy, cu, order, ordered))
         return o, ht
     # c64s: lean sequential pass (states + u'), then the chunk-parallel output
     BV = bv or _pick_bv64(V, N * H)
@@ -484,11 +484,11 @@ def _walk_grid(N: int, H: int, NV: int, order: Optional[torch.Tensor], ordered: 
     return (N, H, NV), False
 
 
-def _save_args(kern, save: Optional[FwdSave], bt: int, dummy, dummy_i32, order=None, ordered: bool = False,
+def _walk_args(kern, save: Optional[FwdSave], bt: int, dummy, dummy_i32, order=None, ordered: bool = False,
                save_off: int = 0) -> dict:
-    """The FwdSave and order arguments of the base sequential kernel (dummies and SAVE=0 without a save; none for
-    the "v2" kernel, which has no such arguments). save_off: added to the save's first chunk of each sequence (a
-    time piece's offset, in backward chunks)."""
+    """The base sequential kernel's FwdSave and walk-order arguments (dummies, SAVE=0 without a save, ORDERED as
+    `_walk_grid` gave; none for the "v2" kernel, which has no such arguments). save_off: added to the save's first
+    chunk of each sequence (a time piece's offset, in backward chunks)."""
     if kern is not _k.kda_state_fwd_kernel:
         return {}
     ords = dict(order=order if ordered else dummy_i32, ORDERED=ordered)
@@ -606,7 +606,7 @@ def _fwd_pipelined(name, ins, gate, flags, scale, cu_cpu, piece, bt, o, h0, ht, 
             LAST_STATE[name] = kern[grid](
                 *inter[:5], eg, o, h_in if h_in is not None else dummy, h_out if h_out is not None else dummy,
                 pairs, seq_chunk, B * T, H=H, K=K, V=V, BT=bt, HAS_H0=h_in is not None, STORE_HT=h_out is not None,
-                CU_STRIDE=2, **kw, **_save_args(kern, save, bt, dummy, pairs, order, ordered,
+                CU_STRIDE=2, **kw, **_walk_args(kern, save, bt, dummy, pairs, order, ordered,
                                                 p * piece // save.bt if save is not None else 0))
         h_in = h_out
     if cuda:

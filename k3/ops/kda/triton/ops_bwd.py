@@ -394,9 +394,9 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         scr = lc["scratch"]["DTYPE"]
         if scr not in SCRATCH:
             raise ValueError(f"kda_chunk_bwd: scratch DTYPE={scr!r} must be one of {SCRATCH}")
-        sdt = dt if scr == "input" else torch.float32  # the scratch dtype (fp32 at fp32 inputs either way)
-        if saved is not None and not (lc["gv"]["PRE"] and (saved.states.dtype, saved.uns.dtype)
-                                      == _scratch_dtypes(lc, dt)):
+        # the per-chunk states' and the scratch's dtypes (the input dtype or fp32; fp32 at fp32 inputs either way)
+        st_dt, sdt = _scratch_dtypes(lc, dt)
+        if saved is not None and not (lc["gv"]["PRE"] and (saved.states.dtype, saved.uns.dtype) == (st_dt, sdt)):
             saved = None  # (config changed since the forward: the states pass recomputes them)
         if sdt != torch.float32 and lc["gv"]["BK"] > 32:
             # correct in the interpreter, but an illegal memory access on the H200 (triton 3.6, tenth session)
@@ -435,7 +435,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             dstates = torch.empty_like(states)
         else:
             # the per-chunk states / state gradients: at the scratch dtype, or with "states" alone at the input dtype
-            states = torch.empty(NC, H, K, V, device=dev, dtype=dt if scr == "states" else sdt)
+            states = torch.empty(NC, H, K, V, device=dev, dtype=st_dt)
             dstates = torch.empty_like(states)
             # u', du': with gv's PRE stored by the sequential passes (du' once U, read by the forward pass alone, is
             # freed), else allocated by _grads once the passes' bf16 operands are freed (not to raise the peak)
