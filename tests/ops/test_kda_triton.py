@@ -402,6 +402,25 @@ if __name__ == "__main__":
     print(json.dumps(_checks()))
 
 
+def test_state_cfg_from_the_environment(monkeypatch):
+    """$K3_KDA_STATE_CFG sets state_cfg keys for every call (a call's own state_cfg wins); bad values are refused by
+    name; lpt takes None / True / False."""
+    if not HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    from k3.ops.kda.triton import ops
+    monkeypatch.setenv("K3_KDA_STATE_CFG", '{"bv": 64, "lpt": false}')
+    cfg = ops.state_config()
+    assert cfg["bv"] == 64 and cfg["lpt"] is False and cfg["pipe"] is None
+    assert ops.state_config(dict(bv=32))["bv"] == 32 and ops.state_config(dict(bv=32))["lpt"] is False
+    for raw, msg in (("{bv: 64}", "not JSON"), ("[64]", "JSON object"), ('{"bvv": 64}', "unknown keys"),
+                     ('{"lpt": 1}', "lpt")):
+        monkeypatch.setenv("K3_KDA_STATE_CFG", raw)
+        with pytest.raises(ValueError, match=msg):
+            ops.state_config()
+    monkeypatch.delenv("K3_KDA_STATE_CFG")
+    assert ops.state_config()["lpt"] is None
+
+
 def test_pipe_auto_rule():
     """pipe=None: pipelined in PIPE_AUTO-token pieces only above PIPE_AUTO tokens, for variants with a separate prep,
     up to PIPE_MAX_PROGS (sequence, head) pairs; an explicit piece length wins."""

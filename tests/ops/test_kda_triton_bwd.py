@@ -454,6 +454,9 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"PTS": 24}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
         ops_bwd.kda_chunk_bwd(*args, launch={"scratch": {"DTYPE": "bf16"}})
+    for flag in ({"scratch": {"FWD": "no"}}, {"dstates": {"ORDERED": 1}}):
+        with pytest.raises(ValueError, match="take true / false"):
+            ops_bwd.kda_chunk_bwd(*args, launch=flag)
     with pytest.raises(ValueError, match="gv PRE_F32 .* needs gv PRE"):
         ops_bwd.kda_chunk_bwd(*args, launch={"gv": {"PRE": False, "PRE_F32": True}})
     lowp = tuple(a.bfloat16() if a is not None and a.dtype == torch.float32 else a for a in args[:7]) + args[7:]
