@@ -407,10 +407,10 @@ def kda_chunk_fwd(q, k, v, g, beta, scale: float, initial_state=None, output_fin
     ht = torch.empty(N, H, K, V, device=q.device, dtype=torch.float32) if output_final_state else None
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     piece = 0 if prep_only or name == "c64f" else pipe_tokens(scfg, name, max_len, N * H, bt)
-    if save is not None and (name not in ("c16", "c16p", "c64") or scfg["kernel"] != "base" or prep_only
-                             or save.bt % bt or piece % save.bt):
+    walks = name in ("c16", "c16p", "c64") and scfg["kernel"] == "base"  # (the ordered sequential kernel)
+    if save is not None and (not walks or prep_only or save.bt % bt or piece % save.bt):
         save = None  # (this pass cannot store the backward's chunk states: the backward recomputes them)
-    order = _walk_order(cu_cpu, q.device, scfg["lpt"]) if cu_seqlens is not None else None
+    order = _walk_order(cu_cpu, q.device, scfg["lpt"]) if cu_seqlens is not None and walks else None
     if save is not None:
         save.order = order
         save.tables = _seq_tables(B, T, cu_seqlens, q.device, save.bt, cu_cpu)

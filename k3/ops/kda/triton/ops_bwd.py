@@ -330,9 +330,10 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     if saved is not None:
         (cu, ctok, cend, seq_chunk, N, NC), order = saved.tables, saved.order
     else:
-        cu_cpu = _cu_cpu(B, T, cu_seqlens)
+        # (fixed-length batches: cached tables, no host boundaries to build, no order)
+        cu_cpu = _cu_cpu(B, T, cu_seqlens) if cu_seqlens is not None else None
         cu, ctok, cend, seq_chunk, N, NC = _seq_tables(B, T, cu_seqlens, dev, BT, cu_cpu)
-        order = _walk_order(cu_cpu, dev) if cu_seqlens is not None else None
+        order = _walk_order(cu_cpu, dev) if cu_cpu is not None else None
     qc, kc, vc, gc, bc, doc = (x.contiguous() for x in (q, k, v, g, beta, do))
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     ieee = dt == torch.float32
