@@ -29,15 +29,11 @@ from typing import Sequence, Union
 import numpy as np
 import torch
 
-from k3.errors import K3Error
 from k3.vision.config import ImageProcessorConfig, VisionConfig
+from k3.vision.errors import K3ImageError
 
 __all__ = ["K3ImageError", "ResizePlan", "resize_plan", "num_image_tokens", "load_image", "preprocess_image",
            "preprocess", "SUPPORTED_MODES"]
-
-
-class K3ImageError(K3Error, ValueError):
-    """An image that cannot be read or used: corrupt, empty, too large, or of an unsupported mode."""
 
 
 _INT16_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
