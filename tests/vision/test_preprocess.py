@@ -226,3 +226,19 @@ def test_processor_config_from_released_dict_and_errors():
         ImageProcessorConfig.from_dict({"patch_size": 0})
     with pytest.raises(K3ConfigError, match="transparent_bg_fill_stage"):
         ImageProcessorConfig(transparent_bg_fill_stage="never")
+
+
+def test_palette_resized_nearest_then_composited():
+    """PIL resizes P images with nearest neighbour whatever filter is asked (so does the release)."""
+    idx = np.random.default_rng(10).integers(0, 4, (90, 120), dtype=np.uint8)
+    im = Image.fromarray(idx, "P")
+    im.putpalette([10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120] + [0] * (256 * 3 - 12))
+    im.info["transparency"] = 2
+    cfg = small_budget()
+    plan = resize_plan(120, 90, cfg)
+    small = np.asarray(im.resize((plan.new_width, plan.new_height), Image.Resampling.NEAREST))
+    rgb = np.asarray(im.convert("RGB").resize((plan.new_width, plan.new_height), Image.Resampling.NEAREST))
+    out = unpatchify(*preprocess(im, cfg))[:plan.new_height, :plan.new_width]
+    board = chessboard(plan.new_height, plan.new_width)
+    assert (out[small == 2] == board[small == 2][:, None]).all()
+    assert np.array_equal(out[small != 2], rgb[small != 2])

@@ -21,10 +21,6 @@ RELEASED_VISION_CONFIG = {
 }
 
 
-def tiny(**kw):
-    return VisionConfig.from_dict(dict(VisionConfig.preset("tiny").to_dict(), **kw))
-
-
 # ------------------------------------------------------------------------------------------------ config
 def test_config_round_trip_and_container():
     cfg = VisionConfig.from_dict(RELEASED_VISION_CONFIG)
@@ -223,17 +219,17 @@ def test_tower_against_hand_written_forward():
             rot = torch.polar(torch.ones_like(ang), ang)
             for blk in tw.encoder.blocks:
                 qkv = (rms(x, blk.norm0.weight, eps) @ blk.wqkv.weight.T).view(n, 3, cfg.vt_num_attention_heads, -1)
-                q = torch.view_as_real(torch.view_as_complex(qkv[:, 0].reshape(n, 2, -1, 2).contiguous())
-                                       * rot[:, None]).reshape(n, 2, -1)
-                k = torch.view_as_real(torch.view_as_complex(qkv[:, 1].reshape(n, 2, -1, 2).contiguous())
-                                       * rot[:, None]).reshape(n, 2, -1)
+                nh = cfg.vt_num_attention_heads
+                q, k = (torch.view_as_real(torch.view_as_complex(qkv[:, j].reshape(n, nh, -1, 2).contiguous())
+                                           * rot[:, None]).reshape(n, nh, -1) for j in (0, 1))
                 v = qkv[:, 2]
                 p = torch.softmax(torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(cfg.head_dim), -1)
                 x = x + torch.einsum("hnm,mhd->nhd", p, v).reshape(n, -1) @ blk.wo.weight.T
                 y = rms(x, blk.norm1.weight, eps) @ blk.mlp.fc0.weight.T
                 x = x + F.gelu(y, approximate="tanh") @ blk.mlp.fc1.weight.T
             x = rms(x, tw.encoder.final_layernorm.weight, eps)
-            m = torch.stack([torch.cat([x[(2 * a + dy) * w + 2 * b + dx] for dy, dx in ((0, 0), (0, 1), (1, 0), (1, 1))])
+            win = ((0, 0), (0, 1), (1, 0), (1, 1))
+            m = torch.stack([torch.cat([x[(2 * a + dy) * w + 2 * b + dx] for dy, dx in win])
                              for a in range(h // 2) for b in range(w // 2)])
             z = F.gelu(m @ pj.proj[0].weight.T) @ pj.proj[2].weight.T
             outs.append(rms(z, pj.post_norm.weight, 1e-5))
