@@ -12,8 +12,9 @@ from k3.vision.errors import K3ImageError
 from k3.vision.preprocess import (SUPPORTED_MODES, ResizePlan, load_image, num_image_tokens, preprocess,
                                   preprocess_image, resize_plan)
 from k3.vision.projector import PatchMergerV2, VisionModel, encode_images
-from k3.vision.tower import MoonViT, VisionRMSNorm, merge_sd2_tpool
+from k3.vision.tower import MoonViT, VisionRMSNorm, image_token_counts, merge_sd2_tpool
 
 __all__ = ["VisionConfig", "ImageProcessorConfig", "VISION_PRESETS", "K3ImageError", "preprocess",
            "preprocess_image", "load_image", "resize_plan", "num_image_tokens", "ResizePlan", "SUPPORTED_MODES",
-           "MoonViT", "PatchMergerV2", "VisionModel", "VisionRMSNorm", "encode_images", "merge_sd2_tpool"]
+           "MoonViT", "PatchMergerV2", "VisionModel", "VisionRMSNorm", "encode_images", "merge_sd2_tpool",
+           "image_token_counts"]

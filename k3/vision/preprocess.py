@@ -231,27 +231,29 @@ def preprocess_image(image: ImageInput, config=None) -> tuple[torch.Tensor, tupl
     return torch.from_numpy(np.ascontiguousarray(x_LCPP)), (1, gh, gw)
 
 
-def preprocess(images: Union[ImageInput, Sequence[ImageInput]], config=None) -> tuple[torch.Tensor, torch.Tensor]:
+def preprocess(images: Union[ImageInput, Sequence[ImageInput]], config=None, *, return_sizes: bool = False):
     """Images of one prompt (or batch) -> (pixel_values [L, 3, p, p] float32, grid_thw [n_images, 3] int64).
 
     `images`: one image or a sequence of them (PIL images, paths, encoded bytes), in prompt order; their patches
     are concatenated in that order. `config`: an `ImageProcessorConfig`, a `media_proc_cfg` /
     `preprocessor_config.json` dict, a `VisionConfig` (release preprocessing with its patch/merge sizes) or None
-    (the release).
+    (the release). With `return_sizes=True` a third item lists each image's original (width, height), which the
+    chat prompt prints (`image {W}x{H}`).
     """
     cfg = _as_processor_config(config)
     if isinstance(images, (str, os.PathLike, bytes, bytearray, memoryview)) or hasattr(images, "getbands"):
         images = [images]
     images = list(images)
     p = cfg.patch_size
-    if not images:
-        return torch.zeros(0, 3, p, p), torch.zeros(0, 3, dtype=torch.int64)
-    pixels, grids = [], []
+    pixels, grids, sizes = [torch.zeros(0, 3, p, p)], [], []
     for i, im in enumerate(images):
         try:
-            pv, thw = preprocess_image(im, cfg)
+            img = load_image(im, cfg)
+            pv, thw = preprocess_image(img, cfg)
         except K3ImageError as e:
             raise K3ImageError(f"images[{i}]: {e}") from e
         pixels.append(pv)
         grids.append(thw)
-    return torch.cat(pixels, 0), torch.tensor(grids, dtype=torch.int64)
+        sizes.append(tuple(img.size))
+    out = torch.cat(pixels, 0), torch.tensor(grids, dtype=torch.int64).view(-1, 3)
+    return (*out, sizes) if return_sizes else out

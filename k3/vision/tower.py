@@ -26,7 +26,7 @@ from k3.vision.config import VisionConfig
 from k3.vision.errors import K3ImageError
 
 __all__ = ["VisionRMSNorm", "MoonViT", "rope_2d_angles", "apply_rope_2d", "time_embedding", "merge_sd2_tpool",
-           "check_grid", "cu_seqlens_from_grid"]
+           "check_grid", "cu_seqlens_from_grid", "image_token_counts"]
 
 
 class VisionRMSNorm(nn.Module):
@@ -63,6 +63,13 @@ def check_grid(grid_thw: torch.Tensor, n_patches: int, merge=(2, 2)) -> list[tup
     if total != n_patches:
         raise K3ImageError(f"pixel_values has {n_patches} patches but grid_thw describes {total}")
     return rows
+
+
+def image_token_counts(grid_thw: torch.Tensor, merge=(2, 2)) -> list[int]:
+    """Merged tokens per image, (h/kh)*(w/kw) for each grid row (time is pooled): the number of `<|media_pad|>`
+    positions each image's placeholder expands to."""
+    rows = check_grid(grid_thw, int((grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).sum()), merge)
+    return [(h // merge[0]) * (w // merge[1]) for _, h, w in rows]
 
 
 def cu_seqlens_from_grid(rows) -> list[int]:

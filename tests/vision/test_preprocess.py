@@ -75,6 +75,7 @@ def test_several_images_concatenate_in_order():
     assert torch.equal(grid, torch.cat([p[1] for p in parts]))
     assert grid[:, 0].tolist() == [1, 1, 1]
     assert pv.shape[0] == int((grid[:, 1] * grid[:, 2]).sum())
+    assert preprocess(ims, return_sizes=True)[2] == [(13, 100), (1, 1), (300, 41)]
     e_pv, e_grid = preprocess([])
     assert e_pv.shape == (0, 3, 14, 14) and e_grid.shape == (0, 3)
 

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from k3.errors import K3ConfigError
-from k3.vision import (K3ImageError, MoonViT, VisionConfig, VisionModel, VisionRMSNorm, merge_sd2_tpool,
-                       num_image_tokens, preprocess)
+from k3.vision import (K3ImageError, MoonViT, VisionConfig, VisionModel, VisionRMSNorm, image_token_counts,
+                       merge_sd2_tpool, num_image_tokens, preprocess)
 from k3.vision.tower import PosEmb, apply_rope_2d, rope_2d_angles, time_embedding
 
 RELEASED_VISION_CONFIG = {
@@ -256,6 +256,7 @@ def test_end_to_end_token_counts_match_preprocessing():
     with torch.no_grad():
         emb, counts = vm(pv, grid)
     assert counts == [num_image_tokens(w, h) for w, h in sizes] and emb.shape[0] == sum(counts)
+    assert image_token_counts(grid) == counts
 
 
 def test_tower_input_errors():
