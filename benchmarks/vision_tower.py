@@ -1,0 +1,88 @@
+"""Vision benchmark: images/s and ms per image through preprocessing + MoonViT-V2 tower + projector.
+
+    python benchmarks/vision_tower.py [--config tiny|kimi-k3] [--sizes 256 1024 2048] [--reps 3] [--threads N]
+                                      [--json out.json]
+
+Defaults: on CPU the `tiny` tower in fp32; on CUDA the released width (`kimi-k3`, random weights) in bf16. One square
+RGB image per measurement (random pixels, PNG-free: a PIL image in memory), so preprocessing = resize plan + RGB
+conversion + pad + normalise + patchify (no resize below the 65,536-patch budget: 2048^2 -> 148x148 patches).
+Prints medians; the first call per size is a warm-up.
+"""
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+import torch
+from PIL import Image
+
+from k3.vision import VisionConfig, VisionModel, preprocess
+
+
+def timed(fn, sync, reps):
+    ts, out = [], None
+    for _ in range(reps):
+        sync()
+        t = time.perf_counter()
+        out = fn()
+        sync()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=None, help="vision preset (default: tiny on CPU, kimi-k3 on CUDA)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                    help="default: bfloat16 on CUDA, float32 on CPU")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 2048])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    name = a.config or ("kimi-k3" if dev.type == "cuda" else "tiny")
+    dtype = getattr(torch, a.dtype or ("bfloat16" if dev.type == "cuda" else "float32"))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    cfg = VisionConfig.preset(name)
+    with torch.device(dev):
+        vm = VisionModel(cfg)
+    vm = vm.to(dtype).eval()
+    res = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "device": str(dev),
+           "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else None,
+           "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+           "config": name, "dtype": str(dtype).replace("torch.", ""), "rows": []}
+    print(f"# {name} vision tower + projector, {res['dtype']}, {dev}, torch {torch.__version__}, "
+          f"{res['threads']} threads")
+    print(f"{'size':>6} {'patches':>8} {'tokens':>7} {'prep ms':>8} {'tower+proj ms':>14} {'total ms':>9} {'img/s':>7}")
+    rng = np.random.default_rng(0)
+    for s in a.sizes:
+        img = Image.fromarray(rng.integers(0, 256, (s, s, 3), dtype=np.uint8))
+        prep_s, (pv, grid) = timed(lambda: preprocess(img, cfg), lambda: None, a.reps)
+        pv_dev, grid = pv.to(dev), grid
+
+        def run():
+            with torch.inference_mode():
+                return vm(pv_dev, grid)
+
+        run()  # warm-up
+        tower_s, (emb, counts) = timed(run, sync, a.reps)
+        total = prep_s + tower_s
+        row = {"size": s, "patches": int(pv.shape[0]), "tokens": int(counts[0]), "prep_ms": prep_s * 1e3,
+               "tower_proj_ms": tower_s * 1e3, "total_ms": total * 1e3, "images_per_s": 1.0 / total}
+        res["rows"].append(row)
+        print(f"{s:>5}² {row['patches']:>8} {row['tokens']:>7} {row['prep_ms']:>8.1f} {row['tower_proj_ms']:>14.1f} "
+              f"{row['total_ms']:>9.1f} {row['images_per_s']:>7.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
