@@ -19,12 +19,13 @@ path).
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from k3 import knobs
 
 # (tokens, channels, warps) per program. sm_90 static counts (tests/ops/test_triton_sm90_compile.py compiles
 # them; k3.ops.triton_sm90.stats): forward 114 registers, no spills; 64 x 128 tiles spilled.
@@ -260,10 +261,14 @@ BWD_KINDS = {"auto": lambda bt: True, "tiles": lambda bt: bt > 1, "roll": lambda
 
 def bwd_configs(kind: Optional[str] = None) -> list:
     """The launch options the backward's autotune chooses from: all of BWD_CONFIGS ("auto"), only the tiled ones
-    ("tiles") or only the rolling ones ("roll"); kind defaults to $K3_CONV_BWD (read when this module is imported)."""
-    kind = (kind if kind is not None else os.environ.get("K3_CONV_BWD", "auto")).strip().lower() or "auto"
-    if kind not in BWD_KINDS:
-        raise ValueError(f"K3_CONV_BWD: expected one of {sorted(BWD_KINDS)}, got {kind!r}")
+    ("tiles") or only the rolling ones ("roll"); kind defaults to the K3_CONV_BWD knob (k3/knobs.py; the autotuned
+    kernel below takes it when this module is imported)."""
+    if kind is None:
+        kind = knobs.get("K3_CONV_BWD")
+    else:
+        kind = kind.strip().lower() or "auto"
+        if kind not in BWD_KINDS:
+            raise ValueError(f"bwd_configs: kind must be one of {sorted(BWD_KINDS)}, got {kind!r}")
     return [cfg for cfg in BWD_CONFIGS if BWD_KINDS[kind](cfg[0])]
 
 
