@@ -155,7 +155,8 @@ def _knob(name, values, default, default_text, doc, parser, readers, python, kin
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     # -- backends and kernels
     _knob("K3_BACKEND", "`name` (all op families that know it) or `op:name,...` (op families: kda, "
-          "attention, attnres, moe, moe_combine, conv, router; `auto` = automatic)", None, "automatic per op family and device",
+          "attention, attnres, moe, moe_combine, conv, router; `auto` = automatic)", None,
+          "automatic per op family and device",
           "Which implementation each op family runs (k3/ops/dispatch.py): speed and memory against the pure-PyTorch "
           "reference; an unknown or unavailable name fails with the known ones.",
           _backend_spec(), ["k3/ops/dispatch.py"], "the `backend=` argument of each op"),
@@ -319,8 +320,8 @@ def table_markdown() -> str:
         "Precedence, highest first: an explicit argument of the call (`backend=`, `fused=`, ...) > the "
         "environment variable (non-empty) > the Python setting (`k3.knobs.set(NAME=value)` or "
         "`with k3.knobs.override(NAME=value):`) > the default. Values are read at call time unless the table says "
-        "otherwise (code that torch.compile traces reads them once, while tracing: set them before compiling); a bad value "
-        "raises `K3ConfigError` naming the variable and the allowed values.",
+        "otherwise (code that torch.compile traces reads them once, while tracing: set them before compiling); a bad "
+        "value raises `K3ConfigError` naming the variable and the allowed values.",
         "",
         "```python",
         "from k3 import knobs",

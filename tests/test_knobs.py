@@ -16,7 +16,7 @@ ENV_READERS_NOT_YET_CONVERTED = {
     "k3/generation/static.py",          # K3_MLA_DECODE
     "k3/ops/kda/triton/__init__.py",    # K3_KDA_TRITON_BWD
     "k3/ops/kda/triton/ops.py",         # K3_KDA_STATE_CFG, K3_KDA_TRITON_FWD
-    "k3/ops/kda/triton/ops_bwd.py",     # K3_KDA_BWD_LAUNCH, K3_KDA_BWD_CHECK, TRITON_INTERPRET (and writes K3_KDA_TRITON_BWD)
+    "k3/ops/kda/triton/ops_bwd.py",     # K3_KDA_BWD_LAUNCH / _CHECK, TRITON_INTERPRET; writes K3_KDA_TRITON_BWD
     "k3/ops/triton_interp.py",          # copies the environment for its TRITON_INTERPRET=1 subprocess
     "k3/serve/cli.py",                  # K3_API_KEY
 }

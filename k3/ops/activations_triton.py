@@ -96,7 +96,8 @@ def _rows(x: torch.Tensor):
 
 def _approx(x: torch.Tensor) -> bool:
     """The hardware tanh path: opted in, 16-bit inputs, a real GPU (the interpreter has no inline PTX)."""
-    return (APPROX_TANH or knobs.get("K3_SITU_TANH")) == "approx" and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+    mode = APPROX_TANH or knobs.get("K3_SITU_TANH")
+    return mode == "approx" and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
 
 
 def situ_fwd(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Tensor:

@@ -411,8 +411,9 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
       adamw_no_decay   AdamW without decay
     `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation). `master_weights`: fp32 master
     copies of parameters stored below fp32 (see MuonAdamW). `fused`: Muon's momentum and apply as Triton kernels
-    (k3/train/optim_triton.py); default: the K3_MUON_FUSED knob (k3/knobs.py) if set, else on when the parameters are
-    on CUDA and Triton is installed (H200, `small`: the optimizer 106.8 -> 82.4 ms, the recipe's step 488.8 -> 450.8 ms)."""
+    (k3/train/optim_triton.py); default: the K3_MUON_FUSED knob (k3/knobs.py) if set, else on when the parameters
+    are on CUDA and Triton is installed (H200, `small`: the optimizer 106.8 -> 82.4 ms, the recipe's step 488.8 ->
+    450.8 ms)."""
     from k3.ops.dispatch import triton_runs
     if fused is None:
         fused = knobs.get("K3_MUON_FUSED")
