@@ -232,3 +232,15 @@ def test_cache_dir(monkeypatch, tmp_path):
     assert cache_dir(str(tmp_path / "arg")) == str(tmp_path / "arg")
     with pytest.raises(K3ConfigError, match="K3_CACHE must be a string"):
         knobs.set(K3_CACHE=3)
+
+
+def test_knobs_trace_under_torch_compile():
+    """Compiled code reads knobs while tracing (as os.environ before): no graph break, and a changed Python
+    setting is seen on the next call (Dynamo guards on the settings)."""
+    def f(x):
+        return x * 2 if knobs.get("K3_SITU_NODE") else x + 1
+    c = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.full((2,), 3.0)
+    assert c(x).tolist() == [4.0, 4.0]
+    with knobs.override(K3_SITU_NODE=True):
+        assert c(x).tolist() == [6.0, 6.0]
