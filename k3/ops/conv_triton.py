@@ -11,7 +11,7 @@ sequence), BT tokens at a time: the x tiles at t-3 .. t+3 loaded once, the pre-a
 dx[t] = sum_m W[:, 3-m] * dpre[t + m] (same document), and the program's partial dW[c, j] = sum_t dpre[t, c] *
 x[t - 3 + j, c], summed over programs in fp32 afterwards (deterministic, no atomics). Launch options with BT = 1
 run the same math one token row at a time with a rolling window of four x rows and four dpre rows in registers
-(each x and dy row read once); triton.autotune picks among both kinds on the first GPU call ($K3_CONV_BWD=tiles or
+(each x and dy row read once); triton.autotune picks among both kinds on the first GPU call (knob K3_CONV_BWD=tiles or
 roll restricts it). Math in fp32; x, y, dx in the activation dtype, dW in the weight's.
 Opaque custom ops (`torch.ops.k3.conv1d_fwd/conv1d_bwd`): torch.compile launches them as written (see
 activations_triton for why that matters). The CUDA default of k3.ops.conv (`K3_BACKEND=conv:torch` for the torch
