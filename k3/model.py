@@ -12,7 +12,6 @@ What is notable (spec §3):
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3 import knobs
 from k3.config import K3Config
 from k3.nn.kda import KDAAttention
 from k3.nn.mla import MLAAttention
@@ -135,9 +135,9 @@ class K3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.loss_chunk_size = 4096  # tokens per CE chunk; 0 = one shot
         self.ce_chunk = ce_chunk_sum  # (lm_head, h, y) -> summed CE; compile_model compiles it
-        # training loss with its gradient formed in the forward pass (k3/ops/loss.py; K3_FUSED_CE=0: the
-        # checkpointed chunks, which recompute each chunk's logits in backward)
-        self.fused_ce = os.environ.get("K3_FUSED_CE", "1") != "0"
+        # training loss with its gradient formed in the forward pass (k3/ops/loss.py; the K3_FUSED_CE knob, read
+        # here, k3/knobs.py: 0 = the checkpointed chunks, which recompute each chunk's logits in backward)
+        self.fused_ce = knobs.get("K3_FUSED_CE")
         self.ce_grad = ce_chunk_grad  # (logits, y) -> (summed CE, dCE/dlogits); compile_model compiles it
         if init:
             self.reset_parameters()

@@ -9,14 +9,15 @@ per step on an H200. Derivatives, with tg = tanh(g/b1), s = sigmoid(g), tu = tan
 On CUDA the forward and backward are each one Triton kernel (k3/ops/activations_triton.py), called as the opaque
 custom ops torch.ops.k3.situ_fwd / situ_bwd. On CPU the plain
 formula under autograd is kept by default: recomputing three transcendentals in backward made fwd+bwd 1.6x slower
-there ([8192, 512] fp32, 1 thread: 97 vs 61 ms), and CPU runs are small; K3_SITU_NODE=1 forces the node on CPU.
+there ([8192, 512] fp32, 1 thread: 97 vs 61 ms), and CPU runs are small; the K3_SITU_NODE knob (k3/knobs.py)
+forces the node on CPU, K3_SITU_TRITON=0 keeps CUDA on the eager formula.
 """
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
 
+from k3 import knobs
 from k3.ops import f32
 
 
@@ -42,7 +43,7 @@ _HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    if not x.is_cuda or os.environ.get("K3_SITU_TRITON", "1") == "0":
+    if not x.is_cuda or not knobs.get("K3_SITU_TRITON"):
         return False
     return _HAVE_TRITON
 
@@ -104,7 +105,7 @@ def situ_glu_packed(h: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) ->
 
 
 def _use_node(x: torch.Tensor) -> bool:
-    return x.is_cuda or os.environ.get("K3_SITU_NODE", "0") == "1"
+    return x.is_cuda or knobs.get("K3_SITU_NODE")
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:

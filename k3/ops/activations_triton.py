@@ -4,7 +4,7 @@ Each reads g and u (and dout) once in their dtype, does the fp32 math of k3.ops.
 the result(s) once: 3 (forward) / 5 (backward) tensor passes instead of the ~10 / ~15 of the eager formula.
 Inputs may be strided views (e.g. the two halves of a fused gate/up projection): rows of stride `sg`/`su`.
 
-For 16-bit inputs on a GPU (the default, K3_SITU_TANH=approx; K3_SITU_TANH=exact turns it off): tanh and the
+For 16-bit inputs on a GPU (the default, knob K3_SITU_TANH=approx; K3_SITU_TANH=exact turns it off): tanh and the
 sigmoid (0.5 + 0.5 tanh(x/2)) as the hardware `tanh.approx.f32` (one MUFU op, max relative error 2^-10.99, below
 bf16's 2^-8 rounding) instead of exp + reciprocal pairs. sm_90 SASS per element: forward 66 -> 26 instructions
 (6.25 -> 3.25 MUFU), backward 78 -> 39 (benchmarks/situ_static.py). Measured on the H200 (benchmarks/situ_gpu.py):
@@ -14,17 +14,17 @@ interpreter always take the exact path.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from k3 import knobs
+
 BLOCK = 1024
-# read once at import: a plain constant under torch.compile
-APPROX_TANH = os.environ.get("K3_SITU_TANH", "approx").strip().lower()
-if APPROX_TANH not in ("exact", "approx"):
-    raise ValueError(f"K3_SITU_TANH={APPROX_TANH!r}: known values are 'exact', 'approx'")
+# "exact" / "approx" pins the tanh path for tests and benchmarks; None: the K3_SITU_TANH knob (k3/knobs.py), read at
+# each launch (inside the custom ops, which torch.compile does not trace) and checked once here at import
+APPROX_TANH = None
+knobs.get("K3_SITU_TANH")
 
 
 @triton.jit
@@ -96,7 +96,8 @@ def _rows(x: torch.Tensor):
 
 def _approx(x: torch.Tensor) -> bool:
     """The hardware tanh path: opted in, 16-bit inputs, a real GPU (the interpreter has no inline PTX)."""
-    return APPROX_TANH == "approx" and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
+    mode = APPROX_TANH or knobs.get("K3_SITU_TANH")
+    return mode == "approx" and x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda
 
 
 def situ_fwd(g: torch.Tensor, u: torch.Tensor, b1: float, b2: float) -> torch.Tensor:

@@ -1,17 +1,19 @@
 """One place that chooses a backend per op family, logs the choice once, and lets users override it.
 
-Order: explicit `backend=` argument > `K3_BACKEND` env var (global, or per op: `K3_BACKEND=kda:fla,moe:torch`)
-> automatic (best available for the device). Unknown names fail with the list of known ones; a *global*
+Order: explicit `backend=` argument > the K3_BACKEND knob (k3/knobs.py: the environment variable, else
+`k3.knobs.set(K3_BACKEND=...)`; global, or per op: `K3_BACKEND=kda:fla,moe:torch`) > automatic (best available
+for the device). Unknown names fail with the list of known ones; a *global*
 K3_BACKEND name (no `op:`) applies only to the op families that know it (e.g. `K3_BACKEND=torch` forces the
 pure-PyTorch KDA and AttnRes paths and leaves MoE on auto).
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Optional
 
 import torch
+
+from k3 import knobs
 
 log = logging.getLogger("k3")
 _REGISTRY: dict[str, dict[str, tuple[Callable[[], bool], int]]] = {}
@@ -28,12 +30,12 @@ def backends(op: str) -> list[str]:
 
 
 def env_choice(op: str) -> Optional[str]:
-    """The backend $K3_BACKEND names for `op` (None: none, or a global name this op family does not know)."""
-    env = os.environ.get("K3_BACKEND", "").strip()
-    if not env:
+    """The backend the K3_BACKEND knob names for `op` (None: none, or a global name this op family does not know)."""
+    spec = (knobs.get("K3_BACKEND") or "").strip()
+    if not spec:
         return None
     glob = None
-    for part in env.split(","):
+    for part in spec.split(","):
         if ":" in part:
             o, n = part.split(":", 1)
             if o.strip() == op:
@@ -72,7 +74,7 @@ def resolve(op: str, backend: Optional[str] = None, device_type: str = "cpu") ->
 
 def triton_interpreting() -> bool:
     """TRITON_INTERPRET is set: Triton kernels run on CPU tensors through its interpreter (the CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return knobs.get("TRITON_INTERPRET")
 
 
 def triton_runs() -> bool:

@@ -46,6 +46,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from k3 import knobs
 from k3.errors import K3ConfigError, TokenizerError
 from k3.ops.loss import IGNORE_INDEX  # one constant for the data and the loss
 from k3.tokenizer.base import K3_SPECIAL_OFFSETS, NUM_SPECIAL_SLOTS, UNK, k3_special_tokens
@@ -73,8 +74,8 @@ K3_SPLIT_REGEX = K3_PAT_STR
 
 
 def cache_dir(override: Optional[str] = None) -> str:
-    """`override` > `$K3_CACHE` > `~/.cache/k3`."""
-    d = override or os.environ.get("K3_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3")
+    """`override` > the K3_CACHE knob (k3/knobs.py: `$K3_CACHE`, else `knobs.set(K3_CACHE=...)`) > `~/.cache/k3`."""
+    d = override or knobs.get("K3_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "k3")
     os.makedirs(d, exist_ok=True)
     return d
 

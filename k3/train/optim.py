@@ -19,7 +19,6 @@ A_log / dt_bias / [1, d] pseudo-queries / params flagged `_no_weight_decay`.
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -27,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from k3 import knobs
 from k3.errors import K3ConfigError
 
 __all__ = ["NS_COEFFS", "newton_schulz", "orthogonalize", "orthogonalize_many", "ParamRoute", "classify_parameters",
@@ -411,16 +411,13 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1, beta
       adamw_no_decay   AdamW without decay
     `per_head=False` orthogonalises q/k/v/q_b/kv_b as whole matrices (ablation). `master_weights`: fp32 master
     copies of parameters stored below fp32 (see MuonAdamW). `fused`: Muon's momentum and apply as Triton kernels
-    (k3/train/optim_triton.py); default: K3_MUON_FUSED=1 / 0 if set, else on when the parameters are on CUDA and
-    Triton is installed (H200, `small`: the optimizer 106.8 -> 82.4 ms, the recipe's step 488.8 -> 450.8 ms)."""
+    (k3/train/optim_triton.py); default: the K3_MUON_FUSED knob (k3/knobs.py) if set, else on when the parameters
+    are on CUDA and Triton is installed (H200, `small`: the optimizer 106.8 -> 82.4 ms, the recipe's step 488.8 ->
+    450.8 ms)."""
     from k3.ops.dispatch import triton_runs
     if fused is None:
-        env = os.environ.get("K3_MUON_FUSED", "").strip()
-        if env not in ("", "0", "1"):
-            raise K3ConfigError(f"K3_MUON_FUSED must be 0 or 1, got {env!r}")
-        if env:
-            fused = env == "1"
-        else:
+        fused = knobs.get("K3_MUON_FUSED")
+        if fused is None:
             fused = any(p.is_cuda for p in model.parameters() if p.requires_grad) and triton_runs()
     if fused:
         if not triton_runs():
