@@ -27,6 +27,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from k3.checkpoint.io import apply_umask_modes
 from k3.errors import CheckpointError, K3ConfigError
 
 log = logging.getLogger("k3.train")
@@ -97,33 +98,6 @@ def atomic_json(obj, path: str) -> None:
         json.dump(obj, f, indent=2)
         f.write("\n")
     os.replace(tmp, path)
-
-
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)  # pragma: no cover - not Linux
-    os.umask(old)
-    return old
-
-
-def apply_umask_modes(root: str) -> None:
-    """Give a tree written through temp directories (mkdtemp: 0700) the modes of ordinary files and directories
-    under the current umask (0644 / 0755 by default), like the rest of a run directory."""
-    mask = _umask()
-    os.chmod(root, 0o777 & ~mask)
-    for d, dirs, files in os.walk(root):
-        for n in dirs:
-            os.chmod(os.path.join(d, n), 0o777 & ~mask)
-        for n in files:
-            p = os.path.join(d, n)
-            if not os.path.islink(p):
-                os.chmod(p, 0o666 & ~mask)
 
 
 # ------------------------------------------------------------------------------------------ RNG
