@@ -35,7 +35,7 @@ log = logging.getLogger("k3.train")
 __all__ = ["CKPT_PREFIX", "STATE_FILE", "STATE_JSON", "LOCK_NAME", "CorruptStateError", "find_checkpoints",
            "latest_checkpoint", "load_trainer_state", "pick_resume_checkpoint", "save_checkpoint",
            "restore_checkpoint", "RunLock", "atomic_json", "atomic_torch_save", "rng_state", "set_rng_state",
-           "seed_everything", "apply_umask_modes"]
+           "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp"]
 
 CKPT_PREFIX = "step-"
 STATE_FILE = "trainer_state.pt"
@@ -189,18 +189,22 @@ def pick_resume_checkpoint(out_dir: str) -> tuple[Optional[str], Optional[dict]]
     (kept for inspection, no longer a checkpoint) and the previous kept checkpoint is used. A state refused as
     unsafe raises CheckpointError (no fallback: someone changed the run's files)."""
     ckpts = find_checkpoints(out_dir)
-    errors = []
+    errors, corrupt = [], []
     for _, path in reversed(ckpts):
         sf = os.path.join(path, STATE_FILE)
         try:
-            return path, load_trainer_state(sf)
+            st = load_trainer_state(sf)
         except CorruptStateError as e:
             errors.append(str(e))
-            aside = path + ".corrupt"
+            corrupt.append(path)
+            continue
+        for bad, err in zip(corrupt, errors):  # only once a fallback exists: never leave a run without checkpoints
+            aside = bad + ".corrupt"
             if os.path.exists(aside):
                 shutil.rmtree(aside, ignore_errors=True)
-            os.rename(path, aside)
-            log.warning("%s\n  -> moved aside to %s; falling back to the previous checkpoint", e, aside)
+            os.rename(bad, aside)
+            log.warning("%s\n  -> moved aside to %s; resuming from the previous checkpoint %s", err, aside, path)
+        return path, st
     if errors:
         raise CheckpointError("--resume: no readable checkpoint in " + out_dir + ":\n  " + "\n  ".join(errors))
     return None, None
@@ -271,6 +275,30 @@ def restore_checkpoint(trainer, path: str, st: Optional[dict] = None) -> None:
         raise CheckpointError(f"{sf}: the training state does not fit this run: {type(e).__name__}: {e}") from None
     trainer.resumed_from = path
     log.info("resumed from %s (step %d)", path, trainer.step)
+
+
+def clear_run_outputs(out_dir: str) -> None:
+    """A fresh run (`overwrite`, or `resume` without a checkpoint) in an existing directory: a new metrics log;
+    the previous run's checkpoints and final model would confuse --resume and readers, so they are removed."""
+    p = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(p):
+        os.remove(p)
+    old = find_checkpoints(out_dir)
+    if old:
+        log.warning("new run in %s: removing %d old checkpoint(s)", out_dir, len(old))
+        for _, p in old:
+            shutil.rmtree(p, ignore_errors=True)
+    if os.path.isdir(os.path.join(out_dir, "final")):
+        shutil.rmtree(os.path.join(out_dir, "final"), ignore_errors=True)
+
+
+def cleanup_tmp(out_dir: str) -> None:
+    """Remove the hidden temp directories an interrupted save left in RUN/checkpoints."""
+    d = os.path.join(out_dir, "checkpoints")
+    if os.path.isdir(d):
+        for name in os.listdir(d):
+            if name.startswith("."):
+                shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------ lock

@@ -410,7 +410,8 @@ def tokenize_documents(tokenizer: HFTokenizer, docs: Sequence[str], cache: Optio
         stem = os.path.join(d, f"tokens-{_corpus_fingerprint(docs)[:16]}")
         if os.path.isfile(stem + ".offsets.npy") and os.path.isfile(stem + ".ids.npy"):
             try:
-                return np.load(stem + ".ids.npy"), np.load(stem + ".offsets.npy")
+                return (np.load(stem + ".ids.npy", allow_pickle=False),
+                        np.load(stem + ".offsets.npy", allow_pickle=False))
             except (ValueError, OSError):  # pragma: no cover - corrupt cache: rebuild
                 pass
     enc = []

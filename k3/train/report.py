@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 log = logging.getLogger("k3.train")
 
 __all__ = ["read_metrics", "plot_loss", "format_summary", "write_report", "json_line", "build_summary",
-           "write_artifacts"]
+           "write_artifacts", "truncate_metrics", "progress_bar", "set_postfix"]
 
 
 def _finite_or_none(v):
@@ -45,6 +45,46 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
                 continue
             (ev if rec.get("type") == "eval" else train).append(rec)
     return train, ev
+
+
+def truncate_metrics(path: str, step: int) -> tuple[list[dict], list[dict]]:
+    """Drop the records after `step` from a metrics.jsonl (a resumed run rewrites them); -> (train, eval) kept."""
+    train, ev = [], []
+    if not os.path.exists(path):
+        return train, ev
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+                (train if rec.get("type") == "train" else ev).append(rec)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return train, ev
+
+
+def progress_bar(enabled: bool, step: int, end: int):
+    """A tqdm bar from `step` to `end` (None when disabled)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=end, initial=step, desc="k3 train", unit="step", dynamic_ncols=True)
+
+
+def set_postfix(pbar, rec: dict) -> None:
+    post = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{rec['lr']:.2e}",
+            "T": rec["seq_len"]}
+    if "maxvio" in rec:
+        post["maxvio"] = f"{rec['maxvio']:.2f}"
+    pbar.set_postfix(post, refresh=False)
 
 
 def _smooth(xs: Sequence[float], alpha: Optional[float] = None) -> list[float]:

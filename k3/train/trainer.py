@@ -31,11 +31,9 @@ uninterrupted one bit for bit (same `steps`; changing `steps` on resume re-times
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import shutil
 import signal
 import threading
 import time
@@ -49,11 +47,12 @@ from k3.config import K3Config
 from k3.errors import K3ConfigError, K3Error
 from k3.ops.loss import IGNORE_INDEX
 from k3.train import checkpointing as ckpt_io
+from k3.train import report
 from k3.train.checkpointing import (CKPT_PREFIX, STATE_FILE, STATE_JSON, RunLock, find_checkpoints,  # noqa: F401
                                     latest_checkpoint)
 from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig,  # noqa: F401
-                             check_resume_settings, format_stages, parse_stages, resolve_compile,
-                             resolve_param_dtype, resume_config, stored_train_config)
+                             auto_threads, check_resume_settings, format_stages, parse_stages, resolve_compile,
+                             resolve_device, resolve_param_dtype, resume_config, stored_train_config)
 from k3.train.probes import greedy_generate, recall_batch  # noqa: F401
 
 log = logging.getLogger("k3.train")
@@ -83,34 +82,6 @@ class Callback:
     def on_eval(self, trainer: "Trainer", metrics: dict) -> None: ...
     def on_save(self, trainer: "Trainer", path: str) -> None: ...
 
-
-
-def _auto_threads() -> int:
-    """CPU threads for training: torch's default, less the cores other processes keep busy (1-minute load
-    average). Oversubscribed OpenMP barriers are very slow: on 2 shared cores, 1 thread can be 2-5x faster."""
-    cur = torch.get_num_threads()
-    try:
-        ncpu = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        ncpu = os.cpu_count() or cur
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):  # pragma: no cover
-        return cur
-    n = max(1, min(cur, int(ncpu - load + 0.5)))
-    if n < cur:
-        log.info("CPU: load average %.1f on %d cores -> training with %d thread(s) (--threads to override)",
-                 load, ncpu, n)
-    return n
-
-
-def _resolve_device(spec: str) -> torch.device:
-    if spec in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise K3ConfigError(f"--device {spec}: CUDA is not available")
-    return dev
 
 
 # ----------------------------------------------------------------------------------------------- trainer
@@ -192,11 +163,11 @@ class Trainer:
                 stored = stored_train_config(cfg.out_dir)
                 if stored is not None:
                     check_resume_settings(cfg, stored, self._path("train_config.json"))
-        self.device = _resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
         elif self.device.type == "cpu":
-            torch.set_num_threads(_auto_threads())
+            torch.set_num_threads(auto_threads())
         self.threads = torch.get_num_threads()
         ckpt_io.seed_everything(cfg.seed)
 
@@ -270,12 +241,12 @@ class Trainer:
         # ---- run directory
         if ckpt is not None:
             self.load_checkpoint(ckpt, state)
-            self._truncate_metrics(self.step)
+            self.history, self.eval_history = report.truncate_metrics(self._path("metrics.jsonl"), self.step)
         else:
-            self._clear_run_outputs()
+            ckpt_io.clear_run_outputs(cfg.out_dir)
         mcfg.save_json(self._path("config.json"))
         ckpt_io.atomic_json(self.cfg.to_dict(), self._path("train_config.json"))
-        self._cleanup_tmp()
+        ckpt_io.cleanup_tmp(cfg.out_dir)
 
     def _stage_seq_len(self, idx: int) -> int:
         from k3.train.schedule import _validate
@@ -295,47 +266,6 @@ class Trainer:
             return make_balancer(name).attach(self.model)
         except K3Error as e:
             raise K3ConfigError(f"--balancer {name}: {e}") from e
-
-    def _clear_run_outputs(self) -> None:
-        """A fresh run (`overwrite`, or `resume` without a checkpoint) in an existing directory: a new metrics log;
-        the previous run's checkpoints and final model would confuse --resume and readers, so they are removed."""
-        p = self._path("metrics.jsonl")
-        if os.path.exists(p):
-            os.remove(p)
-        old = find_checkpoints(self.cfg.out_dir)
-        if old:
-            log.warning("new run in %s: removing %d old checkpoint(s)", self.cfg.out_dir, len(old))
-            for _, p in old:
-                shutil.rmtree(p, ignore_errors=True)
-        if os.path.isdir(self._path("final")):
-            shutil.rmtree(self._path("final"), ignore_errors=True)
-
-    def _truncate_metrics(self, step: int) -> None:
-        p = self._path("metrics.jsonl")
-        if not os.path.exists(p):
-            return
-        keep = []
-        with open(p) as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("step", 0) <= step:
-                    keep.append(line if line.endswith("\n") else line + "\n")
-        with open(p + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(p + ".tmp", p)
-        for line in keep:
-            rec = json.loads(line)
-            (self.history if rec.get("type") == "train" else self.eval_history).append(rec)
-
-    def _cleanup_tmp(self) -> None:
-        d = self._path("checkpoints")
-        if os.path.isdir(d):
-            for name in os.listdir(d):
-                if name.startswith("."):
-                    shutil.rmtree(os.path.join(d, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ checkpoints (k3.train.checkpointing)
     def state(self) -> dict:
@@ -377,9 +307,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ logging
     def _log(self, rec: dict) -> None:
-        from k3.train.report import json_line
         with open(self._path("metrics.jsonl"), "a") as f:
-            f.write(json_line(rec) + "\n")
+            f.write(report.json_line(rec) + "\n")
         if self._tb is not None:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step" and math.isfinite(v):
@@ -537,7 +466,7 @@ class Trainer:
             self.first_eval = self.eval_history[0] if self.eval_history else None
             end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
             eval_every = cfg.eval_every if cfg.eval_every is not None else max(1, cfg.steps // 4)
-            pbar = self._progress(end)
+            pbar = report.progress_bar(cfg.progress, self.step, end)
             last_saved = self.step
             while self.step < end:
                 if self._stop_requested:
@@ -549,7 +478,7 @@ class Trainer:
                 self.history.append(rec)
                 self._log(rec)
                 if pbar is not None:
-                    self._set_postfix(pbar, rec)
+                    report.set_postfix(pbar, rec)
                     pbar.update(1)
                 if self.bad_streak > cfg.max_bad_steps:
                     raise TrainingError(
@@ -606,23 +535,6 @@ class Trainer:
             cb.on_eval(self, rec)
         return rec
 
-    def _progress(self, end: int):
-        if not self.cfg.progress:
-            return None
-        try:
-            from tqdm.auto import tqdm
-        except ImportError:  # pragma: no cover - tqdm is a dependency
-            return None
-        return tqdm(total=end, initial=self.step, desc="k3 train", unit="step", dynamic_ncols=True)
-
-    @staticmethod
-    def _set_postfix(pbar, rec: dict) -> None:
-        post = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{rec['lr']:.2e}",
-                "T": rec["seq_len"]}
-        if "maxvio" in rec:
-            post["maxvio"] = f"{rec['maxvio']:.2f}"
-        pbar.set_postfix(post, refresh=False)
-
     # ------------------------------------------------------------------ end of run
     def _not_finite(self) -> Optional[str]:
         """Why the run's result must not be published as `final/` (None when weights and val loss are finite)."""
@@ -636,7 +548,6 @@ class Trainer:
         return None
 
     def _finish(self, status: str, wall: float) -> dict:
-        from k3.train import report
         cfg = self.cfg
         summary = report.build_summary(self, status, wall)
         failure = self._not_finite() if status == "completed" else None
