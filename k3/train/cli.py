@@ -28,7 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "train", help="train a model (default: `tiny` on the built-in corpus, ~10 min on 2 CPU cores)",
         description="Train a K3 model with Muon+AdamW, staged context extension, checkpoints and exact resume.",
         epilog="Outputs in --out: config.json, train_config.json, metrics.jsonl, checkpoints/step-N/, final/, "
-               "loss.png, samples.txt, report.md, tb/. Ctrl-C saves a checkpoint; continue with --resume.")
+               "loss.png, samples.txt, report.md, tb/, train.lock (while training). Ctrl-C saves a checkpoint; "
+               "continue with --resume. An --out that holds a run needs --resume (continue) or --overwrite (replace).")
     a = s.add_argument
     a("--preset", default=None, help=f"model preset [{d.preset}]")
     a("--config", default=None, help="model config.json / checkpoint dir (instead of --preset)")

@@ -83,10 +83,6 @@ class Callback:
     def on_save(self, trainer: "Trainer", path: str) -> None: ...
 
 
-
-# ----------------------------------------------------------------------------------------------- trainer
-
-
 # ----------------------------------------------------------------------------------------------- trainer
 
 class Trainer:
@@ -156,13 +152,12 @@ class Trainer:
         cfg = self.cfg
         ckpt = state = None
         if cfg.resume:
+            stored = stored_train_config(cfg.out_dir)
+            if stored is not None and find_checkpoints(cfg.out_dir):  # refused before any file is touched
+                check_resume_settings(cfg, stored, self._path("train_config.json"))
             ckpt, state = ckpt_io.pick_resume_checkpoint(cfg.out_dir)
             if ckpt is None:
                 log.warning("--resume: no checkpoint in %s; starting a new run", cfg.out_dir)
-            else:
-                stored = stored_train_config(cfg.out_dir)
-                if stored is not None:
-                    check_resume_settings(cfg, stored, self._path("train_config.json"))
         self.device = resolve_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(int(cfg.threads))
