@@ -236,3 +236,18 @@ def test_cli_bad_numbers_are_usage_errors(cli, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--data" in err and "missing.txt" in err and "build_data" not in err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("balancer", ["qb", "qb_hist", "qb_ema", "sign", "aux_loss", "none"])
+def test_every_balancers_state_loads_without_pickle(cfg, tmp_path, balancer):
+    """The trainer state (optimizer, schedule, balancer, loader, RNG) is plain data for every balancer, so
+    weights_only loading never refuses a checkpoint the trainer wrote itself."""
+    t = Trainer(cfg(tmp_path / "run", balancer=balancer, param_dtype="bf16")).setup()
+    try:
+        t.train_step()
+        p = str(tmp_path / STATE_FILE)
+        t._write_state(t.state(), p)
+        st = load_trainer_state(p)
+        assert st["step"] == 1 and st["balancer"]["balancer"] == balancer
+    finally:
+        t.close()
