@@ -3,6 +3,7 @@ associative recall (MQAR) accuracy, and greedy text samples at the end of a run.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Optional, Sequence
 
@@ -12,7 +13,7 @@ from k3.errors import K3ConfigError
 
 log = logging.getLogger("k3.train")
 
-__all__ = ["recall_batch", "greedy_generate", "evaluate", "recall", "samples"]
+__all__ = ["recall_batch", "greedy_generate", "evaluate", "recall", "samples", "non_finite_result"]
 
 
 def recall_batch(vocab_lo: int, vocab_hi: int, n_examples: int, n_pairs: int, seed: int = 1234,
@@ -132,3 +133,18 @@ def samples(trainer) -> list[tuple[str, str]]:
     finally:
         model.train(was_training)
     return out
+
+
+def non_finite_result(trainer) -> Optional[str]:
+    """Why the run's result must not be published as `final/` (None when the weights and the last validation
+    loss are finite)."""
+    bad = [n for n, p in trainer.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+    if bad:
+        n = sum(1 for _ in trainer.model.parameters())
+        return f"{len(bad)} of {n} weight tensors hold NaN/inf (e.g. {bad[0]})"
+    v = trainer.eval_history[-1].get("val_loss") if trainer.eval_history else None
+    if v is None and trainer.eval_history:
+        return "the final validation loss is not a number"
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"the final validation loss is {v}"
+    return None

@@ -198,32 +198,14 @@ class Trainer:
             mcfg = mcfg.replace(**ids)
         self.model_config = mcfg
 
-        # ---- model
-        from k3.model import K3ForCausalLM
-        with torch.device(self.device):
-            self.model = K3ForCausalLM(mcfg)
-        self.model.float()  # fp32 weights (bf16 autocast on GPU), or bf16 weights with fp32 masters in the optimizer
-        self.param_dtype = resolve_param_dtype(cfg.param_dtype, self.device)
-        if self.param_dtype == "bf16":
-            # the release's storage dtypes: bf16, except the spec's fp32 names (A_log, dt_bias, the short convs,
-            # KDA's o_norm, the routing bias that the balancers set)
-            from k3.checkpoint import cast_to_storage_dtype
-            cast_to_storage_dtype(self.model, torch.bfloat16)
-        self.model.train()
-        if cfg.activation_checkpointing:
-            self.model.set_gradient_checkpointing(True)
-        self.compile_mode = resolve_compile(cfg.compile, self.device)
-        if self.compile_mode != "none":
-            # H200, small B8 T4096: modules 45.1K tok/s (126 GiB) vs eager B4 27.6K tok/s (B8 OOM); RESULTS.md
-            from k3.compile import compile_model
-            compile_model(self.model, mode=self.compile_mode)
+        # ---- model (k3.train.build)
+        from k3.train.build import build_model
+        self.model, self.param_dtype, self.compile_mode = build_model(cfg, mcfg, self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
-        for m in self.model.modules():
-            if hasattr(m, "track_max_logit"):
-                m.track_max_logit = True
 
         # ---- optimizer / schedule / balancer
         from k3.train.optim import build_optimizer
+        from k3.train.build import make_balancer
         from k3.train.schedule import ContextSchedule, cosine_with_warmup
         self.optimizer = build_optimizer(self.model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                          adamw_lr=cfg.adamw_lr, master_weights=self.param_dtype != "fp32")
@@ -231,7 +213,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, cosine_with_warmup(self.warmup_steps, cfg.steps, cfg.min_lr_ratio))
         self.schedule = ContextSchedule(cfg.steps, cfg.tokens_per_step, cfg.stages)
-        self.balancer = self._make_balancer(mcfg)
+        self.balancer = make_balancer(cfg.balancer, self.model, mcfg)
 
         # ---- run directory
         if ckpt is not None:
@@ -246,21 +228,6 @@ class Trainer:
     def _stage_seq_len(self, idx: int) -> int:
         from k3.train.schedule import _validate
         return _validate(self.cfg.stages)[idx][0]
-
-    def _make_balancer(self, mcfg: K3Config):
-        name = (self.cfg.balancer or "none").lower()
-        if mcfg.num_experts <= 0:
-            return None
-        try:
-            from k3.balance import make_balancer
-        except ImportError:
-            if name != "none":
-                warnings.warn(f"k3.balance is not available: training without the '{name}' balancer")
-            return None
-        try:
-            return make_balancer(name).attach(self.model)
-        except K3Error as e:
-            raise K3ConfigError(f"--balancer {name}: {e}") from e
 
     # ------------------------------------------------------------------ checkpoints (k3.train.checkpointing)
     def state(self) -> dict:
@@ -531,21 +498,11 @@ class Trainer:
         return rec
 
     # ------------------------------------------------------------------ end of run
-    def _not_finite(self) -> Optional[str]:
-        """Why the run's result must not be published as `final/` (None when weights and val loss are finite)."""
-        bad = [n for n, p in self.model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
-        if bad:
-            n = sum(1 for _ in self.model.parameters())
-            return f"{len(bad)} of {n} weight tensors hold NaN/inf (e.g. {bad[0]})"
-        v = self.eval_history[-1].get("val_loss") if self.eval_history else None
-        if isinstance(v, float) and not math.isfinite(v):
-            return f"the final validation loss is {v}"
-        return None
-
     def _finish(self, status: str, wall: float) -> dict:
         cfg = self.cfg
         summary = report.build_summary(self, status, wall)
-        failure = self._not_finite() if status == "completed" else None
+        from k3.train.probes import non_finite_result
+        failure = non_finite_result(self) if status == "completed" else None
         if failure is not None:
             summary["status"] = "failed"
             report.write_artifacts(self, summary)
