@@ -88,16 +88,23 @@ def _umask() -> int:
 
 def apply_umask_modes(root: str) -> None:
     """Give a tree written through temp directories (mkdtemp: 0700) the modes of ordinary files and directories
-    under the current umask (0644 / 0755 by default), like the rest of a run directory."""
+    under the current umask (0644 / 0755 by default), like the rest of a run directory. Best effort: a file
+    system that refuses chmod keeps its own modes."""
     mask = _umask()
-    os.chmod(root, 0o777 & ~mask)
+
+    def chmod(path: str, mode: int) -> None:
+        try:
+            os.chmod(path, mode & ~mask)
+        except OSError:  # pragma: no cover - e.g. file systems without POSIX modes
+            pass
+    chmod(root, 0o777)
     for d, dirs, files in os.walk(root):
         for n in dirs:
-            os.chmod(os.path.join(d, n), 0o777 & ~mask)
+            chmod(os.path.join(d, n), 0o777)
         for n in files:
             p = os.path.join(d, n)
             if not os.path.islink(p):
-                os.chmod(p, 0o666 & ~mask)
+                chmod(p, 0o666)
 
 
 def _own_storage(t: torch.Tensor, seen: set) -> torch.Tensor:
