@@ -119,7 +119,8 @@ def run(args) -> int:
           + (" (resume)" if cfg.resume else ""), flush=True)
     summary = trainer.train()
     if args.json:
-        print(json.dumps({k: v for k, v in summary.items()}, indent=2, default=str))
+        from k3.train.report import finite_or_none
+        print(json.dumps(finite_or_none(summary), indent=2, default=str, allow_nan=False))  # strict JSON
     else:
         print(format_summary(summary), flush=True)
     return 130 if summary["status"] == "interrupted" else 0

@@ -10,23 +10,24 @@ from typing import Optional, Sequence
 
 log = logging.getLogger("k3.train")
 
-__all__ = ["read_metrics", "plot_loss", "format_summary", "write_report", "json_line", "build_summary",
+__all__ = ["finite_or_none", "read_metrics", "plot_loss", "format_summary", "write_report", "json_line", "build_summary",
            "write_artifacts", "truncate_metrics", "progress_bar", "set_postfix"]
 
 
-def _finite_or_none(v):
+def finite_or_none(v):
+    """`v` with every NaN / inf float (in nested dicts / lists) replaced by None, for strict JSON."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _finite_or_none(x) for k, x in v.items()}
+        return {k: finite_or_none(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_finite_or_none(x) for x in v]
+        return [finite_or_none(x) for x in v]
     return v
 
 
 def json_line(rec: dict) -> str:
     """One metrics.jsonl line in strict JSON: a NaN / inf number (a skipped step's loss) is written as null."""
-    return json.dumps(_finite_or_none(rec), allow_nan=False)
+    return json.dumps(finite_or_none(rec), allow_nan=False)
 
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
