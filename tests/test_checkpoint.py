@@ -358,6 +358,28 @@ def test_save_tokenizer_and_overwrite(cfg, tmp_path):
     assert (other / "train.log").read_text() == "precious"
 
 
+def test_saved_files_follow_the_umask(cfg, tmp_path):
+    """Written through a mkdtemp (0700) directory, a checkpoint still gets ordinary modes: 0666 / 0777 less the
+    umask for every file (weights included) and directory, like the rest of a run directory."""
+    class Tok:
+        def save(self, directory):
+            with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+                f.write("{}")
+    sd = synthetic_state_dict(cfg, seed=1)
+    for mask in (0o022, 0o077):
+        old = os.umask(mask)
+        try:
+            d = tmp_path / f"ck{mask:o}"
+            save_pretrained(sd, d, config=cfg, tokenizer=Tok(), max_shard_size=200_000)
+        finally:
+            os.umask(old)
+        assert os.stat(d).st_mode & 0o777 == 0o777 & ~mask
+        names = os.listdir(d)
+        assert any(n.endswith(".safetensors") for n in names) and "tokenizer.json" in names
+        for n in names:
+            assert os.stat(d / n).st_mode & 0o777 == 0o666 & ~mask, n
+
+
 def test_crash_mid_save_keeps_previous_checkpoint(cfg, tmp_path, monkeypatch):
     import safetensors.torch as st
     d = tmp_path / "ck"

@@ -3,6 +3,8 @@
 * :func:`save_pretrained` writes atomically: everything goes into a hidden temp directory next to the target,
   which then replaces the target by rename, so an interrupted save never leaves a half-written checkpoint at the
   target path (the previous checkpoint, if any, stays loadable).
+* Files and directories get the modes of ordinary files under the process umask (0644 / 0755 by default), not
+  the owner-only modes of the temp directory they were written in.
 * :func:`load_state_dict` returns an in-memory state dict; :func:`from_pretrained` builds ``K3ForCausalLM`` on the
   meta device, materializes it empty on the requested device/dtype and streams the shards straight into its
   parameters (one tensor at a time), so peak memory is about one model plus one tensor.
@@ -28,7 +30,7 @@ from k3.checkpoint.adapter import (PREFIX, ReleasedAssembler, default_quantizati
                                    released_plan, torch_dtype)
 
 __all__ = ["save_pretrained", "load_state_dict", "from_pretrained", "load_config", "iter_checkpoint_tensors",
-           "parse_size", "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME"]
+           "parse_size", "apply_umask_modes", "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME"]
 
 log = logging.getLogger("k3.checkpoint")
 
@@ -69,6 +71,40 @@ def _fsync_path(path: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)  # pragma: no cover - not Linux
+    os.umask(old)
+    return old
+
+
+def apply_umask_modes(root: str) -> None:
+    """Give a tree written through temp directories (mkdtemp: 0700) the modes of ordinary files and directories
+    under the current umask (0644 / 0755 by default), like the rest of a run directory. Best effort: a file
+    system that refuses chmod keeps its own modes."""
+    mask = _umask()
+
+    def chmod(path: str, mode: int) -> None:
+        try:
+            os.chmod(path, mode & ~mask)
+        except OSError:  # pragma: no cover - e.g. file systems without POSIX modes
+            pass
+    chmod(root, 0o777)
+    for d, dirs, files in os.walk(root):
+        for n in dirs:
+            chmod(os.path.join(d, n), 0o777)
+        for n in files:
+            p = os.path.join(d, n)
+            if not os.path.islink(p):
+                chmod(p, 0o666)
 
 
 def _own_storage(t: torch.Tensor, seen: set) -> torch.Tensor:
@@ -203,6 +239,7 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
             _write_extra(tmp, fname, content)
         for f in (CONFIG_NAME, INDEX_NAME):
             _fsync_path(os.path.join(tmp, f))
+        apply_umask_modes(tmp)  # mkdtemp made it 0700; the checkpoint gets ordinary modes (0755 / 0644 by umask)
         _fsync_path(tmp)
         _swap_into_place(tmp, target, parent, name)
     except BaseException:

@@ -411,7 +411,8 @@ def tokenize_documents(tokenizer: HFTokenizer, docs: Sequence[str], cache: Optio
         stem = os.path.join(d, f"tokens-{_corpus_fingerprint(docs)[:16]}")
         if os.path.isfile(stem + ".offsets.npy") and os.path.isfile(stem + ".ids.npy"):
             try:
-                return np.load(stem + ".ids.npy"), np.load(stem + ".offsets.npy")
+                return (np.load(stem + ".ids.npy", allow_pickle=False),
+                        np.load(stem + ".offsets.npy", allow_pickle=False))
             except (ValueError, OSError):  # pragma: no cover - corrupt cache: rebuild
                 pass
     enc = []
@@ -628,7 +629,11 @@ def build_data(corpus=None, vocab_size: int = 8192, seq_len: int = 256, batch_si
                val_fraction: float = 0.05, val_max_batches: Optional[int] = None) -> K3Data:
     """Corpus -> tokenizer (loaded or trained+cached) -> cached token arrays -> train/val loaders."""
     if _is_doc_list(corpus):
-        raise K3ConfigError("build_data takes a corpus name or paths; for raw strings use the loaders directly")
+        missing = [c for c in corpus if len(c) < 4096 and "\n" not in c and not os.path.exists(c)][:3]
+        raise K3ConfigError(f"corpus path(s) {missing} do not exist (give .txt/.jsonl files or directories, or the "
+                            f"built-in corpus name 'pydocs'; raw document strings go to the loaders directly)"
+                            if missing else "a corpus is a name or paths; raw document strings go to the loaders "
+                            "directly")
     train_docs, val_docs = load_corpus(corpus, split_sections=split_sections, val_fraction=val_fraction)
     if tokenizer_path is not None:
         tok = HFTokenizer(get_tokenizer(path=tokenizer_path))

@@ -1,11 +1,33 @@
-"""End-of-run artefacts: the loss-curve PNG (matplotlib, Agg) and a short Markdown / console report."""
+"""Run records and end-of-run artefacts: strict-JSON metrics lines, the run summary, the loss-curve PNG
+(matplotlib, Agg) and a short Markdown / console report."""
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 from typing import Optional, Sequence
 
-__all__ = ["read_metrics", "plot_loss", "format_summary", "write_report"]
+log = logging.getLogger("k3.train")
+
+__all__ = ["finite_or_none", "read_metrics", "plot_loss", "format_summary", "write_report", "json_line", "build_summary",
+           "write_artifacts", "truncate_metrics", "progress_bar", "set_postfix"]
+
+
+def finite_or_none(v):
+    """`v` with every NaN / inf float (in nested dicts / lists) replaced by None, for strict JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: finite_or_none(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [finite_or_none(x) for x in v]
+    return v
+
+
+def json_line(rec: dict) -> str:
+    """One metrics.jsonl line in strict JSON: a NaN / inf number (a skipped step's loss) is written as null."""
+    return json.dumps(finite_or_none(rec), allow_nan=False)
 
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
@@ -24,6 +46,46 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
                 continue
             (ev if rec.get("type") == "eval" else train).append(rec)
     return train, ev
+
+
+def truncate_metrics(path: str, step: int) -> tuple[list[dict], list[dict]]:
+    """Drop the records after `step` from a metrics.jsonl (a resumed run rewrites them); -> (train, eval) kept."""
+    train, ev = [], []
+    if not os.path.exists(path):
+        return train, ev
+    keep = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+                (train if rec.get("type") == "train" else ev).append(rec)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return train, ev
+
+
+def progress_bar(enabled: bool, step: int, end: int):
+    """A tqdm bar from `step` to `end` (None when disabled)."""
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+    return tqdm(total=end, initial=step, desc="k3 train", unit="step", dynamic_ncols=True)
+
+
+def set_postfix(pbar, rec: dict) -> None:
+    post = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:.0f}", "lr": f"{rec['lr']:.2e}",
+            "T": rec["seq_len"]}
+    if "maxvio" in rec:
+        post["maxvio"] = f"{rec['maxvio']:.2f}"
+    pbar.set_postfix(post, refresh=False)
 
 
 def _smooth(xs: Sequence[float], alpha: Optional[float] = None) -> list[float]:
@@ -110,3 +172,43 @@ def write_report(s: dict, path: str) -> str:
     with open(path, "w") as f:
         f.write("# k3 training run\n\n```\n" + format_summary(s) + "\n```\n")
     return path
+
+
+def build_summary(trainer, status: str, wall: float) -> dict:
+    """The run summary dict that `Trainer.train()` returns (and report.md shows)."""
+    from k3.train.checkpointing import latest_checkpoint
+    cfg = trainer.cfg
+    ev = trainer.eval_history
+    hist = trainer.history
+    trained = [r for r in hist if not r.get("skipped")]
+    tps = (sum(r["tokens"] for r in hist) / sum(r["step_time"] for r in hist)) if hist else 0.0
+    return {
+        "status": status, "step": trainer.step, "steps": cfg.steps, "out_dir": cfg.out_dir,
+        "wall_time_s": wall, "data_time_s": getattr(trainer, "data_time", 0.0),
+        "tokens_seen": trainer.tokens_seen, "tokens_per_s": tps, "num_params": trainer.num_params,
+        "device": str(trainer.device), "threads": getattr(trainer, "threads", None),
+        "val_loss_before": ev[0]["val_loss"] if ev else None,
+        "val_loss_after": ev[-1]["val_loss"] if ev else None,
+        "recall_acc_after": ev[-1].get("recall_acc_cands") if ev else None,
+        "recall_chance": 1.0 / cfg.recall_pairs if cfg.recall_pairs else None,
+        "train_loss_first": trained[0]["loss"] if trained else None,
+        "train_loss_last": trained[-1]["loss"] if trained else None,
+        "skipped_steps": sum(1 for r in hist if r.get("skipped")),
+        "checkpoint": latest_checkpoint(cfg.out_dir),
+    }
+
+
+def write_artifacts(trainer, summary: dict) -> None:
+    """loss.png (if `plot`), report.md, samples.txt (if the summary has samples)."""
+    cfg = trainer.cfg
+    if cfg.plot:
+        try:
+            summary["plot"] = plot_loss(trainer._path("metrics.jsonl"), trainer._path("loss.png"),
+                                        boundaries=trainer.schedule.boundaries())
+        except Exception as e:
+            log.warning("loss plot failed: %s", e)
+    write_report(summary, trainer._path("report.md"))
+    if summary.get("samples"):
+        with open(trainer._path("samples.txt"), "w") as f:
+            for p, s in summary["samples"]:
+                f.write(f"--- prompt: {p!r}\n{p}{s}\n\n")

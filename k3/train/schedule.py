@@ -30,8 +30,8 @@ def _validate(stages: Sequence[tuple[int, float]]) -> list[tuple[int, float]]:
         if len(s) != 2:
             raise K3ConfigError(f"context schedule: stage {s!r} is not (seq_len, share)")
         seq, share = int(s[0]), float(s[1])
-        if seq < 2 or share < 0:
-            raise K3ConfigError(f"context schedule: bad stage {s!r} (seq_len >= 2, share >= 0)")
+        if seq < 2 or not (share >= 0 and math.isfinite(share)):
+            raise K3ConfigError(f"context schedule: bad stage {s!r} (seq_len >= 2, share a finite number >= 0)")
         out.append((seq, share))
     total = sum(sh for _, sh in out)
     if total <= 0:

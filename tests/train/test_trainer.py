@@ -90,7 +90,7 @@ def test_exact_resume(corpus, tmp_path):
     from k3.checkpoint import load_state_dict
     sa, sb = load_state_dict(str(a / "final")), load_state_dict(str(b / "final"))
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    st = torch.load(os.path.join(latest_checkpoint(str(b)), "trainer_state.pt"), weights_only=False)
+    st = torch.load(os.path.join(latest_checkpoint(str(b)), "trainer_state.pt"), weights_only=True)
     assert st["step"] == 6 and st["stage"] == 1 and st["seq_len"] == 128
     assert {"optimizer", "scheduler", "balancer", "loader", "rng"} <= set(st)
 
@@ -154,7 +154,12 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path):
     s = tr.train()
     assert s["status"] == "completed" and s["skipped_steps"] == 1
     tr_recs = [r for r in metrics(out) if r["type"] == "train"]
-    assert tr_recs[1]["skipped"] and math.isnan(tr_recs[1]["loss"])
+    # metrics.jsonl is strict JSON: the skipped step's NaN loss is written as null (the summary keeps NaN)
+    assert tr_recs[1]["skipped"] and tr_recs[1]["loss"] is None and tr_recs[1]["grad_norm"] is None
+    assert math.isnan(tr.history[1]["loss"])
+    with open(out / "metrics.jsonl") as f:
+        for line in f:
+            json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl"))
     assert torch.equal(before[1], before[2])  # no update on the skipped step
     assert not torch.equal(before[2], before[3])
     assert all(p.grad is None for p in tr.model.parameters())
@@ -241,7 +246,7 @@ def test_bf16_params_with_fp32_masters(corpus, tmp_path):
     la, lb = train_losses(a), train_losses(b)
     assert la == lb, (la, lb)
     assert all(math.isfinite(x) for x in la) and la[-1] < la[0], la
-    st = torch.load(os.path.join(latest_checkpoint(str(b)), "trainer_state.pt"), weights_only=False)
+    st = torch.load(os.path.join(latest_checkpoint(str(b)), "trainer_state.pt"), weights_only=True)
     masters = [v["master"] for v in st["optimizer"]["state"].values() if "master" in v]
     assert masters and all(m.dtype == torch.float32 for m in masters)
     with pytest.raises(K3ConfigError, match="--param-dtype"):
