@@ -294,7 +294,7 @@ def model_runs(balancers, args):
     for b in list(dict.fromkeys(balancers + ["aux_loss", "none"])):
         out_dir = os.path.join(args.out, "model_runs", b)
         try:
-            cfg = TrainConfig(balancer=b, steps=args.model_steps, out_dir=out_dir, device=args.device,
+            cfg = TrainConfig(balancer=b, overwrite=True, steps=args.model_steps, out_dir=out_dir, device=args.device,
                               seed=args.seed, eval_every=0)
             trainer = Trainer(cfg)
             summary = trainer.train()
