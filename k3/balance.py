@@ -93,7 +93,8 @@ def route_cutoffs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k selection of ``scores + bias`` and each token's two cutoffs: α (the (k+1)-th largest biased score)
     and β (the k-th largest). With the router's ``topk_idx_Tk`` given, α is the max biased score over the
-    unselected experts and β the min over the selected ones (no second top-k).
+    unselected experts and β the min over the selected ones (no second top-k). The biased scores are the router's
+    own (k3.ops.router.selection_scores; ungrouped: `Balancer.attach` refuses grouped routers).
     Returns ``(topk_idx_Tk int64, alpha_T fp32, beta_T fp32)``."""
     biased_TE = selection_scores(scores_TE.float(), bias_E.float())
     if topk_idx_Tk is None:

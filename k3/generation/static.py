@@ -3,7 +3,10 @@
 `StaticDecoder(model, cache, batch_size)` runs one decode step (one new token per cache row) with fixed tensor
 shapes and fixed addresses, so that on CUDA the step can be captured once with `torch.cuda.CUDAGraph` and replayed
 per token; on CPU (or with capture off) the same static code runs eagerly. Same math as the normal cached forward
-(`model(ids, cache=cache)`, absorbed MLA + recurrent KDA), with far fewer ops per step:
+(`model(ids, cache=cache)`, absorbed MLA + recurrent KDA), with far fewer ops per step. The step itself lives
+next to each layer's `forward`: `K3ForCausalLM.prepare_decode` / `decode_step`, which call the `prepare_decode` /
+`decode_step` pair of K3DecoderLayer, KDAAttention, MLAAttention, LatentMoE, GLUMLP, RMSNorm and
+k3.ops.attnres.attnres_mix_decode; this module holds the buffers, the capture / replay and the self-check:
 
 - fused weights, built once at construction (call `refresh_weights()` after changing the model's weights): per KDA
   layer one matmul for q/k/v/g/f_a/b; per MLA layer one for q_a/kv_a/g; per FFN one for the shared (or dense)
@@ -36,7 +39,6 @@ import weakref
 from typing import List, Optional
 
 import torch
-import torch.nn.functional as F
 
 from k3.generation.cache import K3Cache, MLALayerCache
 from k3.ops import f32
