@@ -29,11 +29,6 @@ class K3Router(nn.Module):
         return route(x_Nd, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
                      self.num_expert_group, self.topk_group)
 
-    def select(self, scores_NE):
-        """(topk_idx, topk_w) from fp32 scores with this router's bias and settings (k3.ops.router.select_experts)."""
-        return select_experts(scores_NE, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
-                              self.num_expert_group, self.topk_group)
-
 
 class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, latent: int, inter: int):

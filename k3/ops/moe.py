@@ -1,12 +1,15 @@
 """MoE routing and routed-expert compute on stacked expert weights (spec §3.6).
 
-route: fp32 sigmoid scores (logits in fp32 precision, k3/ops/router.py); selection = top-k of (scores + bias);
-weights = selected *scores* renormalised (the bias never enters the weights). experts_forward: tokens sorted by
-expert, then one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a padded
-batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts. Combine: each expert
-output (in the activation dtype) times its fp32 weight, summed in fp32, cast back. Permute and unpermute are row
-gathers whose backward is the gather by the inverse permutation (`_dispatch_rows`, `_permute_rows`): no index_add
-/ atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
+route: fp32 sigmoid scores (logits in fp32 precision, k3/ops/router.py); selection and weights by
+k3.ops.router.select_experts (top-k of scores + bias, optionally grouped; weights = the selected *scores*
+renormalised, the bias never enters them). experts_forward = three public stages, so that an expert-parallel
+all-to-all can go between them without touching the math:
+- dispatch_tokens: tokens sorted by expert (rows + a DispatchPlan: per-expert counts / offsets, the permutation);
+- compute_experts: one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a
+  padded batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts;
+- combine_tokens: each expert output (in the activation dtype) times its fp32 weight, summed in fp32, cast back.
+Permute and unpermute are row gathers whose backward is the gather by the inverse permutation (`_DispatchRows`,
+`_PermuteRows`): no index_add / atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
 """
 from __future__ import annotations
 
