@@ -19,7 +19,8 @@ ATTNRES_EPS = 1e-5
 
 
 def mix_query(gamma: torch.Tensor, proj_1d: torch.Tensor) -> torch.Tensor:
-    """The mix's pseudo-query w = gamma * q in fp32 (gamma = `*_res_norm.weight` [d], q = `*_res_proj.weight` [1, d])."""
+    """The mix's pseudo-query w = gamma * q in fp32 (gamma = `*_res_norm.weight` [d], q = `*_res_proj.weight`
+    [1, d])."""
     return f32(gamma) * f32(proj_1d[0])
 
 
