@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 
 from k3.errors import CheckpointError, K3ConfigError
+from k3.ops.router import selection_scores
 
 __all__ = [
     "BALANCERS",
@@ -92,9 +93,10 @@ def route_cutoffs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k selection of ``scores + bias`` and each token's two cutoffs: α (the (k+1)-th largest biased score)
     and β (the k-th largest). With the router's ``topk_idx_Tk`` given, α is the max biased score over the
-    unselected experts and β the min over the selected ones (no second top-k).
+    unselected experts and β the min over the selected ones (no second top-k). The biased scores are the router's
+    own (k3.ops.router.selection_scores; ungrouped: `Balancer.attach` refuses grouped routers).
     Returns ``(topk_idx_Tk int64, alpha_T fp32, beta_T fp32)``."""
-    biased_TE = scores_TE.float() + bias_E.float()
+    biased_TE = selection_scores(scores_TE.float(), bias_E.float())
     if topk_idx_Tk is None:
         vals_Tk1, idx_Tk1 = torch.topk(biased_TE, top_k + 1, dim=1)
         return idx_Tk1[:, :top_k], vals_Tk1[:, top_k], vals_Tk1[:, top_k - 1]
@@ -325,6 +327,10 @@ class Balancer:
                 f"no router found: need a module with buffer '{BIAS_BUFFER}' and attributes top_k, num_experts"
             )
         for name, mod in routers:
+            if int(getattr(mod, "num_expert_group", 1)) > 1:
+                raise K3ConfigError(
+                    f"router {name}: num_expert_group = {mod.num_expert_group} (grouped top-k); the balancers' "
+                    f"cut-offs assume ungrouped top-k selection (set num_expert_group = 1 to train with a balancer)")
             r = _Router(name=name or "router", module=mod, top_k=int(mod.top_k), num_experts=int(mod.num_experts))
             if tuple(r.bias.shape) != (r.num_experts,):
                 raise K3ConfigError(f"{name}.{BIAS_BUFFER} has shape {tuple(r.bias.shape)}, want [{r.num_experts}]")

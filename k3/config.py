@@ -163,6 +163,12 @@ class K3Config:
             v = getattr(lac, key)
             if not isinstance(v, int) or v <= 0:
                 bad(f"linear_attn_config.{key}", f"must be a positive integer, got {v!r}")
+        if lac.use_full_rank_gate is not True:
+            bad("linear_attn_config.use_full_rank_gate", f"only the full-rank KDA output gate (g_proj d -> P) is "
+                f"implemented, got {lac.use_full_rank_gate!r}")
+        if self.mla_use_nope is not True:
+            bad("mla_use_nope", f"only NoPE MLA (no rotary embedding; the 'rope' dims stay unrotated) is implemented, "
+                f"got {self.mla_use_nope!r}")
         if not (-5.5 <= lac.gate_lower_bound < 0):
             bad("linear_attn_config.gate_lower_bound",
                 f"must lie in [-5.5, 0) so 16-token tiles stay in fp32 range (exp(16*5.5) < fp32 max), "
@@ -193,6 +199,16 @@ class K3Config:
                 bad("num_expert_group", f"must divide num_experts ({self.num_experts})")
             if not (1 <= self.topk_group <= self.num_expert_group):
                 bad("topk_group", f"must be in 1..num_expert_group ({self.num_expert_group})")
+            G = self.num_expert_group
+            if G > 1 and self.topk_group * (self.num_experts // G) < self.num_experts_per_token:
+                bad("topk_group", f"the {self.topk_group} kept group(s) of {self.num_experts // G} experts hold fewer "
+                    f"than num_experts_per_token ({self.num_experts_per_token}) experts")
+            if G > 1 and not self.use_grouped_topk:
+                bad("use_grouped_topk", f"must be true when num_expert_group > 1 (got num_expert_group = {G}); "
+                    f"ungrouped selection is num_expert_group = 1")
+            if self.topk_method != "noaux_tc":
+                bad("topk_method", f"only 'noaux_tc' (top-k of sigmoid scores + correction bias, optionally grouped) "
+                    f"is implemented, got {self.topk_method!r}")
             if self.moe_router_activation_func != "sigmoid":
                 bad("moe_router_activation_func", f"only 'sigmoid' is implemented, got {self.moe_router_activation_func!r}")
         if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:

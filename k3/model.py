@@ -29,7 +29,7 @@ from k3.nn.mla import MLAAttention
 from k3.nn.mlp import GLUMLP
 from k3.nn.moe import LatentMoE, init_moe_
 from k3.nn.norm import RMSNorm
-from k3.ops.attnres import attnres_mix
+from k3.ops.attnres import ATTNRES_EPS, attnres_mix, attnres_mix_decode, mix_query
 from k3.ops.loss import IGNORE_INDEX, ce_chunk_grad, linear_cross_entropy_sum
 
 
@@ -51,7 +51,26 @@ class K3Output:
 
 
 def _mix_weight(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
-    return f32(norm.weight) * f32(proj.weight[0])
+    return mix_query(norm.weight, proj.weight)
+
+
+class LayerDecodeState:
+    """Per-layer state of the shape-static decode step (`K3DecoderLayer.prepare_decode`): the attention's and the
+    FFN's decode states, the norms', and the two AttnRes pseudo-queries in fp32."""
+    __slots__ = ("attn", "ffn", "in_norm", "post_norm", "w_attn", "w_mlp")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
+
+
+class DecodeState:
+    """State of the shape-static decode step of the whole model (`K3ForCausalLM.prepare_decode`)."""
+    __slots__ = ("embed", "lm_head", "layers", "w_out", "final_norm")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
 
 
 class K3DecoderLayer(nn.Module):
@@ -73,7 +92,7 @@ class K3DecoderLayer(nn.Module):
         else:
             self.mlp = GLUMLP(d, cfg.intermediate_size, cfg.hidden_act, cfg.activation_situ_beta,
                               cfg.activation_situ_linear_beta)
-        self.res_eps = eps
+        self.res_eps = ATTNRES_EPS
 
     @property
     def ffn(self) -> nn.Module:
@@ -93,6 +112,35 @@ class K3DecoderLayer(nn.Module):
         partial = y if partial is None else partial + y
         m_in = attnres_mix(blocks + [partial], _mix_weight(self.mlp_res_norm, self.mlp_res_proj), self.res_eps)
         partial = partial + self.ffn(self.post_attention_layernorm(m_in))
+        return partial, blocks
+
+    # ------------------------------------------------------------------ decode step (k3.generation.static)
+    @torch.no_grad()
+    def prepare_decode(self, layer_cache, dtype: torch.dtype, window: int, lens: torch.Tensor, rows: torch.Tensor,
+                       mla_kernel: str = "torch") -> LayerDecodeState:
+        """Fused weights of every part of this layer for `decode_step` (see the modules' `prepare_decode`)."""
+        if self.layer_type == "kda":
+            attn = self.self_attn.prepare_decode(layer_cache, dtype)
+        else:
+            attn = self.self_attn.prepare_decode(layer_cache, dtype, window, lens, rows, mla_kernel)
+        return LayerDecodeState(
+            attn=attn, ffn=self.ffn.prepare_decode(dtype), in_norm=self.input_layernorm.prepare_decode(dtype),
+            post_norm=self.post_attention_layernorm.prepare_decode(dtype),
+            w_attn=_mix_weight(self.self_attention_res_norm, self.self_attention_res_proj).detach(),
+            w_mlp=_mix_weight(self.mlp_res_norm, self.mlp_res_proj).detach())
+
+    def decode_step(self, st: LayerDecodeState, partial: torch.Tensor, blocks: list):
+        """`forward` for one token per cache row ([N, d] sources), shape-static: the modules' `decode_step`s and
+        the AttnRes mix as one stacked softmax (k3.ops.attnres.attnres_mix_decode)."""
+        a_in = attnres_mix_decode(blocks + [partial], st.w_attn, self.res_eps) if blocks else partial
+        if self.layer_idx % self.block_size == 0:
+            blocks = blocks + [partial]
+            partial = None
+        y = self.self_attn.decode_step(st.attn, self.input_layernorm.decode_step(st.in_norm, a_in))
+        partial = y if partial is None else partial + y
+        m_in = attnres_mix_decode(blocks + [partial], st.w_mlp, self.res_eps)
+        partial = partial + self.ffn.decode_step(st.ffn, self.post_attention_layernorm.decode_step(st.post_norm,
+                                                                                                    m_in))
         return partial, blocks
 
 
@@ -119,7 +167,7 @@ class K3Model(nn.Module):
             else:
                 partial, blocks = layer(partial, blocks, cu_seqlens=cu_seqlens, cache=layer_cache)
         h = attnres_mix(blocks + [partial], _mix_weight(self.output_attn_res_norm, self.output_attn_res_proj),
-                        self.config.rms_norm_eps)
+                        ATTNRES_EPS)
         return self.norm(h)
 
 
@@ -185,6 +233,31 @@ class K3ForCausalLM(nn.Module):
     def save_pretrained(self, path: str, **kw) -> None:
         from k3.checkpoint import save_pretrained
         save_pretrained(self, path, **kw)
+
+    # ---------------------------------------------------------------- decode step (k3.generation.static)
+    @torch.no_grad()
+    def prepare_decode(self, cache, window: int, lens: torch.Tensor, rows: torch.Tensor,
+                       mla_kernel: str = "torch") -> DecodeState:
+        """Fused weights and preallocated views for `decode_step` on `cache` (every layer's `prepare_decode`);
+        rebuild after changing the weights. window / lens / rows: see MLAAttention.prepare_decode."""
+        m, dtype = self.model, self.dtype
+        return DecodeState(
+            embed=m.embed_tokens.weight.detach(), lm_head=self.lm_head.weight.detach().t().contiguous(),
+            layers=[layer.prepare_decode(cache.layers[i], dtype, window, lens, rows, mla_kernel)
+                    for i, layer in enumerate(m.layers)],
+            w_out=_mix_weight(m.output_attn_res_norm, m.output_attn_res_proj).detach(),
+            final_norm=m.norm.prepare_decode(dtype))
+
+    def decode_step(self, st: DecodeState, ids_N: torch.Tensor) -> torch.Tensor:
+        """One token per cache row (ids [N]) -> logits [N, V] fp32 (fp64 for fp64 models); shape-static, no host
+        reads (CUDA-graph capturable). Same math as `forward(ids[:, None], cache=cache)`; the caller advances the
+        cache's lengths (host and device) after the step."""
+        partial = st.embed.index_select(0, ids_N)                               # [N, d]
+        blocks: list = []
+        for layer, L in zip(self.model.layers, st.layers):
+            partial, blocks = layer.decode_step(L, partial, blocks)
+        h = self.model.norm.decode_step(st.final_norm, attnres_mix_decode(blocks + [partial], st.w_out, ATTNRES_EPS))
+        return f32(h @ st.lm_head)
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,

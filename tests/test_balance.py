@@ -487,3 +487,18 @@ def test_factory_errors():
     with pytest.raises(K3ConfigError):
         make_balancer("qb").attach(nn.Linear(2, 2))
     assert make_balancer("QB-HIST", bins=10).bins == 10
+
+
+def test_grouped_router_refused_and_cutoffs_use_router_selection():
+    """The balancers' cut-offs assume ungrouped top-k: a grouped router (num_expert_group > 1) is refused with a
+    K3ConfigError naming the key; ungrouped, route_cutoffs selects exactly as the router (select_experts)."""
+    from k3.nn.moe import K3Router
+    from k3.ops.router import select_experts
+    r = K3Router(8, 16, 2, num_expert_group=4, topk_group=2)
+    with pytest.raises(K3ConfigError, match="num_expert_group"):
+        make_balancer("qb").attach(r)
+    g = torch.Generator().manual_seed(0)
+    s = torch.rand(50, 16, generator=g)
+    b = torch.randn(16, generator=g) * 0.1
+    idx, _, _ = route_cutoffs(s, b, 3)
+    assert torch.equal(idx, select_experts(s, b, 3)[0])

@@ -2,6 +2,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from k3.config import K3Config, PRESETS
 from k3.errors import K3ConfigError
@@ -54,6 +55,11 @@ def test_tiny_has_every_feature():
     (dict(hidden_size=0), "hidden_size"),
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(num_expert_group=3), "num_expert_group"),
+    (dict(mla_use_nope=False), "mla_use_nope"),
+    ({"linear_attn_config.use_full_rank_gate": False}, "linear_attn_config.use_full_rank_gate"),
+    (dict(topk_method="greedy"), "topk_method"),
+    (dict(num_expert_group=4, topk_group=2, use_grouped_topk=False), "use_grouped_topk"),
+    (dict(num_expert_group=8, topk_group=1), "topk_group"),   # 1 kept group of 2 experts < top-4
     ({"linear_attn_config.gate_lower_bound": -9.0}, "gate_lower_bound"),
     ({"linear_attn_config.head_dim": 0}, "head_dim"),
     ({"linear_attn_config.kda_layers": [1, 2, 3, 4, 5, 6, 7]}, "kda_layers"),
@@ -80,3 +86,43 @@ def test_replace_accepts_a_linear_attn_config_object():
     cfg = base.replace(num_hidden_layers=5, linear_attn_config=la)
     assert cfg.layer_types == ["kda", "kda", "kda", "mla", "kda"]
     assert cfg.linear_attn_config.head_dim == base.linear_attn_config.head_dim
+
+
+def test_expert_groups_reach_the_router():
+    """num_expert_group / topk_group are used (grouped top-k, k3.ops.router.select_experts), not only validated."""
+    from k3.model import K3ForCausalLM
+    cfg = K3Config.from_preset("tiny", num_expert_group=4, topk_group=2, num_hidden_layers=2,
+                               **{"linear_attn_config.full_attn_layers": [2], "linear_attn_config.kda_layers": [1]})
+    m = K3ForCausalLM(cfg)
+    gate = m.model.layers[1].block_sparse_moe.gate
+    assert (gate.num_expert_group, gate.topk_group) == (4, 2)
+    torch.manual_seed(0)
+    idx, w, scores = gate(torch.randn(64, cfg.hidden_size))
+    groups = (idx // (cfg.num_experts // 4))
+    assert all(len(set(r.tolist())) <= 2 for r in groups)        # every token's experts lie in <= 2 groups
+
+
+def test_attnres_and_kda_norm_eps_follow_the_spec_not_rms_norm_eps():
+    """Spec §3.3 / §3.4: the AttnRes mix and the KDA output norm use eps 1e-5 whatever rms_norm_eps says."""
+    from k3.model import K3ForCausalLM
+    cfg = K3Config.from_preset("tiny", rms_norm_eps=1e-3, num_hidden_layers=2,
+                               **{"linear_attn_config.full_attn_layers": [2], "linear_attn_config.kda_layers": [1]})
+    m = K3ForCausalLM(cfg)
+    assert m.model.layers[0].input_layernorm.eps == 1e-3
+    assert all(layer.res_eps == 1e-5 for layer in m.model.layers)
+    assert m.model.layers[0].self_attn.norm_eps == 1e-5
+    # every mix of a forward (layers and the output mix) runs with 1e-5
+    import k3.model as km
+    seen = []
+
+    def spy(sources, w, eps=1e-5, backend=None):
+        seen.append(eps)
+        return orig(sources, w, eps, backend)
+    orig = km.attnres_mix
+    km.attnres_mix = spy
+    try:
+        with torch.no_grad():
+            m(torch.randint(0, cfg.vocab_size, (1, 5)))
+    finally:
+        km.attnres_mix = orig
+    assert seen and set(seen) == {1e-5}

@@ -16,8 +16,23 @@ import torch
 from k3.ops import f32
 from torch import nn
 
+from k3.nn.mlp import cat_weights
+from k3.nn.norm import rms_scale
 from k3.ops.conv import causal_conv1d
 from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.kda.common import L2NORM_EPS
+
+# eps of the gated output RMSNorm (spec §3.4 step 7: 1e-5, a constant of the layer, not the config's rms_norm_eps)
+O_NORM_EPS = 1e-5
+
+
+class KDADecodeState:
+    """Fused weights and the layer's cache for `KDAAttention.decode_step` (built by `prepare_decode`)."""
+    __slots__ = ("W_in", "W_fb", "W_o", "conv_w", "gate_a", "dt_bias", "o_norm", "r", "sd", "cache")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw[k])
 
 
 class KDAAttention(nn.Module):
@@ -44,7 +59,7 @@ class KDAAttention(nn.Module):
         self.o_norm = nn.Module()
         self.o_norm.weight = nn.Parameter(torch.ones(K, dtype=torch.float32))
         self.o_proj = nn.Linear(P, d, bias=False)
-        self.norm_eps = cfg.rms_norm_eps
+        self.norm_eps = O_NORM_EPS
         self.backend: Optional[str] = None
         self.recurrent_max_tokens = 8  # with a cache: T <= this runs the recurrent (decode) path
 
@@ -111,3 +126,57 @@ class KDAAttention(nn.Module):
         gate = torch.sigmoid(f32(self.g_proj(x_BTd))).view(B, T, H, K)
         y = (o32 * gate).to(x_BTd.dtype).reshape(B, T, H * K)
         return self.o_proj(y)
+
+    # ------------------------------------------------------------------ decode step (k3.generation.static)
+    @torch.no_grad()
+    def prepare_decode(self, cache, dtype: torch.dtype) -> KDADecodeState:
+        """Fused weights for `decode_step` on `cache` (a KDALayerCache whose conv history [3, B, P, Kc-1] and
+        fp32 state [B, H, K, V] the step updates in place): one [d, 4P + r + H] matrix for q/k/v/g/f_a/b, the
+        three conv filters stacked [3, 1, P, Kc] in fp32, exp(A_log) and dt_bias in the state dtype."""
+        H, K = self.num_heads, self.head_dim
+        P = H * K
+        sd = cache.state.dtype
+        return KDADecodeState(
+            W_in=cat_weights(self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.f_a_proj, self.b_proj),
+            W_fb=self.f_b_proj.weight.detach().t().contiguous(),
+            W_o=self.o_proj.weight.detach().t().contiguous(),
+            conv_w=torch.stack([f32(self.q_conv1d.weight.detach()), f32(self.k_conv1d.weight.detach()),
+                                f32(self.v_conv1d.weight.detach())], 0).reshape(3, 1, P, self.conv_size),
+            gate_a=self.A_log.detach().to(sd).reshape(H, 1).exp(),              # exp(A_log) [H, 1]
+            dt_bias=self.dt_bias.detach().to(sd).reshape(H, K),
+            o_norm=f32(self.o_norm.weight.detach()), r=self.f_b_proj.weight.shape[1], sd=sd, cache=cache)
+
+    def decode_step(self, st: KDADecodeState, x_Nd: torch.Tensor) -> torch.Tensor:
+        """One token per cache row, x [N, d] -> [N, d], shape-static (CUDA-graph capturable): the short conv for
+        q/k/v as one [3, N, P, Kc] multiply-sum, the delta-rule step on the cache's state in place (no
+        stack/unbind, no input validation). Same math as `forward` with a cache and T = 1."""
+        N = x_Nd.shape[0]
+        H, K = self.num_heads, self.head_dim
+        P, sd = H * K, st.sd
+        dtype = x_Nd.dtype
+        proj = x_Nd @ st.W_in
+        qkv, g_lin, f_a, b_lin = proj.split([3 * P, P, st.r, H], -1)
+        # short conv (fp32), new history = the last K-1 pre-activation inputs (exact in the activation dtype)
+        conv = st.cache.conv                                                    # [3, N, P, Kc-1]
+        ext = torch.cat([f32(conv), f32(qkv).view(N, 3, P).transpose(0, 1).unsqueeze(-1)], -1)  # [3,N,P,Kc]
+        y = torch.nn.functional.silu((ext * st.conv_w).sum(-1)).to(dtype)      # [3, N, P]
+        conv.copy_(ext[..., 1:])
+        q, k, v = y.to(sd).view(3, N, H, K).unbind(0)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2NORM_EPS) * (K ** -0.5)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2NORM_EPS)
+        # gate and beta
+        f = (f_a @ st.W_fb).view(N, H, K)
+        if self.lower_bound is None:
+            g = -st.gate_a * torch.nn.functional.softplus(f.to(sd) + st.dt_bias)
+        else:
+            g = self.lower_bound * torch.sigmoid(st.gate_a * (f.to(sd) + st.dt_bias))
+        beta = torch.sigmoid(f32(b_lin)).to(sd)                                 # [N, H]
+        # delta rule on the cached state, in place: S <- e^g S;  S += beta k (v - S^T k)^T;  o = S^T q
+        S = st.cache.state                                                      # [N, H, K, V]
+        S.mul_(g.exp().unsqueeze(-1))
+        pred = (k.unsqueeze(-2) @ S).squeeze(-2)                                # [N, H, V]
+        S.add_((beta.unsqueeze(-1) * k).unsqueeze(-1) * (v - pred).unsqueeze(-2))
+        o = (q.unsqueeze(-2) @ S).squeeze(-2).to(dtype)                         # recurrent_kda returns v.dtype
+        o32 = rms_scale(f32(o), self.norm_eps) * st.o_norm
+        gate = torch.sigmoid(f32(g_lin)).view(N, H, K)
+        return (o32 * gate).to(dtype).reshape(N, P) @ st.W_o

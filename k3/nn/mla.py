@@ -24,6 +24,7 @@ import torch
 from k3.ops import f32
 from torch import nn
 
+from k3.nn.mlp import cat_weights
 from k3.nn.norm import RMSNorm
 from k3.ops.attention import causal_attention
 
@@ -65,6 +66,20 @@ def _joint_latent(c_BSC, kpe_BSR):
             and kpe_BSR.data_ptr() == c_BSC.data_ptr() + C * c_BSC.element_size()):
         return c_BSC.as_strided(c_BSC.shape[:-1] + (C + R,), c_BSC.stride())
     return torch.cat([c_BSC, kpe_BSR], -1)
+
+
+_DECODE_FALLBACK_LOGGED: set = set()
+
+
+class MLADecodeState:
+    """Fused weights, the layer's cache and the decode window for `MLAAttention.decode_step` (built by
+    `prepare_decode`). `kernel` is the attention path actually used ("torch" or "triton")."""
+    __slots__ = ("W_in", "split", "q_norm", "W_qb", "kv_norm", "cd", "W_UK", "W_UVt", "W_o", "cache", "window",
+                 "lens", "rows", "pos", "kernel", "plan", "decode")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
 
 
 class MLAAttention(nn.Module):
@@ -225,3 +240,92 @@ class MLAAttention(nn.Module):
             q_BTHD.transpose(1, 2).to(cd), k.transpose(1, 2).to(cd), v.transpose(1, 2).to(cd), attn_mask=m,
             scale=self.softmax_scale)
         return o.transpose(1, 2)
+
+    # ------------------------------------------------------------------ decode step (k3.generation.static)
+    @torch.no_grad()
+    def prepare_decode(self, cache, dtype: torch.dtype, window: int, lens: torch.Tensor, rows: torch.Tensor,
+                       kernel: str = "torch") -> MLADecodeState:
+        """Fused weights for `decode_step` over the fixed window [0, window) of `cache` (an MLALayerCache reserved
+        to at least `window`): one [d, q + C + R (+ H v)] matrix for q_a (or q) / kv_a / g, the absorbed W_UK and
+        W_UV^T per head in the compute dtype (fp32, fp64 for fp64 models). `lens` [N] (device): each row's length
+        before the step (where the new latent is written); `rows` = arange(N). kernel "torch": scores over the
+        whole window as one batched matmul, length mask, softmax, second matmul; "triton": the split-K
+        flash-decoding kernel of k3.ops.mla_decode_triton (reads only the visible latent rows, once; same math);
+        it falls back to "torch" (logged once per reason) where triton is missing, on CPU without
+        TRITON_INTERPRET=1, or for fp64 models."""
+        lora = hasattr(self, "q_b_proj")
+        first = [self.q_a_proj if lora else self.q_proj, self.kv_a_proj_with_mqa]
+        gated = self.g_proj is not None
+        C, R = self.kv_lora_rank, self.qk_rope_head_dim
+        cd = torch.float64 if dtype == torch.float64 else torch.float32
+        W_UK, W_UV = self.absorbed_weights(cd)                                  # [H, nope, C], [H, v, C]
+        st = MLADecodeState(
+            W_in=cat_weights(*first, *([self.g_proj] if gated else [])),
+            split=[first[0].weight.shape[0], C + R] + ([self.num_heads * self.v_head_dim] if gated else []),
+            q_norm=self.q_a_layernorm.prepare_decode(dtype) if lora else None,
+            W_qb=self.q_b_proj.weight.detach().t().contiguous() if lora else None,
+            kv_norm=self.kv_a_layernorm.prepare_decode(dtype), cd=cd,
+            W_UK=W_UK.contiguous(), W_UVt=W_UV.transpose(1, 2).contiguous(),   # [H, C, v]
+            W_o=self.o_proj.weight.detach().t().contiguous(), cache=cache, window=window, lens=lens, rows=rows,
+            pos=torch.arange(window, device=lens.device), kernel="torch")
+        if kernel == "triton":
+            self._decode_use_triton(st)
+        return st
+
+    def _decode_use_triton(self, st: MLADecodeState) -> None:
+        import logging
+        why, mdt = None, None
+        lc = st.cache
+        try:
+            from k3.ops import mla_decode_triton as mdt
+        except Exception as e:  # noqa: BLE001 - no (or a broken) triton: the torch path
+            why = f"triton does not import ({e})"
+        if why is None:
+            why = mdt.unsupported_reason(lc.buf.device, lc.dtype, st.cd)
+        if why is not None:
+            if why not in _DECODE_FALLBACK_LOGGED:
+                _DECODE_FALLBACK_LOGGED.add(why)
+                logging.getLogger("k3").warning("StaticDecoder: mla_kernel='triton' unavailable (%s); using the "
+                                                "torch path", why)
+            return
+        st.plan = mdt.plan(lc.buf.shape[0], self.num_heads, st.window, self.kv_lora_rank, self.qk_rope_head_dim,
+                           lc.dtype, lc.buf.device)
+        # an opaque call under torch.compile (the launch plan is static; the kernels are launched eagerly)
+        st.decode = torch.compiler.disable(mdt.mla_decode)
+        st.kernel = "triton"
+
+    def decode_step(self, st: MLADecodeState, x_Nd: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA for one token per cache row, x [N, d] -> [N, d], shape-static (CUDA-graph capturable):
+        the new latent is written at each row's length (`st.lens`, a device tensor), and attention runs over the
+        whole preallocated window with a length mask instead of slicing to the current length; scores read the
+        cached [c || k_pe] rows in one batched matmul (q~ and q_pe concatenated). A low-precision cache is not
+        upcast as a whole on CUDA (`bmm_acc`). The caller advances `st.lens` after the step."""
+        N = x_Nd.shape[0]
+        H, C, cd = self.num_heads, self.kv_lora_rank, st.cd
+        dtype = x_Nd.dtype
+        parts = (x_Nd @ st.W_in).split(st.split, -1)
+        q = self.q_a_layernorm.decode_step(st.q_norm, parts[0]) @ st.W_qb if st.q_norm is not None else parts[0]
+        q = q.view(N, H, self.q_head_dim)
+        c_lat, k_pe = parts[1].split([C, self.qk_rope_head_dim], -1)
+        lc = st.cache
+        new = torch.cat([self.kv_a_layernorm.decode_step(st.kv_norm, c_lat), k_pe], -1).to(lc.dtype)  # cached
+        # the write goes to the whole buffer, not to the window view: under torch.compile an index_put_ into a slice
+        # is functionalized into a copy of the whole window per layer (1.2 GB per MLA layer at 1M); into the graph
+        # input itself it stays in place (tests/generation/test_static_decode.py checks the compiled code)
+        lc.buf.index_put_((st.rows, st.lens), new)
+        buf = lc.buf[:, :st.window]                                             # [N, W, C + R], fixed address
+        q_nope, q_pe = q.to(cd).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), st.W_UK).transpose(0, 1)      # [N, H, C]
+        qf = torch.cat([q_lat, q_pe], -1) * self.softmax_scale                  # [N, H, C + R]
+        if st.decode is not None:   # split-K Triton kernel: same o_lat, latent rows <= lens read once
+            o_lat = st.decode(qf, buf, st.lens, C, st.plan if st.plan.N == N else None)
+        else:
+            s = bmm_acc(qf, buf.transpose(1, 2), cd)                            # [N, H, W]
+            visible = (st.pos.unsqueeze(0) <= st.lens.unsqueeze(1)).unsqueeze(1)  # [N, 1, W]
+            p = torch.softmax(s.masked_fill(~visible, float("-inf")), -1)
+            o_lat = bmm_acc(p, buf[..., :C], cd)                                # [N, H, C]
+        o = torch.bmm(o_lat.transpose(0, 1), st.W_UVt).transpose(0, 1)         # [N, H, v]
+        o = o.to(dtype).reshape(N, H * self.v_head_dim)
+        if self.g_proj is not None:
+            o = (f32(o) * torch.sigmoid(f32(parts[2]))).to(dtype)
+        return o @ st.W_o

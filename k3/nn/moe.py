@@ -7,22 +7,27 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.nn.mlp import GLUMLP
+from k3.nn.mlp import GLUMLP, cat_weights
 from k3.nn.norm import RMSNorm
 from k3.ops.activations import get_glu, situ_glu, situ_glu_packed
+from k3.ops import f32
 from k3.ops.moe import experts_forward, route
+from k3.ops.router import expert_weights, select_experts
 
 
 class K3Router(nn.Module):
-    def __init__(self, dim: int, num_experts: int, top_k: int, renormalize: bool = True, scaling: float = 1.0):
+    def __init__(self, dim: int, num_experts: int, top_k: int, renormalize: bool = True, scaling: float = 1.0,
+                 num_expert_group: int = 1, topk_group: int = 1):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.scaling = renormalize, scaling
+        self.num_expert_group, self.topk_group = num_expert_group, topk_group
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x_Nd):
-        return route(x_Nd, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling)
+        return route(x_Nd, self.weight, self.e_score_correction_bias, self.top_k, self.renormalize, self.scaling,
+                     self.num_expert_group, self.topk_group)
 
 
 class StackedExperts(nn.Module):
@@ -36,12 +41,21 @@ class StackedExperts(nn.Module):
         return f"experts={E}, latent={l}, inter={M2 // 2}"
 
 
+class MoEDecodeState:
+    """Fused weights of a LatentMoE for `LatentMoE.decode_step` (built by `prepare_decode`)."""
+    __slots__ = ("W_r", "bias", "W_in", "l", "gate_up", "down", "norm", "W_up", "shared")
+
+    def __init__(self, **kw):
+        for k in self.__slots__:
+            setattr(self, k, kw.get(k))
+
+
 class LatentMoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         d, l = cfg.hidden_size, cfg.routed_expert_hidden_size
         self.gate = K3Router(d, cfg.num_experts, cfg.num_experts_per_token, cfg.moe_renormalize,
-                             cfg.routed_scaling_factor)
+                             cfg.routed_scaling_factor, cfg.num_expert_group, cfg.topk_group)
         self.routed_expert_down_proj = nn.Linear(d, l, bias=False)
         self.experts = StackedExperts(cfg.num_experts, l, cfg.moe_intermediate_size)
         self.routed_expert_norm = RMSNorm(l, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
@@ -70,6 +84,53 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_Nd)
         return out.view(shape)
+
+    def prepare_decode(self, dtype: torch.dtype) -> MoEDecodeState:
+        """Fused weights for `decode_step` (one matmul for the latent down-projection + the shared gate/up, the
+        router weight transposed in fp32, the stacked experts in `dtype`). Rebuild after changing weights."""
+        m, sh = self, self.shared_experts
+        lins = [m.routed_expert_down_proj] + ([sh.gate_proj, sh.up_proj] if sh is not None else [])
+        return MoEDecodeState(
+            W_r=f32(m.gate.weight.detach()).t().contiguous(),                       # [d, E] fp32
+            bias=f32(m.gate.e_score_correction_bias.detach()),
+            W_in=cat_weights(*lins), l=m.routed_expert_down_proj.weight.shape[0],
+            gate_up=m.experts.gate_up_proj.detach().to(dtype),                      # [E, l, 2M]
+            down=m.experts.down_proj.detach().to(dtype),                            # [E, M, l]
+            norm=m.routed_expert_norm.prepare_decode(dtype) if isinstance(m.routed_expert_norm, RMSNorm) else None,
+            W_up=m.routed_expert_up_proj.weight.detach().t().contiguous(),
+            shared=sh.prepare_decode(dtype, input_proj=False) if sh is not None else None)
+
+    def decode_step(self, st: MoEDecodeState, x_Nd: torch.Tensor) -> torch.Tensor:
+        """The layer on a few tokens x [N, d], shape-static (CUDA-graph capturable, no host reads): the router by
+        k3.ops.router.select_experts; for N x top_k <= experts the selected experts' weights are gathered and run as
+        one bmm per projection, else every expert runs on every token (dense bmm) with zero weights where not
+        selected. Same math as `forward`."""
+        g = self.gate
+        N, k, E = x_Nd.shape[0], g.top_k, g.num_experts
+        scores = torch.sigmoid(f32(x_Nd) @ st.W_r)                                  # [N, E]
+        idx, w = select_experts(scores, st.bias, k, g.renormalize, g.scaling, g.num_expert_group, g.topk_group)
+        proj = x_Nd @ st.W_in
+        x_l = proj[:, :st.l]
+        if N * k <= E:   # gather the selected experts' weights: one bmm per projection
+            gu = st.gate_up.index_select(0, idx.reshape(-1))                        # [N*k, l, 2M]
+            x_k = x_l.unsqueeze(1).expand(N, k, st.l).reshape(N * k, 1, st.l)
+            h = torch.bmm(x_k, gu)                                                  # [N*k, 1, 2M]
+            gg, u = h.chunk(2, -1)
+            y = torch.bmm(self.glu(gg, u), st.down.index_select(0, idx.reshape(-1)))   # [N*k, 1, l]
+            out = (f32(y.view(N, k, st.l)) * w.unsqueeze(-1)).sum(1)
+        else:            # every expert on every token, weights zero where not selected
+            h = torch.bmm(x_l.unsqueeze(0).expand(E, N, st.l), st.gate_up)         # [E, N, 2M]
+            gg, u = h.chunk(2, -1)
+            y = torch.bmm(self.glu(gg, u), st.down)                                    # [E, N, l]
+            wd = torch.zeros(N, E, dtype=w.dtype, device=w.device).scatter(1, idx, w)
+            out = (f32(y) * wd.t().unsqueeze(-1)).sum(0)
+        u_l = out.to(x_Nd.dtype)
+        if st.norm is not None:
+            u_l = self.routed_expert_norm.decode_step(st.norm, u_l)
+        y = u_l @ st.W_up
+        if st.shared is not None:
+            y = y + self.shared_experts.decode_from_gate_up(st.shared, proj[:, st.l:])
+        return y
 
 
 def init_moe_(m: LatentMoE, std: float) -> None:
@@ -137,10 +198,7 @@ class _Replay:
                 if idx.shape != out[0].shape:
                     raise ValueError(f"pinned_routing: router {name}: recorded picks {tuple(idx.shape)} vs "
                                      f"{tuple(out[0].shape)} in this run (same inputs are needed)")
-                w = scores.gather(1, idx)
-                if mod.renormalize:
-                    w = w / (w.sum(-1, keepdim=True) + 1e-20)
-                return idx, w * mod.scaling, scores
+                return idx, expert_weights(scores, idx, mod.renormalize, mod.scaling), scores
             return hook
         self._hooks = [mod.register_forward_hook(play(n)) for n, mod in routers]
         return self

@@ -13,6 +13,16 @@ import torch
 
 from k3.ops import dispatch, f32, fp32_math
 
+# eps of the mix's un-weighted RMS normalisation of the sources (spec §3.3: 1e-5, a constant of the mix, not the
+# config's rms_norm_eps)
+ATTNRES_EPS = 1e-5
+
+
+def mix_query(gamma: torch.Tensor, proj_1d: torch.Tensor) -> torch.Tensor:
+    """The mix's pseudo-query w = gamma * q in fp32 (gamma = `*_res_norm.weight` [d], q = `*_res_proj.weight`
+    [1, d])."""
+    return f32(gamma) * f32(proj_1d[0])
+
 
 def _avail(name):
     def ok() -> bool:
@@ -73,3 +83,14 @@ def _mix_streamed(sources, w, eps):
     for i in range(1, len(sources)):  # fixed summation order
         out = out + alpha_SN[i].unsqueeze(-1) * f32(sources[i])
     return out.to(sources[0].dtype)
+
+
+def attnres_mix_decode(sources: Sequence[torch.Tensor], w32: torch.Tensor, eps: float = ATTNRES_EPS) -> torch.Tensor:
+    """The mix for [N, d] sources as one stacked softmax over depth, fp32 (the decode step, k3.generation.static:
+    few tokens, few kernels, shape-static). Same math as `attnres_mix`; w32 the fp32 pseudo-query."""
+    if len(sources) == 1:
+        return sources[0]
+    V = f32(torch.stack(sources, 0))                                            # [S, N, d]
+    logit = torch.rsqrt(V.pow(2).mean(-1) + eps) * (V @ w32)                    # [S, N]
+    a = torch.softmax(logit, 0)
+    return (a.unsqueeze(-1) * V).sum(0).to(sources[0].dtype)

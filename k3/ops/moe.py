@@ -1,21 +1,25 @@
 """MoE routing and routed-expert compute on stacked expert weights (spec §3.6).
 
-route: fp32 sigmoid scores (logits in fp32 precision, k3/ops/router.py); selection = top-k of (scores + bias);
-weights = selected *scores* renormalised (the bias never enters the weights). experts_forward: tokens sorted by
-expert, then one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a padded
-batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts. Combine: each expert
-output (in the activation dtype) times its fp32 weight, summed in fp32, cast back. Permute and unpermute are row
-gathers whose backward is the gather by the inverse permutation (`_dispatch_rows`, `_permute_rows`): no index_add
-/ atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
+route: fp32 sigmoid scores (logits in fp32 precision, k3/ops/router.py); selection and weights by
+k3.ops.router.select_experts (top-k of scores + bias, optionally grouped; weights = the selected *scores*
+renormalised, the bias never enters them). experts_forward = three public stages, so that an expert-parallel
+all-to-all can go between them without touching the math:
+- dispatch_tokens: tokens sorted by expert (rows + a DispatchPlan: per-expert counts / offsets, the permutation);
+- compute_experts: one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a
+  padded batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts;
+- combine_tokens: each expert output (in the activation dtype) times its fp32 weight, summed in fp32, cast back.
+Permute and unpermute are row gathers whose backward is the gather by the inverse permutation (`_DispatchRows`,
+`_PermuteRows`): no index_add / atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from k3.ops import dispatch, f32, fp32_math
-from k3.ops.router import router_logits
+from k3.ops.router import router_logits, select_experts
 
 dispatch.register("moe", "grouped_mm", lambda: hasattr(torch, "_grouped_mm"), priority=0)
 dispatch.register("moe", "padded_bmm", lambda: True, priority=-1)
@@ -26,16 +30,14 @@ dispatch.register("moe_combine", "triton", dispatch.triton_runs, priority=-1)
 
 
 def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Tensor], top_k: int,
-          renormalize: bool = True, scaling: float = 1.0):
-    """Returns (topk_idx [N,k] int64, topk_weight [N,k] fp32, scores [N,E] fp32)."""
+          renormalize: bool = True, scaling: float = 1.0, num_expert_group: int = 1, topk_group: int = 1):
+    """Returns (topk_idx [N,k] int64, topk_weight [N,k] fp32, scores [N,E] fp32). Selection and weights:
+    k3.ops.router.select_experts."""
     with fp32_math(x_Nd):
         scores_NE = torch.sigmoid(router_logits(x_Nd, weight_Ed))
-    sel_NE = scores_NE.detach() + f32(bias_E) if bias_E is not None else scores_NE.detach()
-    topk_idx_Nk = torch.topk(sel_NE, top_k, dim=-1, sorted=True).indices
-    w_Nk = scores_NE.gather(1, topk_idx_Nk)
-    if renormalize:
-        w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
-    return topk_idx_Nk, w_Nk * scaling, scores_NE
+    topk_idx_Nk, w_Nk = select_experts(scores_NE, bias_E, top_k, renormalize, scaling, num_expert_group,
+                                       topk_group)
+    return topk_idx_Nk, w_Nk, scores_NE
 
 
 def _aligned(*dims_dtype) -> bool:
@@ -104,6 +106,82 @@ class _PermuteRows(torch.autograd.Function):
         return g.index_select(0, inv), None, None
 
 
+@dataclass
+class DispatchPlan:
+    """What `combine_tokens` (and the expert GEMMs) need from `dispatch_tokens`: rows are in expert order.
+    order [A] (A = N*k): token-major slot of each expert-ordered row; inv [A]: the inverse permutation (row of
+    slot n*k + j); tok_of_row [A]: the token of each row; counts [E] int64 / offsets [E] int32 (cumulative ends)
+    per expert; num_tokens N, top_k k; triton: the dispatch backward and the combine run as Triton row gathers."""
+    order: torch.Tensor
+    inv: torch.Tensor
+    tok_of_row: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    num_tokens: int
+    top_k: int
+    triton: bool = False
+
+
+def dispatch_tokens(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, num_experts: int,
+                    combine_backend: Optional[str] = None):
+    """Permute tokens to experts: (x_Al [N*k, l] = each token's row once per selected expert, rows grouped by
+    expert in ascending expert order and token order within an expert; the DispatchPlan). Differentiable in x
+    (backward: the k gradient rows of each token gathered and summed in fp32). An expert-parallel all-to-all goes
+    between this and `compute_experts` (send rows by `plan.counts`)."""
+    N, k = topk_idx_Nk.shape
+    flat_e = topk_idx_Nk.reshape(-1)
+    order = torch.argsort(flat_e, stable=True)
+    tok_of_a = order // k
+    # counts by scatter_add: bincount's output size depends on the data (a host sync on CUDA, a graph break)
+    if flat_e.is_cuda or torch.compiler.is_compiling():
+        counts_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_e.device).scatter_add_(
+            0, flat_e, torch.ones_like(flat_e))
+    else:  # CPU eager: bincount is much faster than scatter_add_ here, and there is no device sync to avoid
+        counts_E = torch.bincount(flat_e, minlength=num_experts)
+    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
+    # inverse permutation: slot n*k + j of the token-major layout sits at row inv_A[n*k + j] of the expert order
+    inv_A = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    tri = dispatch.resolve("moe_combine", combine_backend, x_Nl.device.type) == "triton"
+    x_Al = _DispatchRows.apply(x_Nl, tok_of_a, inv_A, k, tri)
+    return x_Al, DispatchPlan(order, inv_A, tok_of_a, counts_E, offs_E, N, k, tri)
+
+
+def compute_experts(x_Al: torch.Tensor, counts_E: torch.Tensor, offsets_E: torch.Tensor,
+                    gate_up_El2M: torch.Tensor, down_EMl: torch.Tensor, glu: Callable,
+                    backend: Optional[str] = None, glu_packed: Optional[Callable] = None) -> torch.Tensor:
+    """The local experts on rows grouped by expert (counts_E rows for expert e, ending at offsets_E[e], int32):
+    y_a = glu(x_a W1_e, x_a W3_e) W2_e, one grouped GEMM per projection (`backend` "grouped_mm" or "padded_bmm";
+    "grouped_mm" falls back to "padded_bmm" for shapes / dtypes it does not cover). Output [A, l] in x's dtype."""
+    l = x_Al.shape[1]
+    M2 = gate_up_El2M.shape[2]
+    name = dispatch.resolve("moe", backend, x_Al.device.type)
+    if name == "loop":
+        name = "padded_bmm"
+    if name == "grouped_mm" and not _grouped_ok(x_Al, l, M2):
+        name = "padded_bmm"
+    h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Al.dtype), offsets_E, counts_E, name)
+    if glu_packed is not None:
+        a_AM = glu_packed(h_A2M)
+    else:
+        g, u = h_A2M.chunk(2, dim=-1)
+        a_AM = glu(g, u)
+    return _gmm(a_AM.contiguous(), down_EMl.to(x_Al.dtype), offsets_E, counts_E, name)
+
+
+def combine_tokens(y_Al: torch.Tensor, plan: DispatchPlan, topk_w_Nk: torch.Tensor) -> torch.Tensor:
+    """Unpermute and combine: out[n] = sum_j w[n, j] * y[row of slot (n, j)], the k terms of a token in slot
+    order, in fp32 (weights fp32), cast to y's dtype. Output [N, l]."""
+    N, k, l = plan.num_tokens, plan.top_k, y_Al.shape[-1]
+    if plan.triton:
+        from k3.ops.moe_triton import Combine
+        return Combine.apply(y_Al, plan.inv, plan.order, topk_w_Nk).to(y_Al.dtype)
+    # unpermute (a gather; its backward gathers by `order`) and combine the k outputs of each token in a fixed
+    # order, in fp32
+    y_Nkl = _PermuteRows.apply(y_Al, plan.inv, plan.order).view(N, k, l)
+    out = (f32(y_Nkl) * f32(topk_w_Nk).unsqueeze(-1)).sum(1)
+    return out.to(y_Al.dtype)
+
+
 def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
                     gate_up_El2M: torch.Tensor, down_EMl: torch.Tensor, glu: Callable,
                     backend: Optional[str] = None, combine_backend: Optional[str] = None,
@@ -111,44 +189,14 @@ def experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: to
     """sum_k w[n,k] * W2_e(glu(W1_e x, W3_e x)) for the selected experts e = topk_idx[n,k]. Output [N, l].
     `backend`: the expert GEMMs ("grouped_mm", "padded_bmm", "loop"); `combine_backend`: the combine and the
     dispatch backward ("torch", "triton"); `glu_packed(h)`: the same activation taking the packed [g | u] output
-    (k3.ops.activations.situ_glu_packed: one gradient tensor, no concatenation)."""
-    N, l = x_Nl.shape
-    E, _, M2 = gate_up_El2M.shape
-    k = topk_idx_Nk.shape[1]
+    (k3.ops.activations.situ_glu_packed: one gradient tensor, no concatenation).
+    = combine_tokens(compute_experts(dispatch_tokens(...))): the seam for expert parallelism."""
     name = dispatch.resolve("moe", backend, x_Nl.device.type)
     if name == "loop":
         return experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_EMl, glu)
-    if name == "grouped_mm" and not _grouped_ok(x_Nl, l, M2):
-        name = "padded_bmm"
-    flat_e = topk_idx_Nk.reshape(-1)
-    order = torch.argsort(flat_e, stable=True)
-    tok_of_a = order // k
-    # counts by scatter_add: bincount's output size depends on the data (a host sync on CUDA, a graph break)
-    if flat_e.is_cuda or torch.compiler.is_compiling():
-        counts_E = torch.zeros(E, dtype=torch.int64, device=flat_e.device).scatter_add_(
-            0, flat_e, torch.ones_like(flat_e))
-    else:  # CPU eager: bincount is much faster than scatter_add_ here, and there is no device sync to avoid
-        counts_E = torch.bincount(flat_e, minlength=E)
-    offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-    # inverse permutation: slot n*k + j of the token-major layout sits at row inv_A[n*k + j] of the expert order
-    inv_A = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    tri = dispatch.resolve("moe_combine", combine_backend, x_Nl.device.type) == "triton"
-    x_Al = _DispatchRows.apply(x_Nl, tok_of_a, inv_A, k, tri)
-    h_A2M = _gmm(x_Al, gate_up_El2M.to(x_Nl.dtype), offs_E, counts_E, name)
-    if glu_packed is not None:
-        a_AM = glu_packed(h_A2M)
-    else:
-        g, u = h_A2M.chunk(2, dim=-1)
-        a_AM = glu(g, u)
-    y_Al = _gmm(a_AM.contiguous(), down_EMl.to(x_Nl.dtype), offs_E, counts_E, name)
-    if tri:
-        from k3.ops.moe_triton import Combine
-        return Combine.apply(y_Al, inv_A, order, topk_w_Nk).to(x_Nl.dtype)
-    # unpermute (a gather; its backward gathers by `order`) and combine the k outputs of each token in a fixed
-    # order, in fp32
-    y_Nkl = _PermuteRows.apply(y_Al, inv_A, order).view(N, k, l)
-    out = (f32(y_Nkl) * f32(topk_w_Nk).unsqueeze(-1)).sum(1)
-    return out.to(x_Nl.dtype)
+    x_Al, plan = dispatch_tokens(x_Nl, topk_idx_Nk, gate_up_El2M.shape[0], combine_backend)
+    y_Al = compute_experts(x_Al, plan.counts, plan.offsets, gate_up_El2M, down_EMl, glu, name, glu_packed)
+    return combine_tokens(y_Al, plan, topk_w_Nk).to(x_Nl.dtype)
 
 
 def experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_EMl, glu):

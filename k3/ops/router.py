@@ -122,3 +122,43 @@ def router_logits(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, backend=None) -> 
         return _SplitLogits.apply(x_Nd, weight_Ed)
     with fp32_math(x_Nd):
         return f32(x_Nd) @ f32(weight_Ed).t()
+
+
+# ---------------------------------------------------------------------------------------------------- selection
+def selection_scores(scores_NE: torch.Tensor, bias_E=None, num_expert_group: int = 1,
+                     topk_group: int = 1) -> torch.Tensor:
+    """The scores the top-k selection ranks: fp32 `scores + bias` (detached; the bias never enters the weights).
+    Grouped selection (`num_expert_group` G > 1, DeepSeek-V3's "noaux_tc"): the E experts form G contiguous groups;
+    a group's score is the sum of its two largest biased scores; the best `topk_group` groups are kept and every
+    expert of the other groups is set to -inf, so the top-k that follows only picks kept experts."""
+    sel_NE = scores_NE.detach() + f32(bias_E) if bias_E is not None else scores_NE.detach()
+    if num_expert_group > 1:
+        N, E = sel_NE.shape
+        G = num_expert_group
+        grp_NGm = sel_NE.view(N, G, E // G)
+        gscore_NG = grp_NGm.topk(min(2, E // G), dim=-1).values.sum(-1)
+        keep_NG = torch.zeros(N, G, dtype=torch.bool, device=sel_NE.device).scatter_(
+            1, gscore_NG.topk(topk_group, dim=-1).indices, True)
+        sel_NE = grp_NGm.masked_fill(~keep_NG.unsqueeze(-1), float("-inf")).view(N, E)
+    return sel_NE
+
+
+def expert_weights(scores_NE: torch.Tensor, topk_idx_Nk: torch.Tensor, renormalize: bool = True,
+                   scaling: float = 1.0) -> torch.Tensor:
+    """Combine weights of the selected experts from the (fp32, unbiased) scores: gathered, divided by their sum
+    when `renormalize`, times `scaling`. Keeps the gradient path to the scores."""
+    w_Nk = scores_NE.gather(1, topk_idx_Nk)
+    if renormalize:
+        w_Nk = w_Nk / (w_Nk.sum(-1, keepdim=True) + 1e-20)
+    return w_Nk * scaling
+
+
+def select_experts(scores_NE: torch.Tensor, bias_E, top_k: int, renormalize: bool = True, scaling: float = 1.0,
+                   num_expert_group: int = 1, topk_group: int = 1):
+    """The routing decision (spec §3.6), the one definition used by the router, the static decoder, pinned-routing
+    replay (`expert_weights`) and the balancers' cut-offs (`selection_scores`): indices = top-k (sorted,
+    descending) of `selection_scores(scores, bias, groups)`; weights = `expert_weights(scores, indices)`.
+    Shape-static (no host reads): CUDA-graph capturable. Returns (topk_idx [N, k] int64, topk_w [N, k] fp32)."""
+    idx_Nk = torch.topk(selection_scores(scores_NE, bias_E, num_expert_group, topk_group), top_k, dim=-1,
+                        sorted=True).indices
+    return idx_Nk, expert_weights(scores_NE, idx_Nk, renormalize, scaling)

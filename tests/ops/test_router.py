@@ -91,3 +91,17 @@ def test_split_only_from_min_rows_when_automatic(monkeypatch):
     assert R.use_split(big, w) and not R.use_split(small, w)
     assert R.use_split(small, w, backend="split_bf16") and not R.use_split(big, w, backend="fp32")
     assert not R.use_split(big.float(), w) and not R.use_split(big.half(), w)
+
+
+def test_route_uses_select_experts_with_groups():
+    """route = sigmoid scores + k3.ops.router.select_experts (grouped top-k included)."""
+    from k3.ops.router import select_experts
+    x, w = _inputs(N=64, d=32, E=16)
+    x = x.float()
+    bias = torch.randn(16) * 0.05
+    for G, kg in ((1, 1), (4, 2)):
+        idx, wk, scores = route(x, w, bias, 4, True, 1.5, G, kg)
+        idx2, wk2 = select_experts(scores, bias, 4, True, 1.5, G, kg)
+        assert torch.equal(idx, idx2) and torch.equal(wk, wk2)
+        if G > 1:
+            assert all(len(set((r // 4).tolist())) <= kg for r in idx)
