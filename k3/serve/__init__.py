@@ -4,7 +4,7 @@
     app = create_app(model, tokenizer, ServeConfig(model_name="k3-tiny", max_batch=8))
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-The HTTP parts (app.py) need the `serve` extra (fastapi, uvicorn); the scheduler does not.
+The HTTP parts (app.py: fastapi, uvicorn, main dependencies of k3) are imported lazily; the scheduler needs neither.
 """
 from k3.serve.scheduler import GenRequest, QueueFull, Scheduler
 
