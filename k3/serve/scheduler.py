@@ -132,7 +132,8 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive()
 
     def _busy_error(self) -> Optional[str]:  # under the lock
-        busy = sum(s is not None for s in self.slots) + len(self.pending)
+        waiting = sum(not r.cancel.is_set() for r in self.pending)    # a cancelled one leaves at the next step
+        busy = sum(s is not None for s in self.slots) + waiting
         if busy >= self.max_batch + self.max_queue:
             return (f"server busy: {self.max_batch} streams running and {len(self.pending)} queued "
                     f"(max_queue {self.max_queue})")
