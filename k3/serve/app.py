@@ -5,8 +5,8 @@ streaming: `data: {chunk}` events ending in `data: [DONE]`), GET /health (no API
 
 Every error is answered as {"error": {"message", "type", "param", "code"}}: bad input is a 4xx naming the field
 (protocol.py), a full queue 429, a missing/wrong API key 401, unknown routes 404/405; anything unexpected is a
-500 in the same format with a generic message (the detail is logged) and the server keeps running. Bodies are read as raw bytes and checked by hand (UTF-8,
-JSON, field types and ranges) so no framework error format leaks out.
+500 in the same format with a generic message (the detail is logged) and the server keeps running. Bodies are
+read as raw bytes and checked by hand (UTF-8, JSON, field types and ranges) so no framework error format leaks out.
 
 Chat: messages are rendered in the K3 chat format in non-thinking mode (K3ChatFormat.render(thinking=False));
 generation stops at <|end_of_msg|>; the reply `content` is the plain text of the response block, i.e. the
