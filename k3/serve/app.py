@@ -101,7 +101,8 @@ def make_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_lev
     limit_concurrency) that stops itself when the scheduler dies."""
     uvicorn = _uvicorn()
     engine: Engine = app.state.engine
-    uvicorn_kw.setdefault("limit_concurrency", engine.cfg.max_connections)
+    n = engine.cfg.max_connections        # uvicorn counts the arriving connection too: +1 allows exactly n
+    uvicorn_kw.setdefault("limit_concurrency", None if n is None else n + 1)
     uvicorn_kw.setdefault("timeout_keep_alive", 5)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=timeout_graceful_shutdown, **uvicorn_kw)

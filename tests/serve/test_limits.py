@@ -174,3 +174,31 @@ def test_shutdown_sends_a_final_event_to_open_streams(loaded):
     err = json.loads(lines[-2][len("data: "):])
     assert err["error"]["message"] == "server shutting down"
     assert s.rc == 0
+
+
+def test_connection_limit(loaded):
+    s = start_server(loaded, max_batch=1, max_queue=4, max_connections=1)
+    try:
+        s.engine.scheduler.pause()
+        opened, status = threading.Event(), []
+
+        def hold():
+            body = {"model": "k3-test", "prompt": "Hello", "max_tokens": 3, "stream": True}
+            with httpx.stream("POST", s.base + "/v1/completions", json=body, timeout=20) as r:
+                status.append(r.status_code)
+                opened.set()
+                r.read()
+
+        t = threading.Thread(target=hold)
+        t.start()
+        assert opened.wait(10) and status == [200]
+        r = httpx.get(s.base + "/v1/models", timeout=10)        # one connection more than allowed
+        assert r.status_code == 503
+        s.engine.scheduler.resume()
+        t.join(20)
+        deadline = time.time() + 10                              # the closed connection is let go: served again
+        while httpx.get(s.base + "/v1/models", timeout=10).status_code != 200:
+            assert time.time() < deadline
+            time.sleep(0.05)
+    finally:
+        s.close()
