@@ -56,11 +56,8 @@ def sanitize_logits(x: torch.Tensor) -> torch.Tensor:
     """NaN -> -inf (never chosen); in a row holding +inf, the +inf entries become 0 and the rest -inf (they win,
     shared equally when sampled)."""
     x = torch.nan_to_num(x, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-    pos = torch.isposinf(x)
-    if bool(pos.any()):
-        rows = pos.any(-1, keepdim=True)
-        x = torch.where(rows, torch.where(pos, 0.0, float("-inf")), x)
-    return x
+    pos = torch.isposinf(x)                      # (no host sync: the same ops whatever the values)
+    return torch.where(pos.any(-1, keepdim=True), torch.where(pos, 0.0, float("-inf")), x)
 
 
 def _finite_top(x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +98,12 @@ def top_p_mask(logits_BV: torch.Tensor, p: float) -> torch.Tensor:
 
 def process_logits(logits_BV: torch.Tensor, params: SamplingParams, seen_BV: Optional[torch.Tensor] = None):
     """fp32 logits after penalty, temperature and top-k/top-p (the distribution that is sampled); never NaN,
-    never +inf (see sanitize_logits). With params.greedy only the penalty is applied."""
-    x = sanitize_logits(logits_BV.float())
+    never +inf (see sanitize_logits). With params.greedy only the penalty is applied (and without a penalty only
+    NaN -> -inf: the argmax is the same)."""
+    x = logits_BV.float()
+    if params.greedy and (seen_BV is None or params.repetition_penalty == 1.0):
+        return torch.nan_to_num(x, nan=float("-inf"))     # argmax of this = argmax of the sanitized logits
+    x = sanitize_logits(x)
     if seen_BV is not None and params.repetition_penalty != 1.0:
         x = apply_repetition_penalty(x, seen_BV, params.repetition_penalty)
     if not params.greedy:
@@ -122,8 +123,7 @@ def select_next(logits_BV: torch.Tensor, params: SamplingParams, seen_BV: Option
     if params.greedy:
         return best
     probs = torch.softmax(x, dim=-1)
-    ok = torch.isfinite(probs).all(-1) & (probs.sum(-1) > 0)
-    if not bool(ok.all()):
-        onehot = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
-        probs = torch.where(ok.unsqueeze(-1), torch.nan_to_num(probs, nan=0.0), onehot)
+    ok = torch.isfinite(probs).all(-1, keepdim=True) & (probs.sum(-1, keepdim=True) > 0)   # no host sync
+    onehot = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)
+    probs = torch.where(ok, torch.nan_to_num(probs, nan=0.0), onehot)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

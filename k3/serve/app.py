@@ -28,6 +28,7 @@ routes.py (one function per route group), http.py (body reading, SSE), scheduler
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from typing import Optional
@@ -89,7 +90,7 @@ def _server_class():
             self.should_exit = True
 
         async def shutdown(self, sockets=None):
-            self.engine.scheduler.stop()
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.scheduler.stop)  # ends its step
             await super().shutdown(sockets)
 
     return _K3Server
