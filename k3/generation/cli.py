@@ -6,6 +6,8 @@ Errors are k3 errors (CheckpointError / TokenizerError / ...) that `k3.cli.main`
 """
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 import threading
@@ -41,18 +43,52 @@ def _sampling(a) -> dict:
                 top_p=a.top_p, repetition_penalty=a.repetition_penalty)
 
 
+def _int_at_least(name, lo):
+    """argparse type: an integer >= lo (else a clear `k3 generate: error: argument ...`)."""
+    def f(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
+        return v
+    f.__name__ = name
+    return f
+
+
+def _number(name, lo, hi=math.inf, lo_open=False):
+    """argparse type: a finite number in [lo, hi] ((lo, hi] with lo_open); nan / inf are refused."""
+    def f(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not math.isfinite(v) or v < lo or v > hi or (lo_open and v == lo):
+            if hi == math.inf:
+                rng = f"{'>' if lo_open else '>='} {lo:g}"
+            else:
+                rng = "in " + ("(" if lo_open else "[") + f"{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number {rng}, got {text}")
+        return v
+    f.__name__ = name
+    return f
+
+
 def _add_common(s) -> None:
     s.add_argument("--ckpt", required=True, help="checkpoint directory (config.json, safetensors, tokenizer)")
-    s.add_argument("--max-new-tokens", type=int, default=256)
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--max-new-tokens", type=_int_at_least("max_new_tokens", 1), default=256)
+    s.add_argument("--temperature", type=_number("temperature", 0.0), default=0.0, help="0 = greedy")
+    s.add_argument("--top-k", type=_int_at_least("top_k", 0), default=0, help="0 = off")
+    s.add_argument("--top-p", type=_number("top_p", 0.0, 1.0, lo_open=True), default=1.0, help="1 = off")
+    s.add_argument("--repetition-penalty", type=_number("repetition_penalty", 0.0, lo_open=True), default=1.0,
+                   help="1 = off")
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--device", default="auto")
     s.add_argument("--dtype", default=None, help="override the checkpoint dtype (e.g. float32)")
-    s.add_argument("--prefill-chunk", type=int, default=2048)
+    s.add_argument("--prefill-chunk", type=_int_at_least("prefill_chunk", 1), default=2048,
+                   help="prompt tokens per forward during prefill")
 
 
 def _cmd_generate(a) -> int:

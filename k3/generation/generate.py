@@ -18,7 +18,7 @@ from k3.generation.cache import K3Cache
 from k3.generation.sampling import SamplingParams, select_next
 
 __all__ = ["generate", "stream_generate", "GenerationOutput", "GenerationEvent", "prefill", "generate_text",
-           "stream_text", "chat", "stream_chat", "TextStreamer"]
+           "stream_text", "chat", "stream_chat", "TextStreamer", "TextStream", "IncrementalDetokenizer"]
 
 Cancel = Union[threading.Event, Callable[[], bool], None]
 
@@ -111,21 +111,123 @@ def _decode(tokenizer, ids) -> str:
     return tokenizer.decode([i for i in ids if i < n], skip_special=True)
 
 
-class _StopStrings:
-    def __init__(self, tokenizer, stop_strings):
-        self.tok = tokenizer
-        self.strings = [s for s in (stop_strings or []) if s]
-        if self.strings and tokenizer is None:
-            raise RequestError("stop_strings need a tokenizer")
+MAX_PENDING_IDS = 8   # ids whose text stays incomplete UTF-8 this long are emitted as U+FFFD (bounded work)
 
-    def find(self, ids: List[int]) -> int:
-        """Index in the decoded text where the first stop string starts, or -1."""
-        if not self.strings:
-            return -1
-        text = _decode(self.tok, ids)
-        hits = [text.find(s) for s in self.strings]
-        hits = [h for h in hits if h >= 0]
-        return min(hits) if hits else -1
+
+class IncrementalDetokenizer:
+    """Text of a growing id sequence, token by token, in O(1) work per token (no re-decoding of the output).
+
+    push(id) returns the new *stable* text: it decodes only a small window (the ids since the last emitted piece,
+    with one piece of left context for tokenizers whose text depends on it) and holds back ids whose text ends in
+    an incomplete UTF-8 character (U+FFFD) until it completes (or MAX_PENDING_IDS ids pass). Ids that decode to no
+    text (special ids, ids beyond the tokenizer's vocabulary) are skipped; a special id ends the run of ordinary
+    ids as `tokenizer.decode(ids, skip_special=True)` does. The concatenation of push()/flush() pieces equals that
+    full decode for byte-level BPE tokenizers."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.n = tokenizer.vocab_size
+        self.is_special = getattr(tokenizer, "is_special", None) or (lambda i: False)
+        self.ids: List[int] = []     # window: ids[:read] decoded already (context), ids[read:] pending
+        self.read = 0
+
+    def _text(self, ids) -> str:
+        return self.tok.decode(ids, skip_special=True) if ids else ""
+
+    def push(self, tok: int) -> str:
+        tok = int(tok)
+        if not 0 <= tok < self.n:
+            return ""
+        if self.is_special(tok):
+            return self.flush()
+        self.ids.append(tok)
+        before = self._text(self.ids[:self.read])
+        text = self._text(self.ids)
+        if text.endswith("\ufffd") and len(self.ids) - self.read < MAX_PENDING_IDS:
+            return ""                    # incomplete character: wait for its next bytes
+        new = text[len(before):] if text.startswith(before) else text
+        self.ids = self.ids[self.read:]  # keep the last piece as left context
+        self.read = len(self.ids)
+        return new
+
+    def flush(self) -> str:
+        """Everything still pending (an incomplete character as U+FFFD); the next id starts a new run."""
+        before = self._text(self.ids[:self.read])
+        text = self._text(self.ids)
+        self.ids, self.read = [], 0
+        return text[len(before):] if text.startswith(before) else text
+
+
+class TextStream:
+    """Generated text with stop strings, incrementally: push(id) returns the text that may be sent now.
+
+    A tail that could be the start of a stop string is held back; when a stop string completes, `stopped` is set,
+    `cut` is its start in the text and nothing from it on is ever returned. Per token the work is bounded by the
+    new text plus the last max(len(stop)) - 1 characters (the only place a stop string can newly complete), never
+    the whole output. finish() returns the rest (pending bytes and the held tail, up to a stop string)."""
+
+    def __init__(self, tokenizer, stop_strings=()):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = [s for s in (stop_strings or []) if s]
+        self.keep = max((len(s) for s in self.stops), default=1) - 1   # tail chars a stop could start in
+        self.tail = ""          # the last `keep` characters of the text
+        self.held = ""          # text not yet returned (a possible stop-string start)
+        self.length = 0         # characters of text so far
+        self.cut = -1
+        self.stopped = False
+
+    def _add(self, new: str, final: bool) -> str:
+        if self.stopped:
+            return ""
+        if not new and not final:
+            return ""
+        if self.stops and new:
+            window = self.tail + new
+            hits = [h for h in (window.find(s) for s in self.stops) if h >= 0]
+            if hits:
+                h = min(hits)
+                self.cut = self.length - len(self.tail) + h
+                self.stopped = True
+                emitted = self.length - len(self.held)
+                out = (self.held + new)[:self.cut - emitted]
+                self.held = ""
+                return out
+            if self.keep:
+                self.tail = window[-self.keep:]
+        self.length += len(new)
+        pending = self.held + new
+        h = 0 if final else _stop_prefix_len(pending, self.stops)
+        self.held = pending[len(pending) - h:] if h else ""
+        return pending[:len(pending) - h]
+
+    def push(self, tok: int) -> str:
+        return self._add(self.detok.push(tok), False)
+
+    def finish(self) -> str:
+        return self._add(self.detok.flush(), True)
+
+
+def _stop_prefix_len(text: str, stops) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of a stop string (to hold back). Looks only at
+    the last len(stop) - 1 characters of `text`."""
+    h = 0
+    for s in stops:
+        first, n = s[0], len(s) - 1
+        i = text.find(first, max(0, len(text) - n))
+        while i >= 0:
+            if len(text) - i > h and s.startswith(text[i:]):
+                h = len(text) - i
+                break
+            i = text.find(first, i + 1)
+    return h
+
+
+def _stop_streams(tokenizer, stop_strings, B):
+    if not stop_strings:
+        return None
+    if tokenizer is None:
+        raise RequestError("stop_strings need a tokenizer")
+    return [TextStream(tokenizer, stop_strings) for _ in range(B)]
 
 
 def _use_static(model, use_cache: bool, static: Optional[bool], cuda_graph: Optional[bool]):
@@ -150,15 +252,18 @@ def _use_static(model, use_cache: bool, static: Optional[bool], cuda_graph: Opti
     return True, on_cuda if cuda_graph is None else bool(cuda_graph)
 
 
-def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, stop_ids, stops: _StopStrings,
-            generator, prefill_chunk_size, cancel, state: dict, static: bool = False,
-            cuda_graph: bool = False) -> Iterator[GenerationEvent]:
+def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, stop_ids,
+            streams: Optional[List["TextStream"]], generator, prefill_chunk_size, cancel, state: dict,
+            static: bool = False, cuda_graph: bool = False) -> Iterator[GenerationEvent]:
+    """streams: one TextStream per row (stop strings / text output) or None; after each event
+    state["text_delta"][i] holds the text row i may show now."""
     dev = model.device
     B = len(prompts)
     V = model.config.vocab_size
     gen = [[] for _ in range(B)]
     reasons: List[Optional[str]] = [None] * B
-    state.update(new_tokens=gen, finish_reasons=reasons, text_cut=[-1] * B)
+    deltas = [""] * B
+    state.update(new_tokens=gen, finish_reasons=reasons, text_cut=[-1] * B, text_delta=deltas, streams=streams)
     if max_new_tokens <= 0:
         state["finish_reasons"][:] = ["length"] * B
         return
@@ -186,6 +291,7 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
         with torch.inference_mode():
             nxt = select_next(logits, params, seen, generator).tolist()
         toks: List[Optional[int]] = [None] * B
+        deltas[:] = [""] * B
         for i in range(B):
             if reasons[i] is not None:
                 continue
@@ -194,15 +300,15 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
             toks[i] = t
             if seen is not None:
                 seen[i, t] = True
+            if streams is not None:
+                deltas[i] = streams[i].push(t)
             if t in stop_set:
                 reasons[i] = "stop_token"
-            else:
-                cut = stops.find(gen[i])
-                if cut >= 0:
-                    reasons[i] = "stop_string"
-                    state["text_cut"][i] = cut
-                elif len(gen[i]) >= max_new_tokens:
-                    reasons[i] = "length"
+            elif streams is not None and streams[i].stopped:
+                reasons[i] = "stop_string"
+                state["text_cut"][i] = streams[i].cut
+            elif len(gen[i]) >= max_new_tokens:
+                reasons[i] = "length"
         yield GenerationEvent(step, toks, [r is not None for r in reasons])
         if all(r is not None for r in reasons):
             return
@@ -242,7 +348,9 @@ def _setup(model, input_ids, lengths, tokenizer, stop_token_ids, stop_strings, s
         stop_token_ids = [stop_token_ids]
     if isinstance(stop_strings, str):
         stop_strings = [stop_strings]
-    stops = _StopStrings(tokenizer, stop_strings)
+    stops = [s for s in (stop_strings or []) if s]
+    if stops and tokenizer is None:
+        raise RequestError("stop_strings need a tokenizer")
     if generator is None and seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(int(seed))
     return prompts, params, list(stop_token_ids), stops, generator
@@ -279,7 +387,12 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
     state = _state if _state is not None else {}
     state["prompts"] = prompts
     static, cuda_graph = _use_static(model, use_cache, static, cuda_graph)
-    events = _events(model, prompts, int(max_new_tokens), use_cache, params, stop_ids, stops, gen,
+    if output == "text" and (tokenizer is None or len(prompts) != 1):
+        raise RequestError("output='text' needs a tokenizer and a single prompt")
+    streams = None
+    if stops or output == "text":
+        streams = [TextStream(tokenizer, stops) for _ in prompts]
+    events = _events(model, prompts, int(max_new_tokens), use_cache, params, stop_ids, streams, gen,
                      prefill_chunk_size, cancel, state, static, cuda_graph)
     if output == "events":
         yield from events
@@ -288,15 +401,10 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
         for ev in events:
             yield ev.tokens[0] if single else ev.tokens
     elif output == "text":
-        if tokenizer is None or len(prompts) != 1:
-            raise RequestError("output='text' needs a tokenizer and a single prompt")
-        ts = TextStreamer(tokenizer, stops.strings)
-        for ev in events:
-            cut = state["text_cut"][0]
-            chunk = ts.push(state["new_tokens"][0], cut)
-            if chunk:
-                yield chunk
-        chunk = ts.flush(state["new_tokens"][0], state["text_cut"][0])
+        for _ in events:
+            if state["text_delta"][0]:
+                yield state["text_delta"][0]
+        chunk = streams[0].finish()
         if chunk:
             yield chunk
     else:
@@ -304,43 +412,32 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
 
 
 class TextStreamer:
-    """Incremental detokenisation: text of all ids so far, minus what was already emitted. A tail that could be
-    the start of a stop string is held back until it is known not to be one."""
+    """Incremental detokenisation of a growing id list (a TextStream fed the ids not seen yet): push(ids) returns
+    the text that may be shown now (a possible stop-string start and an incomplete UTF-8 character are held
+    back), flush(ids) the rest. `cut` (a stop string's start in the text, or -1) also limits what is returned."""
 
     def __init__(self, tokenizer, stop_strings=()):
-        self.tok, self.emitted = tokenizer, 0
-        self.stops = [s for s in stop_strings if s]
+        self.stream = TextStream(tokenizer, stop_strings)
+        self.fed = 0
+        self.emitted = 0
 
-    def _hold(self, text: str) -> int:
-        h = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), h, -1):
-                if text.endswith(s[:k]):
-                    h = k
-                    break
-        return h
+    def _limit(self, new: str, cut: int) -> str:
+        if cut >= 0:
+            new = new[:max(0, cut - self.emitted)]
+        self.emitted += len(new)
+        return new
 
-    def _text(self, ids, cut):
-        text = _decode(self.tok, ids)
-        return text[:cut] if cut >= 0 else text
+    def _feed(self, ids) -> str:
+        out = "".join(self.stream.push(t) for t in ids[self.fed:])
+        self.fed = len(ids)
+        return out
 
     def push(self, ids, cut: int = -1) -> str:
-        text = self._text(ids, cut)
-        if cut < 0:
-            if text.endswith("\ufffd"):       # incomplete UTF-8 sequence: wait for more bytes
-                return ""
-            text = text[:len(text) - self._hold(text)]
-        if len(text) <= self.emitted:
-            return ""
-        new = text[self.emitted:]
-        self.emitted = len(text)
-        return new
+        return self._limit(self._feed(ids), cut)
 
     def flush(self, ids, cut: int = -1) -> str:
-        text = self._text(ids, cut)
-        new = text[self.emitted:]
-        self.emitted = len(text)
-        return new
+        new = self._feed(ids)
+        return self._limit(new + self.stream.finish(), cut)
 
 
 def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True, *, tokenizer=None,

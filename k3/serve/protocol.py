@@ -11,10 +11,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-__all__ = ["APIError", "ParsedRequest", "parse_json_body", "parse_chat", "parse_completion", "MAX_BODY_BYTES"]
+__all__ = ["APIError", "ParsedRequest", "parse_json_body", "parse_chat", "parse_completion", "MAX_BODY_BYTES",
+           "MAX_STOP", "MAX_STOP_CHARS"]
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
-MAX_STOP = 4
+MAX_STOP = 4                 # stop strings per request (as OpenAI)
+MAX_STOP_CHARS = 256         # characters per stop string (bounds the per-token stop scan)
 MAX_TOKENS_LIMIT = 1 << 31
 
 
@@ -59,9 +61,9 @@ def _no_constants(name):
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_body(raw: bytes) -> Dict[str, Any]:
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}",
+def parse_json_body(raw: bytes, limit: int = MAX_BODY_BYTES) -> Dict[str, Any]:
+    if len(raw) > limit:
+        raise APIError(413, f"request body is {len(raw)} bytes; the limit is {limit}",
                        param=None, code="request_too_large")
     if not raw.strip():
         raise bad("request body is empty; expected a JSON object", None, "invalid_json")
@@ -212,14 +214,14 @@ def _common(f: _Fields, p: ParsedRequest) -> None:
     if stop is None:
         p.stop = []
     elif isinstance(stop, str):
-        p.stop = [_check_str(stop, "stop")] if stop else []
+        p.stop = [_stop_str(stop, "stop")] if stop else []
     elif isinstance(stop, list):
         if len(stop) > MAX_STOP:
             raise bad(f"'stop' may hold at most {MAX_STOP} strings, got {len(stop)}", "stop")
         for j, s in enumerate(stop):
             if not isinstance(s, str):
                 raise bad(f"'stop[{j}]' must be a string, got {_tname(s)}", f"stop[{j}]", "invalid_type")
-            _check_str(s, f"stop[{j}]")
+            _stop_str(s, f"stop[{j}]")
         p.stop = [s for s in stop if s]
     else:
         raise bad(f"'stop' must be a string or an array of strings, got {_tname(stop)}", "stop", "invalid_type")
@@ -227,6 +229,12 @@ def _common(f: _Fields, p: ParsedRequest) -> None:
     f.unsupported("presence_penalty", lambda v: not isinstance(v, bool) and float(v) == 0)
     f.unsupported("frequency_penalty", lambda v: not isinstance(v, bool) and float(v) == 0)
     f.unsupported("logit_bias", lambda v: isinstance(v, dict) and not v)
+
+
+def _stop_str(s: str, name: str) -> str:
+    if len(s) > MAX_STOP_CHARS:
+        raise bad(f"'{name}' is {len(s)} characters long; a stop string may have at most {MAX_STOP_CHARS}", name)
+    return _check_str(s, name)
 
 
 def _max_tokens(f: _Fields, *names) -> Optional[int]:

@@ -17,8 +17,15 @@ same prompt alone (up to batch-size dependent floating point rounding).
 
 Events go to each request's `sink` (called on the scheduler thread): ("text", delta), then ("done",
 finish_reason, prompt_tokens, completion_tokens) with finish_reason "stop" | "length" | "cancelled", or
-("error", message). Text is detokenised incrementally (an incomplete UTF-8 character and a tail that may start
-a stop string are held back; stop strings and what follows are never sent).
+("error", message). Text is detokenised incrementally (k3.generation.generate.TextStream: O(1) text work per
+token, an incomplete UTF-8 character and a tail that may start a stop string are held back; stop strings and what
+follows are never sent).
+
+Failures stay where they happen: an error while admitting, sampling or detokenising one request fails that
+request alone (a generic ("error", ...) event; the detail goes to the log), a failed forward fails only the
+requests in it. If the loop itself cannot continue (MAX_STEP_FAILURES failed steps in a row, or an error outside
+any request), every waiting and running request gets an error at once, `alive` turns False, `fatal` holds the
+reason and `on_fatal(reason)` is called (the server exits non-zero so that a supervisor restarts it).
 """
 from __future__ import annotations
 
@@ -34,11 +41,15 @@ from typing import Callable, Deque, List, Optional
 import torch
 
 from k3.generation.cache import K3Cache
+from k3.generation.generate import TextStream
 from k3.generation.sampling import SamplingParams, select_next
 
-__all__ = ["GenRequest", "Scheduler", "QueueFull"]
+__all__ = ["GenRequest", "Scheduler", "QueueFull", "INTERNAL_ERROR", "MAX_STEP_FAILURES"]
 
 log = logging.getLogger("k3.serve")
+
+INTERNAL_ERROR = "internal error while generating this request (details are in the server log)"
+MAX_STEP_FAILURES = 3        # failed scheduler steps in a row before the loop gives up (fatal)
 
 
 class QueueFull(Exception):
@@ -62,9 +73,8 @@ class GenRequest:
     state: str = "queued"                # queued | prefill | decode | done
     pos: int = 0                         # prompt tokens prefilled
     generated: List[int] = field(default_factory=list)
-    text_ids: List[int] = field(default_factory=list)
+    text: Optional[TextStream] = None    # incremental text + stop strings (made at admission)
     text_closed: bool = False
-    emitted: int = 0                     # characters of text already sent
     finish: Optional[str] = None
     t_submit: float = 0.0
     t_first: Optional[float] = None
@@ -75,7 +85,8 @@ class GenRequest:
 
 class Scheduler:
     def __init__(self, model, tokenizer, max_batch: int = 8, max_queue: int = 64, max_context: int = 4096,
-                 prefill_chunk: int = 512, pack_prefill: bool = True):
+                 prefill_chunk: int = 512, pack_prefill: bool = True,
+                 on_fatal: Optional[Callable[[str], None]] = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
@@ -94,6 +105,9 @@ class Scheduler:
         self._paused = False
         self._thread: Optional[threading.Thread] = None
         self._order = itertools.count()
+        self.on_fatal = on_fatal
+        self.fatal: Optional[str] = None       # why the loop stopped for good (None while healthy)
+        self._failures = 0                      # failed steps in a row
         self.stats = dict(requests=0, completed=0, cancelled=0, rejected=0, errors=0, prompt_tokens=0,
                           generated_tokens=0, decode_steps=0, peak_active=0,
                           prefill_forwards=0, packed_prefills=0)
@@ -117,14 +131,32 @@ class Scheduler:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, req: GenRequest) -> None:
-        """Queue a request; raises QueueFull when max_batch + max_queue requests are already in the server."""
+    def _busy_error(self) -> Optional[str]:  # under the lock
+        waiting = sum(not r.cancel.is_set() for r in self.pending)    # a cancelled one leaves at the next step
+        busy = sum(s is not None for s in self.slots) + waiting
+        if busy >= self.max_batch + self.max_queue:
+            return (f"server busy: {self.max_batch} streams running and {len(self.pending)} queued "
+                    f"(max_queue {self.max_queue})")
+        return None
+
+    def check_room(self) -> None:
+        """Raise QueueFull now if a request submitted now would be refused (cheap: checked before tokenising)."""
         with self._cv:
-            busy = sum(s is not None for s in self.slots) + len(self.pending)
-            if busy >= self.max_batch + self.max_queue:
+            msg = self._busy_error()
+            if msg:
                 self.stats["rejected"] += 1
-                raise QueueFull(f"server busy: {self.max_batch} streams running and {len(self.pending)} queued "
-                                f"(max_queue {self.max_queue})")
+                raise QueueFull(msg)
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue a request; raises QueueFull when max_batch + max_queue requests are already in the server,
+        RuntimeError when the scheduler has stopped for good."""
+        with self._cv:
+            if self.fatal is not None or self._stop:
+                raise RuntimeError("the generation scheduler is not running")
+            msg = self._busy_error()
+            if msg:
+                self.stats["rejected"] += 1
+                raise QueueFull(msg)
             req.t_submit = time.perf_counter()
             req.state = "queued"
             self.pending.append(req)
@@ -149,29 +181,55 @@ class Scheduler:
         with self._cv:
             active = sum(s is not None for s in self.slots)
             return dict(active=active, queued=len(self.pending), paused=self._paused, max_batch=self.max_batch,
-                        max_queue=self.max_queue, scheduler_alive=self.alive, **self.stats)
+                        max_queue=self.max_queue, scheduler_alive=self.alive and self.fatal is None,
+                        fatal=self.fatal, **self.stats)
 
     # ------------------------------------------------------------------ scheduler thread
     def _run(self) -> None:
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not self._stop and (self._paused or (not self.pending and
-                                                               all(s is None for s in self.slots))):
-                        self._cv.wait(0.5)
-                    if self._stop:
-                        break
-                    self._admit()
-                try:
-                    self._step()
-                except Exception as e:  # never let one bad step kill the server: fail what was running
-                    log.exception("scheduler step failed")
-                    self._fail_all(f"internal error during generation: {type(e).__name__}: {e}")
+        reason = "server shutting down"
+        try:
+            with torch.inference_mode():
+                while self._iteration():
+                    pass
+        except BaseException as e:  # noqa: BLE001 - the loop cannot continue: nobody may be left waiting
+            log.exception("the generation scheduler stopped")
+            reason = "the generation scheduler stopped"
+            with self._cv:
+                self.fatal = f"{type(e).__name__}: {e}"[:500]
+        finally:
+            with self._cv:
+                for r in list(self.pending) + [s for s in self.slots if s is not None]:
+                    if r.state != "done":
+                        self._emit(r, ("error", reason))
+                        r.state = "done"
+                self.pending.clear()
+                self.slots = [None] * self.max_batch
+        if self.fatal is not None and self.on_fatal is not None:
+            try:
+                self.on_fatal(self.fatal)
+            except Exception:
+                log.exception("on_fatal callback failed")
+
+    def _iteration(self) -> bool:
+        """One admit + step; False when stopping. A failed step fails the requests in it; MAX_STEP_FAILURES in a
+        row raise (the loop is broken, not a request)."""
         with self._cv:
-            for r in list(self.pending) + [s for s in self.slots if s is not None]:
-                self._emit(r, ("error", "server shutting down"))
-            self.pending.clear()
-            self.slots = [None] * self.max_batch
+            while not self._stop and (self._paused or (not self.pending and all(s is None for s in self.slots))):
+                self._cv.wait(0.5)
+            if self._stop:
+                return False
+            self._admit()
+        try:
+            self._step()
+            self._failures = 0
+        except Exception as e:
+            self._failures += 1
+            log.exception("scheduler step failed (%d in a row)", self._failures)
+            self._fail_all()
+            if self._failures >= MAX_STEP_FAILURES:
+                raise RuntimeError(f"{self._failures} scheduler steps failed in a row; last: "
+                                   f"{type(e).__name__}: {e}") from e
+        return True
 
     def _admit(self) -> None:  # under the lock
         if any(r.cancel.is_set() for r in self.pending):   # a queued request whose client left
@@ -186,19 +244,26 @@ class Scheduler:
             if r.cancel.is_set():
                 self._finish(r, "cancelled")
                 continue
-            i = free[0]
-            self.cache.rows(i).reset()
-            r.slot, r.state, r.pos = i, "prefill", 0
-            r._order = next(self._order)
-            if r.params.do_sample:
-                seed = r.seed if r.seed is not None else secrets.randbits(63)
-                r._gen = torch.Generator(device=self.device).manual_seed(int(seed))
-            if r.params.repetition_penalty != 1.0:
-                r._seen = torch.zeros(1, self.vocab, dtype=torch.bool, device=self.device)
-                r._seen[0, torch.tensor(r.prompt, device=self.device)] = True
-            self.slots[i] = r
-            self.stats["prompt_tokens"] += len(r.prompt)
-            self.stats["peak_active"] = max(self.stats["peak_active"], sum(s is not None for s in self.slots))
+            try:
+                self._admit_one(r, free[0])
+            except Exception:
+                log.exception("admitting request %s failed", r.id)
+                self._fail(r)
+
+    def _admit_one(self, r: GenRequest, i: int) -> None:  # under the lock
+        self.cache.rows(i).reset()
+        r.slot, r.state, r.pos = i, "prefill", 0
+        r._order = next(self._order)
+        r.text = TextStream(self.tok, r.stop_strings)
+        if r.params.do_sample:
+            seed = r.seed if r.seed is not None else secrets.randbits(63)
+            r._gen = torch.Generator(device=self.device).manual_seed(int(seed))
+        if r.params.repetition_penalty != 1.0:
+            r._seen = torch.zeros(1, self.vocab, dtype=torch.bool, device=self.device)
+            r._seen[0, torch.tensor(r.prompt, device=self.device)] = True
+        self.slots[i] = r
+        self.stats["prompt_tokens"] += len(r.prompt)
+        self.stats["peak_active"] = max(self.stats["peak_active"], sum(s is not None for s in self.slots))
 
     def _free(self, r: GenRequest) -> None:
         with self._cv:
@@ -206,11 +271,17 @@ class Scheduler:
                 self.slots[r.slot] = None
             r.state = "done"
 
-    def _fail_all(self, msg: str) -> None:
-        for r in [s for s in self.slots if s is not None]:
-            self.stats["errors"] += 1
-            self._emit(r, ("error", msg))
-            self._free(r)
+    def _fail(self, r: GenRequest, msg: str = INTERNAL_ERROR) -> None:
+        """Fail one request (a generic message: the detail is logged by the caller); frees its slot."""
+        if r.state == "done":
+            return
+        self.stats["errors"] += 1
+        self._emit(r, ("error", msg))
+        self._free(r)
+
+    def _fail_all(self, rows=None) -> None:
+        for r in [s for s in (self.slots if rows is None else rows) if s is not None]:
+            self._fail(r)
 
     def _emit(self, r: GenRequest, ev: tuple) -> None:
         try:
@@ -241,7 +312,11 @@ class Scheduler:
             batch.append((r, n))
             budget -= n
         if batch:
-            self._prefill(batch)
+            try:
+                self._prefill(batch)
+            except Exception:       # the forward of these prompts failed: fail them, the others go on
+                log.exception("prefill of %s failed", [r.id for r, _ in batch])
+                self._fail_all([r for r, _ in batch])
         # ---- one decode step for every slot with a pending token
         for lo, hi in self._runs():
             rows = self.slots[lo:hi + 1]
@@ -254,18 +329,22 @@ class Scheduler:
                     feed.append(0)
             view = cache.rows(slice(lo, hi + 1))
             ids = torch.tensor(feed, dtype=torch.long, device=self.device).unsqueeze(1)
-            logits = model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            try:
+                logits = model(ids, cache=view, logits_to_keep=1).logits[:, -1].float()
+            except Exception:       # this run's forward failed: fail its requests, other runs go on
+                log.exception("decode step of rows %d..%d failed", lo, hi)
+                self._fail_all(rows)
+                continue
             view.advance(1)
             self.stats["decode_steps"] += 1
             greedy = logits.argmax(-1).tolist()
             for j, r in enumerate(rows):
                 if r is None or r.state != "decode":
                     continue
-                if r.params.do_sample or r.params.repetition_penalty != 1.0:
-                    tok = self._pick(r, logits[j:j + 1])
+                if r.params.do_sample or r.params.repetition_penalty != 1.0 or not 0 <= greedy[j] < self.vocab:
+                    self._guarded(r, lambda r=r, j=j: self._accept(r, self._pick(r, logits[j:j + 1])))
                 else:
-                    tok = int(greedy[j])
-                self._accept(r, tok)
+                    self._guarded(r, lambda r=r, j=j: self._accept(r, int(greedy[j])))
 
     def _prefill(self, batch) -> None:
         """Prefill the next n prompt tokens of each (request, n) in ONE forward: a single prompt as a [1, n] row
@@ -300,7 +379,7 @@ class Scheduler:
             if r.pos == len(r.prompt):
                 r.state = "decode"
                 r.t_first = time.perf_counter()
-                self._accept(r, self._pick(r, logits[j:j + 1]))
+                self._guarded(r, lambda r=r, j=j: self._accept(r, self._pick(r, logits[j:j + 1])))
 
     def _runs(self):
         """Contiguous row ranges to decode together: rows that decode, bridging free rows, split at rows that
@@ -323,58 +402,38 @@ class Scheduler:
     def _pick(self, r: GenRequest, logits_1V: torch.Tensor) -> int:
         return int(select_next(logits_1V, r.params, r._seen, r._gen)[0])
 
-    # ------------------------------------------------------------------ tokens -> text events
-    def _decode(self, ids) -> str:
-        n = self.tok.vocab_size
-        return self.tok.decode([i for i in ids if i < n], skip_special=True)
+    def _guarded(self, r: GenRequest, fn) -> None:
+        """Run one request's sampling / text work; an error fails that request alone."""
+        try:
+            fn()
+        except Exception:
+            log.exception("request %s failed while generating", r.id)
+            self._fail(r)
 
+    # ------------------------------------------------------------------ tokens -> text events
     def _accept(self, r: GenRequest, tok: int) -> None:
+        if not 0 <= tok < self.vocab:
+            raise ValueError(f"sampled token id {tok} is outside the vocabulary [0, {self.vocab})")
         r.generated.append(tok)
         self.stats["generated_tokens"] += 1
         if r._seen is not None:
             r._seen[0, tok] = True
-        finish, cut = None, -1
-        changed = False
+        finish, delta = None, ""
         if tok in r.stop_ids:
             finish = "stop"
         elif not r.text_closed:
             if r.text_ends_at_special and tok < self.tok.vocab_size and self.tok.is_special(tok):
-                r.text_closed = True
+                r.text_closed = True              # chat: the reply ends here; nothing after it is text
+                delta = r.text.finish()
             else:
-                r.text_ids.append(tok)
-                changed = True
-        text = self._decode(r.text_ids) if (changed or finish) else None
-        if changed and r.stop_strings:
-            hits = [h for h in (text.find(s) for s in r.stop_strings) if h >= 0]
-            if hits:
-                finish, cut = "stop", min(hits)
+                delta = r.text.push(tok)
+                if r.text.stopped:
+                    finish = "stop"
         if finish is None and len(r.generated) >= r.max_tokens:
             finish = "length"
-            if text is None:
-                text = self._decode(r.text_ids)
-        if text is not None:
-            if finish is not None:
-                final = text[:cut] if cut >= 0 else text
-                delta = final[r.emitted:]
-            else:
-                if text.endswith("\ufffd"):       # incomplete UTF-8 character: wait for more bytes
-                    delta = ""
-                else:
-                    end = len(text) - _hold(text, r.stop_strings)
-                    delta = text[r.emitted:end] if end > r.emitted else ""
-            if delta:
-                r.emitted += len(delta)
-                self._emit(r, ("text", delta))
+        if finish is not None and not r.text_closed:
+            delta += r.text.finish()
+        if delta:
+            self._emit(r, ("text", delta))
         if finish is not None:
             self._finish(r, finish)
-
-
-def _hold(text: str, stops) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of a stop string (held back)."""
-    h = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), h, -1):
-            if text.endswith(s[:k]):
-                h = k
-                break
-    return h

@@ -110,3 +110,19 @@ def test_cli_errors_are_one_line(ckpt, tmp_path, capsys, monkeypatch):
             (none / f).write_bytes(open(os.path.join(d, f), "rb").read())
     rc, out, err = _run(["generate", "--ckpt", str(none), "--prompt", "x"], capsys, monkeypatch)
     assert rc == 2 and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("cmd", ["generate", "chat"])
+@pytest.mark.parametrize("flag,value", [("--max-new-tokens", "-1"), ("--max-new-tokens", "0"),
+                                        ("--temperature", "-1"), ("--temperature", "nan"),
+                                        ("--temperature", "inf"), ("--top-p", "0"), ("--top-p", "1.5"),
+                                        ("--top-k", "-3"), ("--repetition-penalty", "0"),
+                                        ("--repetition-penalty", "nan"), ("--prefill-chunk", "0"),
+                                        ("--prefill-chunk", "-5")])
+def test_bad_flags_are_clear_errors_before_loading(cmd, flag, value, capsys):
+    argv = [cmd, "--ckpt", "/nonexistent/ckpt", flag, value] + (["--prompt", "x"] if cmd == "generate" else [])
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert f"argument {flag}:" in err and flag.lstrip("-").replace("-", "_") in err and "Traceback" not in err

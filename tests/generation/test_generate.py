@@ -155,3 +155,115 @@ def test_repetition_penalty_and_temperature():
     draws = {select_next(torch.tensor([[0.0, 0.0, -1e9]]), SamplingParams(do_sample=True), generator=g).item()
              for _ in range(50)}
     assert draws == {0, 1}
+
+
+# ------------------------------------------------------------------ numerical safety of sampling (issue 28.1)
+DEGENERATE = [dict(do_sample=True, temperature=1e-300), dict(do_sample=True, temperature=0.7, top_p=1e-300),
+              dict(do_sample=True, temperature=0.7, repetition_penalty=1e-300),
+              dict(do_sample=True, temperature=0.7, repetition_penalty=1e300),
+              dict(do_sample=False, repetition_penalty=1e-300), dict(do_sample=True, temperature=1e300)]
+
+
+@pytest.mark.parametrize("kw", DEGENERATE)
+def test_degenerate_sampling_never_raises(kw):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50) * 30
+    seen = torch.rand(3, 50) < 0.5
+    t = select_next(x, SamplingParams(**kw), seen, g)
+    assert t.shape == (3,) and bool(((t >= 0) & (t < 50)).all())
+    assert not torch.isnan(process_logits(x, SamplingParams(**kw), seen)).any()
+
+
+def test_tiny_temperature_is_greedy_and_nonfinite_logits_are_handled():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 40)
+    assert torch.equal(select_next(x, SamplingParams(do_sample=True, temperature=1e-300), generator=g), x.argmax(-1))
+    y = x.clone()
+    y[0] = float("nan")                        # a whole row of NaN: no raise, some token
+    y[1, 7] = float("nan")                     # a NaN entry is never chosen
+    y[1, 3] = float("inf")                     # +inf wins
+    y[2, :] = float("-inf")
+    for p in (SamplingParams(), SamplingParams(do_sample=True, temperature=0.9, top_p=0.5, top_k=5)):
+        t = select_next(y, p, generator=g).tolist()
+        assert t[1] == 3 and all(0 <= v < 40 for v in t)
+    z = x.clone()
+    z[3] = float("nan")
+    z[3, 11] = 5.0
+    assert select_next(z, SamplingParams(do_sample=True), generator=g).tolist()[3] == 11
+
+
+def test_sampling_params_validate_non_finite():
+    from k3.errors import RequestError
+    for kw in (dict(temperature=float("nan"), do_sample=True), dict(top_p=float("nan")),
+               dict(repetition_penalty=float("inf")), dict(top_k=1.5)):
+        with pytest.raises(RequestError):
+            SamplingParams(**kw).validate()
+
+
+def test_generate_with_degenerate_sampling(model32):
+    torch.manual_seed(21)
+    ids = torch.randint(0, 512, (2, 5))
+    greedy = generate(model32, ids, 6, **NOSTOP)
+    assert torch.equal(generate(model32, ids, 6, do_sample=True, temperature=1e-300, seed=0, **NOSTOP), greedy)
+    for kw in DEGENERATE:
+        out = generate(model32, ids, 4, seed=1, **{**kw, **NOSTOP})
+        assert out.shape == (2, 9)
+
+
+# ------------------------------------------------------------------ incremental text (issue 28.3)
+@pytest.fixture(scope="module")
+def toy_tok(tmp_path_factory):
+    from k3.tokenizer import build_toy_tokenizer
+    return build_toy_tokenizer(str(tmp_path_factory.mktemp("toytok")), num_merges=100)
+
+
+def test_text_stream_equals_full_decode_and_cuts_stops(toy_tok):
+    from k3.generation.generate import _decode, TextStream
+    tok = toy_tok
+    text = "héllo wörld — 日本語 text 🙂 more words, numbers 123 and ünïcödé; the end. " * 3
+    ids = tok.encode(text)
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        seq = list(ids)
+        if trial % 3 == 1:          # random ordinary ids (cut multi-byte characters included) and specials
+            seq = torch.randint(0, tok.vocab_size, (60,), generator=rng).tolist()
+        full = _decode(tok, seq)
+        stops = [] if trial % 2 == 0 else [full[j:j + n] for j, n in ((len(full) // 2, 3), (len(full) // 3, 2))
+                                            if full[j:j + n]]
+        ts = TextStream(tok, stops)
+        parts = []
+        for t in seq:
+            parts.append(ts.push(t))
+            if ts.stopped:
+                break
+        parts.append(ts.finish())
+        got = "".join(parts)
+        if not stops:
+            assert got == full and ts.cut == -1
+        else:
+            cut = min(h for h in (full.find(s) for s in stops) if h >= 0)
+            assert ts.stopped and ts.cut == cut and got == full[:cut]
+            # every piece sent before the stop is a prefix of the final text (nothing is taken back)
+            assert full.startswith("".join(parts[:-1]))
+
+
+def test_text_stream_work_per_token_is_bounded(toy_tok):
+    """No re-decoding of the whole output: every decode call sees at most a few ids, however long the text."""
+    from k3.generation.generate import MAX_PENDING_IDS, TextStream
+    tok = toy_tok
+    sizes = []
+    real = tok.decode
+
+    class Spy:
+        vocab_size = tok.vocab_size
+        is_special = staticmethod(tok.is_special)
+
+        def decode(self, ids, skip_special=False):
+            sizes.append(len(ids))
+            return real(ids, skip_special=skip_special)
+
+    ids = tok.encode("the quick brown fox jumps over the lazy dog " * 200)
+    ts = TextStream(Spy(), ["zzzz", "lazy cat", "qq", "fox jumps under"])
+    out = "".join(ts.push(t) for t in ids) + ts.finish()
+    assert out == real(ids) and not ts.stopped
+    assert max(sizes) <= MAX_PENDING_IDS + 1 and len(sizes) <= 2 * len(ids) + 2

@@ -38,25 +38,31 @@ def make_checkpoint(root, dtype="float32", seed=0):
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+    """The `k3 serve` uvicorn server (k3.serve.app.make_server) for `app` on 127.0.0.1:<free port> in a daemon
+    thread; `rc` is run_server's exit code once it has stopped."""
 
-    def __init__(self, app):
-        import uvicorn
+    def __init__(self, app, **server_kw):
+        from k3.serve.app import make_server
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                                    timeout_graceful_shutdown=2))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        server_kw.setdefault("timeout_graceful_shutdown", 2)
+        self.server = make_server(app, log_level="warning", **server_kw)
+        self.rc = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
         t = time.time()
         while not self.server.started:
             if time.time() - t > 30 or not self.thread.is_alive():
                 raise RuntimeError("server did not start")
             time.sleep(0.02)
+
+    def _run(self):
+        self.server.run(sockets=[self.sock])
+        self.rc = 1 if self.app.state.engine.scheduler.fatal is not None else 0
 
     @property
     def engine(self):
@@ -85,12 +91,12 @@ def loaded(ckpt):
     return load_for_inference(d, "cpu")
 
 
-def start_server(loaded, **kw):
+def start_server(loaded, server_kw=None, **kw):
     from k3.serve import ServeConfig, create_app
     model, tok = loaded
     kw.setdefault("model_name", "k3-test")
     kw.setdefault("max_context", 192)
-    return ServerThread(create_app(model, tok, ServeConfig(**kw)))
+    return ServerThread(create_app(model, tok, ServeConfig(**kw)), **(server_kw or {}))
 
 
 @pytest.fixture(scope="package")

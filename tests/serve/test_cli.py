@@ -55,3 +55,46 @@ def test_k3_serve_subprocess(ckpt):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("argv,flag", [(["--port", "99999"], "--port"), (["--port", "0"], "--port"),
+                                       (["--threads", "-2"], "--threads"), (["--max-queue", "-1"], "--max-queue"),
+                                       (["--default-max-tokens", "-1"], "--default-max-tokens"),
+                                       (["--read-timeout", "nan"], "--read-timeout"),
+                                       (["--request-timeout", "inf"], "--request-timeout"),
+                                       (["--max-connections", "0"], "--max-connections")])
+def test_bad_serve_flags_are_clear_errors_before_loading(argv, flag, capsys, monkeypatch):
+    from k3.cli import main
+    loads = []
+    monkeypatch.setattr("k3.generation.cli.load_for_inference", lambda *a, **k: loads.append(a))
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--ckpt", "/nonexistent"] + argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument {flag}:" in err and "Traceback" not in err and not loads
+
+
+def test_missing_serving_dependency_is_a_one_line_hint(capsys, monkeypatch):
+    import importlib.util
+    from k3.cli import main
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    rc = main(["serve", "--ckpt", "/nonexistent"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("k3: error: k3 serve needs uvicorn") and err.count("\n") == 1
+    assert "pip install" in err
+
+
+def test_serving_dependencies_install_with_the_package():
+    import pathlib
+    import re
+    try:
+        import tomllib
+    except ModuleNotFoundError:          # Python 3.10
+        tomllib = None
+    text = (pathlib.Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    if tomllib is not None:
+        deps = tomllib.loads(text)["project"]["dependencies"]
+    else:
+        deps = re.findall(r'"([^"]+)"', text.split("dependencies = [", 1)[1].split("]", 1)[0])
+    names = {re.split(r"[<>=!~\[ ;]", d, 1)[0].lower() for d in deps}
+    assert {"fastapi", "uvicorn"} <= names
