@@ -153,3 +153,20 @@ def test_random_model_end_to_end(toy_tok, make_tiny_model):
     assert b["sampler_logp"].shape == b["input_ids"].shape
     assert all(v.shape[0] == b["input_ids"].shape[1] for v in b["routing"].values())
     assert eng.stats["generated_tokens"] == sum(t.num_generated for t in trajs)
+
+
+def test_random_model_partial_rollout_keeps_routing(toy_tok, make_tiny_model):
+    model = make_tiny_model(toy_tok.vocab_size, toy_tok.eos_id, toy_tok.pad_id, toy_tok.bos_id, seed=6)
+    cfg = RolloutConfig(group_size=2, max_new_tokens_per_turn=7, max_turns=1, iteration_budget=3, seed=3)
+    eng = RolloutEngine(model, toy_tok, "calculator", cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        outs = [eng.collect([5]), eng.collect([])]
+        assert outs == [[], []] and all(t.num_generated == 6 for t in eng.pending[0])
+        groups = eng.collect([])
+    assert len(groups) == 1 and eng.pending == []
+    for t in groups[0]:
+        assert t.iterations == 3 and t.num_generated <= 7 and t.finish_reason in ("turn_length", "answer")
+        for v in t.routing.values():
+            assert v.shape[0] == len(t.token_ids) and (v[:-1] >= 0).all()
+        assert len(t.sampler_logprobs) == len(t.token_ids)

@@ -102,3 +102,10 @@ def test_load_chats_errors_name_line(tmp_path, toy_tok):
     bad = {"messages": [{"role": "assistant", "content": 3}]}
     with pytest.raises(SFTDataError, match="conversation 0: .*content must be"):
         SFTLoader([bad], toy_tok, 64, 1)
+
+
+def test_sft_batch_trains_tiny_model(toy_tok, make_tiny_model):
+    model = make_tiny_model(toy_tok.vocab_size, toy_tok.eos_id, toy_tok.pad_id, toy_tok.bos_id)
+    b = SFTLoader(builtin_sft_set(2, tasks=["calculator"]), toy_tok, seq_len=700, batch_size=1).next_batch()
+    out = model(**b)
+    assert torch.isfinite(out.loss) and int(out.num_tokens) == int((b["labels"] != IGNORE_INDEX).sum()) > 0
