@@ -26,7 +26,7 @@ import json
 import math
 import operator
 import random
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from k3.errors import K3ConfigError, K3Error
 

@@ -50,6 +50,7 @@ class RolloutConfig:
     record_routing: bool = True
     compute_logprobs: bool = True
     logprob_chunk: int = 1024
+    logprob_pack_tokens: int = 16384         # tokens per packed no-grad forward for the sampler log-probs
     seed: int = 0
 
     def validate(self) -> None:
@@ -205,8 +206,9 @@ class RolloutEngine:
                                    return_dict=True, static=False, cuda_graph=False, **kw)
                 picks = rec.assign(prompts, out.new_tokens, c.prefill_chunk_size)
             else:
-                out = generate(self.model, prompts, max(caps), stop_token_ids=[self.eom], seed=_seed(c.seed, self.calls),
-                               prefill_chunk_size=c.prefill_chunk_size, return_dict=True, **kw)
+                out = generate(self.model, prompts, max(caps), stop_token_ids=[self.eom],
+                               seed=_seed(c.seed, self.calls), prefill_chunk_size=c.prefill_chunk_size,
+                               return_dict=True, **kw)
                 picks = None
             self.stats["generate_seconds"] += time.perf_counter() - t0
             for i, (t, cap) in enumerate(zip(batch, caps)):
@@ -305,12 +307,20 @@ class RolloutEngine:
             self._finish(t, "budget")
 
     # ------------------------------------------------------------------------------------------ log-probs
-    @torch.no_grad()
     def sampler_logprobs(self, trajs: List[Trajectory]) -> None:
-        """Fill `sampler_logprobs` (per token, 0 off the generated tokens) with one packed no-grad forward,
-        replaying the recorded routing when every trajectory has it."""
-        if not trajs:
-            return
+        """Fill `sampler_logprobs` (per token, 0 off the generated tokens) with packed no-grad forwards of up to
+        `logprob_pack_tokens` tokens, replaying the recorded routing when every trajectory of a pack has it."""
+        pack: List[Trajectory] = []
+        for t in trajs:
+            if pack and sum(len(x.token_ids) for x in pack) + len(t.token_ids) > self.cfg.logprob_pack_tokens:
+                self._sampler_logprobs(pack)
+                pack = []
+            pack.append(t)
+        if pack:
+            self._sampler_logprobs(pack)
+
+    @torch.no_grad()
+    def _sampler_logprobs(self, trajs: List[Trajectory]) -> None:
         batch = pack_trajectories(trajs, device=self.model.device)
         ctx = replay_routing(self.model, batch["routing"]) if batch["routing"] else None
         was = self.model.training

@@ -1,7 +1,6 @@
 """One GRPO update on real rollouts of a random tiny model: ratio 1 on-policy, direction of the update, metrics."""
 import json
 
-import pytest
 import torch
 
 from k3.rl.grpo import GRPOConfig

@@ -170,3 +170,39 @@ def test_random_model_partial_rollout_keeps_routing(toy_tok, make_tiny_model):
         for v in t.routing.values():
             assert v.shape[0] == len(t.token_ids) and (v[:-1] >= 0).all()
         assert len(t.sampler_logprobs) == len(t.token_ids)
+
+
+def test_ragged_prompts_routing_and_packs(toy_tok, make_tiny_model):
+    model = make_tiny_model(toy_tok.vocab_size, toy_tok.eos_id, toy_tok.pad_id, toy_tok.bos_id, seed=7)
+    cfg = RolloutConfig(group_size=1, max_new_tokens_per_turn=4, max_turns=1, seed=4, logprob_pack_tokens=1)
+    eng = RolloutEngine(model, toy_tok, "kv-lookup", cfg, env_options={"num_lines": 8, "hops": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = eng.collect([1, 2, 3])
+    lens = {g[0].prompt_len for g in groups}
+    assert len(groups) == 3 and len(lens) > 1          # ragged: prefilled row by row
+    for g in groups:
+        t = g[0]
+        assert all((v[:-1] >= 0).all() for v in t.routing.values())
+        # one pack per trajectory (logprob_pack_tokens=1) gives the same values as a single pack
+    single = RolloutEngine(model, toy_tok, "kv-lookup", RolloutConfig(group_size=1, max_turns=1, seed=4,
+                                                                      max_new_tokens_per_turn=4),
+                           env_options={"num_lines": 8, "hops": 2})
+    trajs = [g[0] for g in groups]
+    old = [list(t.sampler_logprobs) for t in trajs]
+    single.sampler_logprobs(trajs)
+    for a, t in zip(old, trajs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(t.sampler_logprobs), atol=1e-5)
+
+
+def test_scripted_expert_thinking_mode(scripted, toy_tok, toy_model):
+    conv = expert_conversation(make_env("multi-tool"), 9, reasoning=True)
+    ids = render_messages(conv["messages"], conv["tools"], thinking=True, add_generation_prompt=False,
+                          tokenizer=toy_tok)
+    scripted["expert"][9] = ids
+    eng = RolloutEngine(toy_model, toy_tok, "multi-tool", RolloutConfig(group_size=1, thinking=True,
+                                                                          record_routing=False,
+                                                                          compute_logprobs=False))
+    t = eng.collect([9])[0][0]
+    assert t.token_ids == ids and t.reward == 1.0 and len(t.tool_calls) == 3
+    assert t.messages[2]["reasoning_content"] == "I need get_price."
