@@ -55,7 +55,7 @@ class GenerateRoutingRecorder:
 
         def rec(name):
             def hook(mod, inp, out):
-                self.calls.setdefault(name, []).append(out[0].detach().to("cpu"))
+                self.calls.setdefault(name, []).append(out[0].detach())   # no host sync per step
             return hook
         self._hooks = [m.register_forward_hook(rec(n)) for n, m in routers(self.model)]
         return self
@@ -89,6 +89,7 @@ class GenerateRoutingRecorder:
                               f"structure expects {len(plan)}; this batch carries no routing")
                 return None
             k = calls[0].shape[1] if calls else 0
+            calls = list(torch.cat(calls).cpu().split([c.shape[0] for c in calls])) if calls else []  # one copy
             per_row = [torch.full((plen[i] + nnew[i], k), -1, dtype=torch.long) for i in range(B)]
             for (kind, rows, s, e), idx in zip(plan, calls):
                 if idx.shape[0] != len(rows) * (e - s):
