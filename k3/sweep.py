@@ -341,9 +341,31 @@ def _tail_mean(xs: list) -> Optional[float]:
     return sum(xs[-n:]) / n
 
 
-def run_point(train_cfg: dict) -> dict:
+def _resolve_callbacks(callbacks) -> list:
+    """One fresh callback per run from each item: a zero-argument factory (a Callback class), a "module:attr" name
+    of one (subprocess runs), or a Callback object (used as is, shared by the runs)."""
+    import importlib
+    from k3.train.trainer import Callback
+    out = []
+    for cb in callbacks or ():
+        if isinstance(cb, str):
+            mod, _, attr = cb.partition(":")
+            if not attr:
+                raise K3ConfigError(f"sweep callback {cb!r}: expected module:attr")
+            try:
+                cb = getattr(importlib.import_module(mod), attr)
+            except (ImportError, AttributeError) as e:
+                raise K3ConfigError(f"sweep callback {cb!r}: {e}") from None
+        if isinstance(cb, type) or (callable(cb) and not isinstance(cb, Callback)):
+            cb = cb()
+        out.append(cb)
+    return out
+
+
+def run_point(train_cfg: dict, callbacks: Sequence = ()) -> dict:
     """Train one point (TrainConfig as a dict; resumes when its run directory holds a checkpoint) in this process
-    and return its result row's metrics."""
+    and return its result row's metrics. `callbacks` (k3.train.trainer.Callback objects or "module:attr" factory
+    names) go to the Trainer; a callback with a `sweep_metrics()` method adds its dict to the row."""
     import torch
     from k3.train.checkpointing import find_checkpoints
     from k3.train.config import TrainConfig
@@ -359,8 +381,10 @@ def run_point(train_cfg: dict) -> dict:
         _peak_rss_reset()
     t0 = time.time()
     row: dict[str, Any] = {"status": "failed", "error": None, "resumed": cfg.resume}
+    cbs: list = []
     try:
-        s = Trainer(cfg).train()
+        cbs = _resolve_callbacks(callbacks)
+        s = Trainer(cfg, callbacks=cbs).train()
         row["status"] = s["status"]
     except TrainingError as e:
         row["error"] = str(e)
@@ -379,6 +403,10 @@ def run_point(train_cfg: dict) -> dict:
         "train_time_s": sum(r.get("step_time", 0.0) for r in train), "num_params": s.get("num_params"),
         "device": s.get("device"),
     })
+    if row["status"] == "completed":
+        for cb in cbs:
+            if hasattr(cb, "sweep_metrics"):
+                row.update(cb.sweep_metrics())
     return row
 
 
@@ -387,7 +415,7 @@ def _worker_main(spec_path: str) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     with open(spec_path) as f:
         spec = json.load(f)
-    row = run_point(spec["train"])
+    row = run_point(spec["train"], spec.get("callbacks") or ())
     tmp = spec["row_path"] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(_jsonable(row), f)
@@ -421,7 +449,7 @@ class Sweep:
 
     def __init__(self, out_dir: str, axes: Sequence[Axis] = (), seeds: Sequence[int] = (0,),
                  base: Optional[dict] = None, gpus: int = 0, subprocess: bool = False, plot: bool = True,
-                 echo: Callable[[str], None] = print):
+                 echo: Callable[[str], None] = print, callbacks: Sequence = ()):
         self.out_dir = out_dir
         self.axes = list(axes)
         self.seeds = [int(s) for s in seeds]
@@ -430,6 +458,9 @@ class Sweep:
         self.subprocess = bool(subprocess) or self.gpus > 0
         self.plot = plot
         self.echo = echo
+        self.callbacks = list(callbacks)
+        if self.subprocess and any(not isinstance(c, str) for c in self.callbacks):
+            raise K3ConfigError("sweep callbacks: subprocess runs take callbacks as \"module:attr\" names")
         self.ran: list[tuple[str, int]] = []      # (point id, seed) trained by the last run()
         self.skipped: list[tuple[str, int]] = []  # finished before
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
@@ -522,6 +553,15 @@ class Sweep:
             raise K3ConfigError(f"{p}: expected {{\"rows\": [...]}}")
         return rows
 
+    def _stored_axes(self) -> list:
+        p = self._path("results.json")
+        try:
+            with open(p) as f:
+                axes = json.load(f).get("axes")
+            return [a for a in axes if isinstance(a, str)] if isinstance(axes, list) else []
+        except (OSError, ValueError, AttributeError):
+            return []
+
     def _check_signature(self, sig: dict) -> None:
         p = self._path("sweep.json")
         if not os.path.isfile(p):
@@ -574,7 +614,7 @@ class Sweep:
             self._run_subprocesses(todo, record)
         else:
             for p, seed, cfg in todo:
-                m = run_point(cfg.to_dict())
+                m = run_point(cfg.to_dict(), self.callbacks)
                 if m["status"] == "interrupted":
                     self.write(rows)
                     raise KeyboardInterrupt
@@ -599,7 +639,8 @@ class Sweep:
                     row_path = os.path.join(cfg.out_dir, "sweep_row.json")
                     if os.path.exists(row_path):
                         os.remove(row_path)
-                    _atomic_write(spec_path, json.dumps({"train": cfg.to_dict(), "row_path": row_path}, default=str))
+                    _atomic_write(spec_path, json.dumps({"train": cfg.to_dict(), "row_path": row_path,
+                                                         "callbacks": self.callbacks}, default=str))
                     env = dict(env_base)
                     if slot is not None:
                         env["CUDA_VISIBLE_DEVICES"] = str(slot)
@@ -633,14 +674,18 @@ class Sweep:
     def write(self, rows: list[dict]) -> None:
         """results.json, results.csv, summary.md and (with `plot`) the plots, from `rows`."""
         os.makedirs(self.out_dir, exist_ok=True)
-        keys = []
+        keys = [a.key for a in self.axes]
+        for k in self._stored_axes():
+            if k not in keys:
+                keys.append(k)
+        extra = []
         for r in rows:
             for k in r:
-                if k not in keys and k not in RESULT_COLUMNS and k not in ("seed", "label", "resumed"):
-                    keys.append(k)
+                if k not in keys and k not in extra and k not in RESULT_COLUMNS and k not in ("seed", "label", "resumed"):
+                    extra.append(k)
         _atomic_write(self._path("results.json"), json.dumps(
-            {"axes": [a.key for a in self.axes], "rows": _jsonable(rows)}, indent=2, default=str) + "\n")
-        cols = keys + ["seed"] + RESULT_COLUMNS + ["label", "resumed"]
+            {"axes": keys, "rows": _jsonable(rows)}, indent=2, default=str) + "\n")
+        cols = keys + ["seed"] + RESULT_COLUMNS + extra + ["label", "resumed"]
         tmp = self._path("results.csv.tmp")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")

@@ -8,6 +8,7 @@ import pytest
 
 from k3 import sweep as sw
 from k3.errors import K3ConfigError
+from k3.train.trainer import Callback
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,7 +61,7 @@ def test_bad_key_or_value_refused_naming_it(text, names):
 
 def test_values_the_validation_rejects_are_refused_before_any_run(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setattr(sw, "run_point", lambda cfg: ran.append(cfg) or {})
+    monkeypatch.setattr(sw, "run_point", lambda *a: ran.append(a) or {})
     cases = [
         ("linear_attn_config.gate_lower_bound=-5,-6", "linear_attn_config.gate_lower_bound"),  # model validation
         ("hidden_act=situ,gelu", "hidden_act"),
@@ -104,11 +105,27 @@ def micro_base(micro_corpus, micro_model_overrides):
                 threads=1)
 
 
+class CountSteps(Callback):
+    """A sweep callback: one per run; its sweep_metrics() become result columns."""
+    made = 0
+
+    def __init__(self):
+        CountSteps.made += 1
+        self.steps = 0
+
+    def on_step_end(self, trainer, record):
+        self.steps += 1
+
+    def sweep_metrics(self):
+        return {"cb_steps": self.steps}
+
+
 def test_micro_sweep_two_values_two_seeds_then_resume(tmp_path, micro_base):
     out = str(tmp_path / "sweep")
     axes = [sw.parse_set("linear_attn_config.gate_lower_bound=-5,-3")]
     lines = []
-    s = sw.Sweep(out, axes, seeds=[0, 1], base=micro_base, echo=lines.append)
+    CountSteps.made = 0
+    s = sw.Sweep(out, axes, seeds=[0, 1], base=micro_base, echo=lines.append, callbacks=[CountSteps])
     rows = s.run()
     assert len(rows) == 4 and len(s.ran) == 4 and not s.skipped
     assert all(r["status"] == "completed" for r in rows), rows
@@ -116,8 +133,8 @@ def test_micro_sweep_two_values_two_seeds_then_resume(tmp_path, micro_base):
         assert os.path.isfile(os.path.join(out, name)), name
     with open(os.path.join(out, "results.csv")) as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 4
-    key = "linear_attn_config.gate_lower_bound"
+    assert len(table) == 4 and CountSteps.made == 4
+    assert [r["cb_steps"] for r in table] == ["2"] * 4 and list(table[0])[:2] == [key := "linear_attn_config.gate_lower_bound", "seed"]
     assert sorted(float(r[key]) for r in table) == [-5, -5, -3, -3]
     assert sorted(int(r["seed"]) for r in table) == [0, 0, 1, 1]
     for r in rows:
@@ -160,3 +177,24 @@ def test_summary_mean_std():
     assert g[1]["val_loss"] == (None, None) and g[1]["failed"] == 1
     md = sw.summary_markdown(rows, ["a"])
     assert "| 1 | 2 | 2.0000 ± 1.4142 |" in md and "(+1 failed)" in md
+
+
+@pytest.mark.slow
+def test_subprocess_runs_and_cli(tmp_path, micro_corpus, micro_model_overrides):
+    """`k3 sweep --subprocess` end to end through the CLI (the micro model as fixed --set overrides)."""
+    import subprocess
+    import sys
+    out = tmp_path / "sw"
+    sets = []
+    for k, v in micro_model_overrides.items():
+        sets += ["--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}"]
+    cmd = [sys.executable, "-m", "k3.cli", "sweep", "--preset", "tiny", *sets, "--set", "train.lr=1e-2,2e-2",
+           "--steps", "2", "--out", str(out), "--subprocess", "--", "--batch-tokens", "128", "--stages", "64:1",
+           "--val-tokens", "128", "--eval-every", "0", "--data", *micro_corpus["data"], "--threads", "1"]
+    env = dict(os.environ, K3_CACHE=micro_corpus["cache"])
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rows = json.load(open(out / "results.json"))["rows"]
+    assert len(rows) == 2 and {row["train.lr"] for row in rows} == {1e-2, 2e-2}
+    assert all(row["status"] == "completed" and row["peak_mem_mb"] > 0 for row in rows)
+    assert "| 0.01 |" in r.stdout
