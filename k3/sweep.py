@@ -661,6 +661,18 @@ class Sweep:
                     else:
                         self.echo(f"  {p.label} seed {seed}: worker exited with {proc.returncode} (see "
                                   f"{os.path.join(cfg.out_dir, 'sweep_worker.log')}); run the sweep again to resume")
+        except KeyboardInterrupt:
+            # Ctrl-C: the workers save a checkpoint on SIGINT (the trainer's Ctrl-C handling); wait for them
+            import signal
+            for proc, *_ in running.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            for proc, *_ in running.values():
+                try:
+                    proc.wait(timeout=300)
+                except subprocess.TimeoutExpired:
+                    pass
+            raise
         finally:
             for proc, *_ in running.values():
                 if proc.poll() is None:

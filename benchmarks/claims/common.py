@@ -221,9 +221,9 @@ def plot_bars(groups, metric: str, ylabel: str, path: str, title: str = "") -> s
 
 
 def report(out: str, name: str, title: str, claim: str, groups, cols, rows, extra: Optional[dict] = None,
-           plots: Sequence[str] = ()) -> str:
+           plots: Sequence[str] = (), extra_md: str = "") -> str:
     """Print the table, write OUT/<name>.json (setup, per-variant stats, rows) and OUT/<name>.md."""
-    md = table(groups, cols)
+    md = (table(groups, cols) if groups else "") + (("\n\n" if groups else "") + extra_md if extra_md else "")
     print(f"\n## {title}\n\nclaim: {claim}\n\n{md}\n")
     write_json(out, name, {"claim": claim, "argv": sys.argv, "groups": groups,
                            "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],

@@ -103,16 +103,20 @@ def main(argv=None):
     p.add_argument("--no-train", action="store_true", help="kernel timing only")
     args = p.parse_args(argv)
     import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     backends = (args.backends or ("fla,triton,torch" if cuda else "torch")).split(",")
     shape = [int(x) for x in args.kernel_shape.split(",")]
     kt = kernel_times(shape, backends, args.lower_bound, args.device, args.kernel_iters,
                       args.kernel_dtype or ("bf16" if cuda else "fp32"))
-    print("\n## kernel time, chunk_kda fwd+bwd (median ms)\n")
-    print("| backend | gate | ms | finite | fell back / error |\n|---|---|---|---|---|")
+    kmd = (f"kernel time, chunk_kda fwd+bwd with the gate in-kernel, B,T,H,K = {shape}, "
+           f"{kt[0]['dtype'] if kt else ''} on {kt[0]['device'] if kt else ''}, {torch.get_num_threads()} thread(s), "
+           f"median of {args.kernel_iters}:\n\n| backend | gate | median ms | min ms | finite | fell back / error |\n"
+           "|---|---|---|---|---|---|\n")
     for r in kt:
-        print(f"| {r['backend']} | {r['gate']} | {r.get('ms', float('nan')):.2f} | {r.get('finite')} | "
-              f"{r.get('error') or r.get('fallback') or ''} |")
+        kmd += (f"| {r['backend']} | {r['gate']} | {r.get('ms', float('nan')):.2f} | {r.get('ms_min', float('nan')):.2f}"
+                f" | {r.get('finite')} | {r.get('error') or r.get('fallback') or ''} |\n")
     rows, groups = [], []
     plots = []
     if not args.no_train:
@@ -149,7 +153,7 @@ def main(argv=None):
                   "the bounded decay makes causal tiles dense matmuls and raises throughput", groups,
                   [("val_loss", "val loss", "{:.4f}"), ("train_loss", "train loss", "{:.4f}"),
                    ("tokens_per_s", "tokens/s", "{:.0f}"), ("skipped_steps", "skipped steps", "{:.1f}")],
-                  rows, {"kernel": kt}, plots)
+                  rows, {"kernel": kt}, plots, extra_md=kmd)
 
 
 if __name__ == "__main__":
