@@ -170,6 +170,11 @@ def _train_key(name: str) -> KeySpec:
         flag_dest = dest if dest in train_cli._FIELDS else next(d for d, f in train_cli._FIELDS.items() if f == fld)
         action = next((a for a in _train_parser()._actions if a.dest == flag_dest), None)
     base = _caster(fields[fld])
+    if typing.get_origin(_is_optional(fields[fld])[1]) is list or _is_optional(fields[fld])[1] is list:
+        json_list = base
+
+        def base(text, _j=json_list):  # noqa: F811 - a list setting (--data): a JSON list or one plain item
+            return _j(text) if text.strip()[:1] == "[" or text.strip().lower() in ("none", "null") else [text.strip()]
     if fld == "stages":
         def base(text):  # noqa: F811 - stages take the --stages syntax
             from k3.train.config import parse_stages

@@ -35,6 +35,9 @@ def test_grid_expansion_cartesian_and_typed():
     assert ax.key == "train.tokens_per_step" and ax.values == [256, 512]
     assert sw.parse_set("train.balancer=qb,sign,aux_loss").values == ["qb", "sign", "aux_loss"]
     assert sw.parse_set("model.hidden_size=64").key == "hidden_size"
+    assert sw.parse_set("train.data=a.txt;[\"b.txt\", \"c\"]").values == [["a.txt"], ["b.txt", "c"]]
+    assert sw.parse_set("train.no_progress=true").values == [False]           # the flag's sense, stored as progress
+    assert sw.parse_set("train.progress=false").key == "train.progress"
 
 
 @pytest.mark.parametrize("text, names", [
@@ -84,6 +87,8 @@ def test_cli_refuses_before_running(tmp_path, capsys):
     out = tmp_path / "s"
     assert main(["sweep", "--set", "linear_attn_config.gate_lowr=-5", "--out", str(out)]) == 2
     assert "gate_lowr" in capsys.readouterr().err and not out.exists()
+    assert main(["sweep", "--out", str(out), "--gpus", "1"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
     assert main(["sweep", "--out", str(out), "--", "--seed", "3"]) == 2
     assert "--seed" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # argparse names the bad train flag
@@ -167,6 +172,16 @@ def test_micro_sweep_two_values_two_seeds_then_resume(tmp_path, micro_base):
     # other run-fixed base settings in the same directory are refused, naming the setting
     with pytest.raises(K3ConfigError, match="lr"):
         sw.Sweep(out, axes, seeds=[0, 1], base=dict(micro_base, lr=3e-2)).run()
+
+
+def test_callbacks_by_name_and_subprocess_needs_names(tmp_path):
+    from k3.train.trainer import Callback as CB
+    cbs = sw._resolve_callbacks(["k3.train.trainer:Callback", CountSteps, CountSteps()])
+    assert [type(c) for c in cbs] == [CB, CountSteps, CountSteps]
+    with pytest.raises(K3ConfigError, match="no_such"):
+        sw._resolve_callbacks(["k3.train.trainer:no_such"])
+    with pytest.raises(K3ConfigError, match="module:attr"):
+        sw.Sweep(str(tmp_path), [], subprocess=True, callbacks=[CountSteps])
 
 
 def test_summary_mean_std():
