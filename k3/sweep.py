@@ -34,6 +34,10 @@ last checkpoint). A larger `--steps` continues every point's run to the new leng
 Execution: sequentially in this process (default on CPU), or one subprocess per point (`--subprocess`); with
 `--gpus N` on CUDA, N subprocesses at a time, each with its own `CUDA_VISIBLE_DEVICES`.
 
+Times: `wall_s` is the wall time of the run in the invocation that finished it (a resumed point: the resumed part,
+incl. setup and evaluations); `train_time_s` the time of its optimizer steps over all sessions; `tokens_per_s` the
+trained tokens over that time.
+
 Peak memory: on CUDA `torch.cuda.max_memory_allocated` of the run; on CPU the process's peak RSS (VmHWM, reset
 before each in-process run where Linux allows it, so it is the run's own peak plus what the process already held).
 """
@@ -838,7 +842,7 @@ def plot_results(rows: list[dict], keys: Sequence[str], out_dir: str) -> list[st
             ys.append(mean)
             es.append(std or 0.0)
         if xs:
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=4, label=rest or None)
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=4, label=rest or None, linestyle="-" if numeric else "none")
     if not numeric and cats:
         ax.set_xticks(range(len(cats)))
         ax.set_xticklabels([c.strip('"') for c in cats], rotation=20, fontsize=8)

@@ -52,6 +52,7 @@ def main(argv=None):
     ax.set_xlabel("layer (last point: the final hidden state before the norm)")
     ax.set_ylabel("RMS of the layer input")
     ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -43,6 +43,7 @@ def main(argv=None):
             ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=v)
     ax.set_xlabel("MLA layer (index among MLA layers)")
     ax.set_ylabel("first-token attention mass")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
