@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="tiny")
     s.add_argument("--seq-len", type=int_at_least(1), default=256)
     s.set_defaults(fn=_cmd_smoke)
-    for mod in ("k3.train.cli", "k3.generation.cli", "k3.serve.cli"):
+    for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ModuleNotFoundError as e:  # that part of k3 is not installed/built yet

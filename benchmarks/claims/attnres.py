@@ -1,0 +1,72 @@
+"""Claim: Block Attention Residuals beat a standard residual at equal compute, approach full AttnRes at a fraction
+of its overhead, and keep activation norms flat across depth (no PreNorm dilution).
+
+Variants (same model, data, steps and tokens): a standard pre-norm residual stream (a benchmark-only patch,
+claim_probes.StandardResidual, until the model has a switch), and Block AttnRes with `attn_res_block_size` = each
+of --block-sizes (1 = full AttnRes: every layer is its own block; the number of layers = a single block).
+Measured: final validation / train loss, tokens/s and peak memory (the compute and memory overhead), parameter
+count, and the RMS of each layer's input on fixed validation rows after training (activation norm across depth).
+
+    python benchmarks/claims/attnres.py                               # tiny (8 layers), block sizes 1,2,3,4,8
+    python benchmarks/claims/attnres.py --micro --steps 6 --seeds 2 --block-sizes 1,2,4   # smoke run
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+import claim_probes  # noqa: E402
+
+
+def main(argv=None):
+    p = common.parser("attnres", __doc__)
+    p.add_argument("--block-sizes", default="1,2,3,4,8", help="attn_res_block_size values [1,2,3,4,8]")
+    p.add_argument("--no-standard", action="store_true", help="leave out the standard-residual variant")
+    args = p.parse_args(argv)
+    base = common.base_from_args(args, compile="none")  # the standard variant is a patch: same compile for all
+    sizes = [int(x) for x in args.block_sizes.split(",")]
+
+    def norms():
+        return claim_probes.ActivationNorms(seq_len=args.seq_len, rows=2)
+    variants = [] if args.no_standard else [("standard", [], [claim_probes.StandardResidual, norms])]
+    variants += [(f"block={b}" + (" (full)" if b == 1 else ""), [f"attn_res_block_size={b}"], [norms]) for b in sizes]
+    rows = common.run_variants(args.out, variants, args.seeds, base)
+    metrics = ["val_loss", "train_loss", "tokens_per_s", "peak_mem_mb", "act_rms_growth", "num_params"]
+    groups = common.aggregate(rows, metrics)
+    ref = next((g for g in groups if g["variant"] == "standard"), None)
+    for g in groups:  # throughput relative to the standard residual
+        if ref and ref["tokens_per_s"][0] and g["tokens_per_s"][0]:
+            g["rel_tokens_per_s"] = [g["tokens_per_s"][0] / ref["tokens_per_s"][0], None]
+        else:
+            g["rel_tokens_per_s"] = [None, None]
+    plots = [common.plot_curves(rows, [v[0] for v in variants], "loss", "train loss (EMA, mean over seeds)",
+                                os.path.join(args.out, "loss.png"), "residual variants"),
+             common.plot_bars(groups, "val_loss", "final val loss", os.path.join(args.out, "val_loss.png"))]
+    plt = common.plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for name, _, _ in variants:
+        per = [r["act_rms_by_layer"] for r in rows if r["variant"] == name and r.get("act_rms_by_layer")]
+        if per:
+            L = min(len(x) for x in per)
+            ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=name)
+    ax.set_xlabel("layer (last point: the final hidden state before the norm)")
+    ax.set_ylabel("RMS of the layer input")
+    ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    pth = os.path.join(args.out, "act_norms.png")
+    fig.savefig(pth, dpi=110)
+    plt.close(fig)
+    plots.append(pth)
+    common.report(args.out, "attnres", "Block AttnRes vs standard residual vs full AttnRes",
+                  "Block AttnRes improves loss at equal compute with small overhead and bounded activation norms",
+                  groups, [("val_loss", "val loss", "{:.4f}"), ("train_loss", "train loss", "{:.4f}"),
+                           ("tokens_per_s", "tokens/s", "{:.0f}"), ("rel_tokens_per_s", "vs standard", "{:.3f}"),
+                           ("peak_mem_mb", "peak MB", "{:.0f}"), ("act_rms_growth", "RMS last/first layer", "{:.2f}"),
+                           ("num_params", "params", "{:.0f}")], rows, None, plots)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""Trainer callbacks of the claim scripts: benchmark-only model patches (switches the model does not have yet) and
+measurements (activation norms across depth, max |GLU activation|, first-token attention mass).
+
+The patches change module attributes / methods of the built model in `on_train_start`, so they apply again to a
+resumed run; compiled sub-modules would keep the unpatched code, so the scripts run every variant with
+`--compile none` when a patch is involved. They are stand-ins until the model has real switches (see
+docs/claims.md, "switches the model needs").
+"""
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from k3.train.trainer import Callback
+
+
+def _fixed_batch(trainer, seq_len: int, rows: int):
+    """`rows` unpacked validation rows of `seq_len` tokens (the first batch of the fixed validation stream)."""
+    b = next(iter(trainer.data.val.batches(seq_len=seq_len, batch_size=rows, max_batches=1)))
+    return b["input_ids"].to(trainer.device)
+
+
+def _is_final_eval(trainer) -> bool:
+    return trainer.step >= trainer.cfg.steps
+
+
+# ----------------------------------------------------------------------------------------------- patches
+
+class SoftplusGate(Callback):
+    """KDA with the unbounded Kimi-Linear / fla gate g = -exp(A_log) * softplus(f + dt_bias) (`lower_bound=None`
+    in k3.ops.kda) instead of K3's bounded g = lb * sigmoid(exp(A_log) * (f + dt_bias)). dt_bias is re-initialised
+    so that the initial decays exp(g) span the same [0.5, 0.999] as the bounded init (fresh runs only)."""
+
+    def on_train_start(self, trainer):
+        from k3.nn.kda import KDAAttention
+        gen = torch.Generator().manual_seed(1000 + trainer.cfg.seed)
+        for m in trainer.model.modules():
+            if isinstance(m, KDAAttention):
+                m.lower_bound = None
+                if trainer.step == 0:
+                    with torch.no_grad():
+                        decay = torch.empty(m.dt_bias.shape, dtype=torch.float64).uniform_(0.5, 0.999, generator=gen)
+                        m.dt_bias.copy_(torch.log(1.0 / decay - 1.0).to(m.dt_bias.dtype))  # softplus(dt) = -log(decay)
+
+
+def _standard_forward(self, partial, blocks, cu_seqlens=None, cache=None):
+    """A standard pre-norm residual layer: h += attn(norm(h)); h += ffn(norm(h)) (no depth mixing)."""
+    h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
+    return h + self.ffn(self.post_attention_layernorm(h)), blocks
+
+
+class StandardResidual(Callback):
+    """Replace Block AttnRes by a standard pre-norm residual stream. With `blocks` always empty, the model's final
+    AttnRes mix has one source and returns it (k3.ops.attnres.attnres_mix), so the head reads the stream. The
+    AttnRes projections stay in the model unused (no gradient)."""
+
+    def on_train_start(self, trainer):
+        from k3.model import K3DecoderLayer
+        for m in trainer.model.modules():
+            if isinstance(m, K3DecoderLayer):
+                m.forward = types.MethodType(_standard_forward, m)
+
+
+# ----------------------------------------------------------------------------------------------- measurements
+
+class ActivationNorms(Callback):
+    """RMS of each layer's input (the AttnRes mix, or the residual stream) and of the final hidden state before
+    the last norm, on fixed validation rows, after training: `act_rms_by_layer` [L + 1], `act_rms_growth` (last /
+    first layer input)."""
+
+    def __init__(self, seq_len: int = 256, rows: int = 4):
+        self.seq_len, self.rows, self.rms = seq_len, rows, None
+
+    @torch.no_grad()
+    def on_eval(self, trainer, metrics):
+        if not _is_final_eval(trainer):
+            return
+        from k3.model import K3DecoderLayer
+        model = trainer.model
+        vals, hooks = [], []
+
+        def pre(mod, args):
+            x = args[0].float()
+            vals.append(float(x.pow(2).mean().sqrt()))
+        for m in model.modules():
+            if isinstance(m, K3DecoderLayer):
+                hooks.append(m.input_layernorm.register_forward_pre_hook(pre))
+        hooks.append(model.model.norm.register_forward_pre_hook(pre))
+        was = model.training
+        model.eval()
+        try:
+            with trainer._autocast():
+                model(_fixed_batch(trainer, self.seq_len, self.rows))
+        finally:
+            for h in hooks:
+                h.remove()
+            model.train(was)
+        self.rms = vals
+
+    def sweep_metrics(self):
+        if not self.rms:
+            return {}
+        return {"act_rms_by_layer": self.rms, "act_rms_growth": self.rms[-2] / max(self.rms[0], 1e-12),
+                "act_rms_final": self.rms[-1]}
+
+
+class GLUMaxAct(Callback):
+    """max |GLU output| (the input of every FFN down projection: dense FFN, shared and routed experts) over all
+    training steps and evaluations: `glu_max_abs` (and its value at the last step, `glu_max_abs_last`)."""
+
+    def __init__(self):
+        self.max = None
+        self.step_max = None
+
+    def _wrap(self, fn):
+        cb = self
+
+        def wrapped(*a, **k):
+            out = fn(*a, **k)
+            m = out.detach().abs().max().float()
+            cb.step_max = m if cb.step_max is None else torch.maximum(cb.step_max, m)
+            return out
+        return wrapped
+
+    def on_train_start(self, trainer):
+        from k3.nn.mlp import GLUMLP
+        from k3.nn.moe import LatentMoE
+        for m in trainer.model.modules():
+            if isinstance(m, GLUMLP):
+                m._glu = self._wrap(m._glu)
+            elif isinstance(m, LatentMoE):
+                m.glu = self._wrap(m.glu)
+                m.glu_packed = self._wrap(m.glu_packed)
+
+    def on_step_end(self, trainer, record):
+        if self.step_max is not None:
+            v = float(self.step_max)
+            record["glu_max_abs"] = v
+            self.last = v
+            self.max = v if self.max is None else max(self.max, v)
+            self.step_max = None
+
+    def sweep_metrics(self):
+        return {"glu_max_abs": self.max, "glu_max_abs_last": getattr(self, "last", None)}
+
+
+class FirstTokenMass(Callback):
+    """Attention probability mass on the first token of each row, per MLA layer (mean over heads and over query
+    positions 1..T-1), on fixed validation rows after training: `first_token_mass` (mean over MLA layers),
+    `first_token_mass_by_layer`, and `uniform_mass` (what a uniform causal attention would give: mean of 1/(t+1))."""
+
+    def __init__(self, seq_len: int = 256, rows: int = 4):
+        self.seq_len, self.rows, self.mass = seq_len, rows, None
+
+    @torch.no_grad()
+    def on_eval(self, trainer, metrics):
+        if not _is_final_eval(trainer):
+            return
+        from k3.nn.mla import MLAAttention
+        model = trainer.model
+        masses, hooks = [], []
+
+        def pre(mod, args, kwargs):
+            x = args[0]
+            q = mod.project_q(x).float()                                   # [B,T,H,D]
+            c, k_pe = mod.project_latent(x)
+            k, _ = mod.expand_kv(c, k_pe)
+            s = torch.einsum("bthd,bshd->bhts", q, k.float()) * mod.softmax_scale
+            T = s.shape[-1]
+            mask = torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1)
+            p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
+            masses.append(float(p[..., 1:, 0].mean()))
+        for m in model.modules():
+            if isinstance(m, MLAAttention):
+                hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        was = model.training
+        model.eval()
+        try:
+            with trainer._autocast():
+                model(_fixed_batch(trainer, self.seq_len, self.rows))
+        finally:
+            for h in hooks:
+                h.remove()
+            model.train(was)
+        self.mass = masses
+
+    def sweep_metrics(self):
+        if not self.mass:
+            return {}
+        T = self.seq_len
+        return {"first_token_mass": sum(self.mass) / len(self.mass), "first_token_mass_by_layer": self.mass,
+                "uniform_mass": sum(1.0 / (t + 1) for t in range(1, T)) / (T - 1)}
+
+
+def loss_spikes(train_records: list, window: int = 10, ratio: float = 1.15, skip: int = 0) -> int:
+    """Steps whose loss exceeds `ratio` x the mean of the previous `window` finite losses (after `skip` steps),
+    plus non-finite (skipped) steps."""
+    n, hist = 0, []
+    for i, r in enumerate(train_records):
+        x = r.get("loss")
+        if x is None or not math.isfinite(x):
+            n += 1
+            continue
+        if i >= skip and len(hist) >= window and x > ratio * sum(hist[-window:]) / window:
+            n += 1
+        hist.append(x)
+    return n

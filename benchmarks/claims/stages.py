@@ -1,0 +1,57 @@
+"""Claim: staged context extension (most steps short, a few long ones at the end) reaches the long-context loss
+of training at the final length directly, at lower cost.
+
+A `k3.sweep` over `train.stages`: staged (--short for --short-share of the steps, then --long) vs direct (--long
+for all steps). Both see the same tokens per step and steps (equal tokens); the cost is reported as training time
+(wall seconds of the steps) and as attention FLOPs are higher for longer rows, the direct run costs more per
+token. Validation runs at --long (`val_seq_len`). `--equal-time` gives the direct run only as many steps as fit
+in the staged run's mean training time (equal cost) from a first calibration pass: a second row "direct
+(equal time)".
+
+    python benchmarks/claims/stages.py                          # tiny, 256 -> 1024, 3 seeds
+    python benchmarks/claims/stages.py --micro --steps 6 --seeds 2 --short 64 --long 128 --batch-tokens 256
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+
+def main(argv=None):
+    p = common.parser("stages", __doc__, batch_tokens=4096)
+    p.add_argument("--short", type=int, default=256)
+    p.add_argument("--long", type=int, default=1024)
+    p.add_argument("--short-share", type=float, default=0.75)
+    p.add_argument("--equal-time", action="store_true", help="also a direct run cut to the staged run's time")
+    args = p.parse_args(argv)
+    base = common.base_from_args(args, val_seq_len=args.long)
+    staged = f"{args.short}:{args.short_share:g},{args.long}:{1 - args.short_share:g}"
+    direct = f"{args.long}:1"
+    rows = common.run_sweep(os.path.join(args.out, "sweep"), [f"train.stages={staged};{direct}"], args.seeds, base)
+    for r in rows:
+        r["variant"] = "staged" if len(r["train.stages"]) > 1 else "direct"
+    if args.equal_time:
+        g0 = common.aggregate(rows, ["train_time_s"])
+        t_staged = next(g["train_time_s"][0] for g in g0 if g["variant"] == "staged")
+        t_direct = next(g["train_time_s"][0] for g in g0 if g["variant"] == "direct")
+        steps = max(1, int(args.steps * t_staged / max(t_direct, 1e-9)))
+        more = common.run_sweep(os.path.join(args.out, "equal_time"), [f"train.stages={direct}"], args.seeds,
+                                dict(base, steps=steps))
+        for r in more:
+            r["variant"] = f"direct (equal time, {steps} steps)"
+        rows += more
+    groups = common.aggregate(rows, ["val_loss", "train_loss", "train_time_s", "tokens_per_s", "peak_mem_mb"])
+    plots = [common.plot_curves(rows, [g["variant"] for g in groups], "loss", "train loss (EMA; rows of the stage's "
+                                "length)", os.path.join(args.out, "loss.png")),
+             common.plot_bars(groups, "val_loss", f"val loss at {args.long} tokens",
+                              os.path.join(args.out, "val_loss.png"))]
+    common.report(args.out, "stages", "staged context extension vs direct long training",
+                  "staged extension reaches the direct run's long-context loss at lower cost", groups,
+                  [("val_loss", f"val loss @{args.long}", "{:.4f}"), ("train_time_s", "train time s", "{:.1f}"),
+                   ("tokens_per_s", "tokens/s", "{:.0f}"), ("peak_mem_mb", "peak MB", "{:.0f}")],
+                  rows, {"staged": staged, "direct": direct}, plots)
+
+
+if __name__ == "__main__":
+    main()
