@@ -1,0 +1,93 @@
+"""Functions the distributed tests run on every rank (through launcher.run_dist). Each builds the single-process
+reference itself (the tiny models are cheap), so a rank returns both the distributed and the reference numbers."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+MICRO = dict(hidden_size=64, num_hidden_layers=3, vocab_size=512, bos_token_id=256, eos_token_id=258,
+             pad_token_id=511, intermediate_size=128, num_attention_heads=2, num_key_value_heads=2,
+             q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             num_experts=8, num_experts_per_token=2, num_shared_experts=1, moe_intermediate_size=32,
+             routed_expert_hidden_size=32, kda_gate_low_rank=16, attn_res_block_size=2,
+             **{"linear_attn_config.num_heads": 2, "linear_attn_config.head_dim": 16,
+                "linear_attn_config.full_attn_layers": [3], "linear_attn_config.kda_layers": [1, 2]})
+
+
+def micro_config(**kw):
+    from k3.config import K3Config
+    return K3Config.from_preset("tiny", **{**MICRO, **kw})
+
+
+def batch(seed: int, rows: int, T: int, vocab: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, T), generator=g)
+    labels = torch.randint(0, vocab, (rows, T), generator=g)
+    labels[torch.rand(rows, T, generator=g) < 0.25] = -100     # uneven target counts per row
+    return ids, labels
+
+
+def reference_model(cfg, seed=0):
+    from k3.model import K3ForCausalLM
+    torch.manual_seed(seed)
+    return K3ForCausalLM(cfg)
+
+
+def sharded_model(cfg, sd, ep=1, dp_replicate=1, **pkw):
+    from k3.parallel import ParallelDims, build_mesh
+    from k3.parallel.parallelize import build_meta_model, load_full_state_dict, materialize, parallelize_model
+    dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=-1, ep=ep, world_size=dist.get_world_size(),
+                        num_experts=cfg.num_experts)
+    pm = build_mesh(dims, "cpu")
+    model = build_meta_model(cfg)
+    parallelize_model(model, pm, **pkw)
+    materialize(model, "cpu", init=False)
+    load_full_state_dict(model, sd)
+    return model, pm
+
+
+def rows_of_rank(x, rank, world):
+    n = x.shape[0] // world
+    return x[rank * n:(rank + 1) * n]
+
+
+def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0, lr=0.02):
+    """`steps` optimizer steps (opt None: forward/backward only) distributed and in one process. Returns on every
+    rank: losses, grads (of the last backward), params after the steps (full tensors), grad norms."""
+    from k3.parallel.parallelize import clip_grad_norm_, full_state_dict, global_mean_loss
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = micro_config()
+    ref = reference_model(cfg)
+    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    model, pm = sharded_model(cfg, sd, ep=ep, dp_replicate=dp_replicate)
+    out = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": []}
+    if opt:
+        from k3.parallel.muon import build_sharded_optimizer
+        from k3.train.optim import build_optimizer
+        ref_opt = build_optimizer(ref, lr=lr, fused=False)
+        d_opt = build_sharded_optimizer(model, lr=lr)
+    for s in range(steps):
+        ids, labels = batch(100 + s, rows, T, cfg.vocab_size)
+        o = ref(ids, labels=labels)
+        o.loss.backward()
+        out["ref_loss"].append(float(o.loss))
+        o2 = model(rows_of_rank(ids, rank, world), labels=rows_of_rank(labels, rank, world))
+        loss = global_mean_loss(o2, pm)
+        loss.backward()
+        lsum = loss.detach().clone()
+        dist.all_reduce(lsum)
+        out["loss"].append(float(lsum))
+        if clip:
+            out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+            out["norm"].append(float(clip_grad_norm_(model.parameters(), clip)))
+        if s == steps - 1:
+            out["ref_grads"] = {k: p.grad.clone() for k, p in ref.named_parameters() if p.grad is not None}
+            out["grads"] = full_state_dict(model, grads=True)
+        if opt:
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            d_opt.step()
+            d_opt.zero_grad(set_to_none=True)
+    out["ref_params"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    out["params"] = full_state_dict(model)
+    return out if rank == 0 else {"ok": True}
