@@ -44,6 +44,14 @@ def build_meta_model(cfg) -> nn.Module:
         return K3ForCausalLM(cfg, init=False)
 
 
+def refresh_ep_flags(model: nn.Module) -> None:
+    """Re-flag the EP expert parameters (fully_shard and to_empty replace parameter objects)."""
+    from k3.parallel.expert import EPExperts
+    for m in model.modules():
+        if isinstance(m, EPExperts):
+            m.mark_params()
+
+
 def _fsdp_modules(model: nn.Module):
     from torch.distributed.fsdp import FSDPModule
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -91,10 +99,7 @@ def parallelize_model(model: nn.Module, pmesh: ParallelMesh, *, param_dtype: Opt
     # the loss reads lm_head.weight directly (fused CE): the group stays unsharded after the norm's forward
     fully_shard([inner.norm, model.lm_head], mesh=pmesh.fsdp, reshard_after_forward=False, **kw)
     fully_shard(model, mesh=pmesh.fsdp, reshard_after_forward=reshard_after_forward, **kw)
-    from k3.parallel.expert import EPExperts
-    for m in model.modules():
-        if isinstance(m, EPExperts):
-            m.mark_params()
+    refresh_ep_flags(model)
     for m in _fsdp_modules(model):
         m.set_gradient_divide_factor(1.0)
         if pmesh.device_type == "cpu":   # gloo has neither AVG nor PREMUL_SUM
@@ -114,6 +119,7 @@ def materialize(model: nn.Module, device, seed: Optional[int] = None, init: bool
     checkpoint load). No rank allocates a full parameter. On CPU the random init of a shard depends on the mesh
     (torch's DTensor RNG is offset-based on CUDA only); load a checkpoint for mesh-independent weights."""
     model.to_empty(device=device)
+    refresh_ep_flags(model)
     if init:
         if seed is not None:
             torch.manual_seed(seed)
@@ -145,6 +151,7 @@ def _write_local(p: torch.Tensor, full: torch.Tensor) -> None:
 def load_full_state_dict(model: nn.Module, sd: dict, strict: bool = True) -> None:
     """Load an unsharded state dict (e.g. from a single-process model or a released checkpoint read on every
     rank) into the sharded model: each rank copies only its shards (and its EP experts)."""
+    refresh_ep_flags(model)
     own = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
     missing = [k for k in own if k not in sd]
@@ -181,6 +188,7 @@ def _ep_group_of(p):
 def full_state_dict(model: nn.Module, grads: bool = False) -> dict:
     """name -> full tensor (parameters, or their gradients with `grads=True`; None where no grad), on every rank.
     For tests and small models only (it materialises everything)."""
+    refresh_ep_flags(model)
     out = {}
     for n, p in model.named_parameters():
         t = p.grad if grads else p.detach()

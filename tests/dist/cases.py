@@ -51,26 +51,35 @@ def rows_of_rank(x, rank, world):
     return x[rank * n:(rank + 1) * n]
 
 
-def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0, lr=0.02):
-    """`steps` optimizer steps (opt None: forward/backward only) distributed and in one process. Returns on every
-    rank: losses, grads (of the last backward), params after the steps (full tensors), grad norms."""
+def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0, lr=0.02, start=0, save=None,
+                save_after=None, load=None):
+    """Steps start..steps-1 (opt None: forward/backward only), distributed and (unless resuming from `load`) in
+    one process. `save`/`save_after`: DCP checkpoint into `save` after that step; `load`: resume from that
+    checkpoint first. Returns on rank 0: losses, grads (last backward), params after the steps (full tensors),
+    grad norms, the checkpoint's extra dict."""
+    from k3.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from k3.parallel.parallelize import clip_grad_norm_, full_state_dict, global_mean_loss
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = micro_config()
-    ref = reference_model(cfg)
-    sd = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref = reference_model(cfg) if load is None else None
+    sd = {k: v.clone() for k, v in (ref or reference_model(cfg, seed=1)).state_dict().items()}
     model, pm = sharded_model(cfg, sd, ep=ep, dp_replicate=dp_replicate)
     out = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": []}
     if opt:
         from k3.parallel.muon import build_sharded_optimizer
         from k3.train.optim import build_optimizer
-        ref_opt = build_optimizer(ref, lr=lr, fused=False)
-        d_opt = build_sharded_optimizer(model, lr=lr)
-    for s in range(steps):
+        # AdamW's eps well above the fp32 noise of tiny gradients (at 1e-8, m/sqrt(v) of a ~1e-9 gradient turns
+        # reduction-order noise into O(lr) differences; that is Adam's conditioning, not the sharding)
+        ref_opt = build_optimizer(ref, lr=lr, fused=False, eps=1e-4) if ref is not None else None
+        d_opt = build_sharded_optimizer(model, lr=lr, eps=1e-4)
+    if load is not None:
+        out["extra"] = load_checkpoint(latest_checkpoint(load), model, d_opt if opt else None)
+    for s in range(start, steps):
         ids, labels = batch(100 + s, rows, T, cfg.vocab_size)
-        o = ref(ids, labels=labels)
-        o.loss.backward()
-        out["ref_loss"].append(float(o.loss))
+        if ref is not None:
+            o = ref(ids, labels=labels)
+            o.loss.backward()
+            out["ref_loss"].append(float(o.loss))
         o2 = model(rows_of_rank(ids, rank, world), labels=rows_of_rank(labels, rank, world))
         loss = global_mean_loss(o2, pm)
         loss.backward()
@@ -78,16 +87,47 @@ def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0,
         dist.all_reduce(lsum)
         out["loss"].append(float(lsum))
         if clip:
-            out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+            if ref is not None:
+                out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
             out["norm"].append(float(clip_grad_norm_(model.parameters(), clip)))
         if s == steps - 1:
-            out["ref_grads"] = {k: p.grad.clone() for k, p in ref.named_parameters() if p.grad is not None}
+            if ref is not None:
+                out["ref_grads"] = {k: p.grad.clone() for k, p in ref.named_parameters() if p.grad is not None}
             out["grads"] = full_state_dict(model, grads=True)
         if opt:
-            ref_opt.step()
-            ref_opt.zero_grad(set_to_none=True)
+            if ref_opt is not None:
+                ref_opt.step()
+                ref_opt.zero_grad(set_to_none=True)
             d_opt.step()
             d_opt.zero_grad(set_to_none=True)
-    out["ref_params"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+        if save is not None and s == save_after:
+            save_checkpoint(save, s + 1, model, d_opt if opt else None,
+                            extra={"step": s + 1, "data": {"epoch": 0, "offset": (s + 1) * rows}})
+    if ref is not None:
+        out["ref_params"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     out["params"] = full_state_dict(model)
     return out if rank == 0 else {"ok": True}
+
+
+def balancer_bias(names=("qb", "qb_hist", "sign"), ep=2, rows=4, T=12, micro=2, distributed=True):
+    """Each balancer's router biases after one step (gradient accumulation over `micro` micro-batches): on the
+    sharded model (FSDP, EP), or with distributed=False one process on the concatenated batch (run that where no
+    process group exists: k3.balance reduces over the default group whenever one is initialised)."""
+    from k3.balance import make_balancer
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    cfg = micro_config()
+    out = {}
+    for name in names:
+        ref = reference_model(cfg)
+        if distributed:
+            model, _ = sharded_model(cfg, {k: v.clone() for k, v in ref.state_dict().items()}, ep=ep)
+        else:
+            model = ref
+        bal = make_balancer(name).attach(model)
+        for m in range(micro):
+            ids, _ = batch(7 + m, rows, T, cfg.vocab_size)
+            with torch.no_grad():
+                model(rows_of_rank(ids, rank, world))
+        bal.step()
+        out[name] = {r.name: r.bias.detach().clone() for r in bal.routers}
+    return out

@@ -1,0 +1,23 @@
+"""Balancers under 2 ranks (FSDP2 + EP=2) see the global batch: the bias after a step equals one process on the
+concatenated batch (k3/balance.py reduces its statistics over the default process group)."""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launcher import run_dist  # noqa: E402
+
+
+def test_balancer_bias_two_ranks_equals_one_process():
+    from launcher import _load
+    ref = _load("tests/dist/cases.py:balancer_bias")(distributed=False)   # no process group in this process
+    res = run_dist("tests/dist/cases.py:balancer_bias", 2)
+    for name, r in ref.items():
+        got = res[0][name]
+        assert got.keys() == r.keys() and r
+        for k in r:
+            torch.testing.assert_close(got[k], r[k], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name} {k}: {m}")
+            torch.testing.assert_close(res[1][name][k], got[k], atol=0, rtol=0)   # the same bias on every rank
+        assert max(float(v.abs().max()) for v in r.values()) > 0, f"{name}: the bias did not move"
+
