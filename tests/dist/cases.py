@@ -131,3 +131,11 @@ def balancer_bias(names=("qb", "qb_hist", "sign"), ep=2, rows=4, T=12, micro=2, 
         bal.step()
         out[name] = {r.name: r.bias.detach().clone() for r in bal.routers}
     return out
+
+
+def two_rank_suite():
+    """Everything the 2-rank tests check, in one launch (process start-up dominates on a loaded CPU):
+    FSDP2 (2 steps of sharded Muon + AdamW, clipping norm), EP=2 (2 steps), the balancers."""
+    return {"fsdp": train_steps(ep=1, steps=2, opt="muon", clip=1e9),
+            "ep2": train_steps(ep=2, steps=2, opt="muon", clip=1e9),
+            "balance": balancer_bias()}

@@ -1,18 +1,12 @@
 """Balancers under 2 ranks (FSDP2 + EP=2) see the global batch: the bias after a step equals one process on the
 concatenated batch (k3/balance.py reduces its statistics over the default process group)."""
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from launcher import run_dist  # noqa: E402
 
-
-def test_balancer_bias_two_ranks_equals_one_process():
+def test_balancer_bias_two_ranks_equals_one_process(two_rank_results):
     from launcher import _load
     ref = _load("tests/dist/cases.py:balancer_bias")(distributed=False)   # no process group in this process
-    res = run_dist("tests/dist/cases.py:balancer_bias", 2)
+    res = [r["balance"] for r in two_rank_results]
     for name, r in ref.items():
         got = res[0][name]
         assert got.keys() == r.keys() and r
