@@ -46,6 +46,21 @@ def sharded_model(cfg, sd, ep=1, dp_replicate=1, **pkw):
     return model, pm
 
 
+def local_bytes(model, opt=None) -> dict:
+    """This rank's bytes of parameter shards, gradient shards and optimizer state (measured)."""
+    from torch.distributed.tensor import DTensor
+
+    def nb(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    out = {"param": sum(nb(p) for p in model.parameters()),
+           "grad": 0, "optim": 0}
+    if opt is not None:
+        out["optim"] = sum(nb(v) for st in opt.state.values() for v in st.values()
+                           if torch.is_tensor(v) and v.ndim > 0)
+    return out
+
+
 def rows_of_rank(x, rank, world):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]
@@ -103,6 +118,7 @@ def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0,
         if save is not None and s == save_after:
             save_checkpoint(save, s + 1, model, d_opt if opt else None,
                             extra={"step": s + 1, "data": {"epoch": 0, "offset": (s + 1) * rows}})
+    out["bytes"] = local_bytes(model, d_opt if opt else None)
     if ref is not None:
         out["ref_params"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     out["params"] = full_state_dict(model)
