@@ -149,9 +149,36 @@ def balancer_bias(names=("qb", "qb_hist", "sign"), ep=2, rows=4, T=12, micro=2, 
     return out
 
 
+def qk_clip_case(rows=4, T=12):
+    """One training forward with max-logit tracking, then QK-clip: sharded (per-rank maxima reduced) vs
+    k3.train.optim.qk_clip on one process."""
+    from k3.parallel.parallelize import full_state_dict
+    from k3.parallel.qk_clip import sharded_qk_clip
+    from k3.train.optim import qk_clip
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = micro_config()
+    ref = reference_model(cfg)
+    model, _ = sharded_model(cfg, {k: v.clone() for k, v in ref.state_dict().items()})
+    for m in list(ref.modules()) + list(model.modules()):
+        if hasattr(m, "track_max_logit"):
+            m.track_max_logit = True
+    ids, _ = batch(3, rows, T, cfg.vocab_size)
+    with torch.no_grad():
+        ref(ids)
+        model(rows_of_rank(ids, rank, world))
+    S = torch.cat([m.last_max_logit.reshape(-1) for m in ref.modules() if getattr(m, "last_max_logit", None)
+                   is not None])
+    tau = float(S.max() + S.min()) / 2   # clips some heads, not all (random init logits are tiny)
+    n_ref = qk_clip(ref, tau=tau, sync=False)
+    n = sharded_qk_clip(model, tau=tau)
+    return {"n_ref": n_ref, "n": n, "ref": {k: v.clone() for k, v in ref.state_dict().items()},
+            "dist": full_state_dict(model)}
+
+
 def two_rank_suite():
     """Everything the 2-rank tests check, in one launch (process start-up dominates on a loaded CPU):
     FSDP2 (2 steps of sharded Muon + AdamW, clipping norm), EP=2 (2 steps), the balancers."""
     return {"fsdp": train_steps(ep=1, steps=2, opt="muon", clip=1e9),
             "ep2": train_steps(ep=2, steps=2, opt="muon", clip=1e9),
-            "balance": balancer_bias()}
+            "balance": balancer_bias(),
+            "qk_clip": qk_clip_case()}

@@ -61,3 +61,11 @@ def test_dp4_ep2_sharded_muon_and_dcp_resume_on_other_meshes(tmp_path):
         for a, b in zip(q["loss"], r["loss"][1:]):
             assert a == pytest.approx(b, rel=1e-5, abs=1e-6)
         _close_dicts(q["params"], r["params"], 5e-5, 1e-4, f"resumed at {world} ranks: param")
+
+
+def test_sharded_qk_clip_equals_one_process(two_rank_results):
+    """Per-head max logits reduced over ranks, MLA q_b / kv_b rows scaled on their shards = qk_clip on one
+    process seeing the whole batch."""
+    r = two_rank_results[0]["qk_clip"]
+    assert r["n"] == r["n_ref"] > 0
+    _close_dicts(r["dist"], r["ref"], 1e-7, 1e-6, "qk-clipped param")
