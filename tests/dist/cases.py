@@ -67,7 +67,7 @@ def rows_of_rank(x, rank, world):
 
 
 def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0, lr=0.02, start=0, save=None,
-                save_after=None, load=None):
+                save_after=None, load=None, ac=False):
     """Steps start..steps-1 (opt None: forward/backward only), distributed and (unless resuming from `load`) in
     one process. `save`/`save_after`: DCP checkpoint into `save` after that step; `load`: resume from that
     checkpoint first. Returns on rank 0: losses, grads (last backward), params after the steps (full tensors),
@@ -78,7 +78,7 @@ def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0,
     cfg = micro_config()
     ref = reference_model(cfg) if load is None else None
     sd = {k: v.clone() for k, v in (ref or reference_model(cfg, seed=1)).state_dict().items()}
-    model, pm = sharded_model(cfg, sd, ep=ep, dp_replicate=dp_replicate)
+    model, pm = sharded_model(cfg, sd, ep=ep, dp_replicate=dp_replicate, activation_checkpointing=ac)
     out = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": []}
     if opt:
         from k3.parallel.muon import build_sharded_optimizer
@@ -177,8 +177,10 @@ def qk_clip_case(rows=4, T=12):
 
 def two_rank_suite():
     """Everything the 2-rank tests check, in one launch (process start-up dominates on a loaded CPU):
-    FSDP2 (2 steps of sharded Muon + AdamW, clipping norm), EP=2 (2 steps), the balancers."""
+    FSDP2 (2 steps of sharded Muon + AdamW, clipping norm), EP=2 (2 steps, activation checkpointing), HSDP
+    (dp_replicate=2: replicas all-reduce, Muon on Replicate x Shard(0) DTensors), the balancers, QK-clip."""
     return {"fsdp": train_steps(ep=1, steps=2, opt="muon", clip=1e9),
-            "ep2": train_steps(ep=2, steps=2, opt="muon", clip=1e9),
+            "ep2": train_steps(ep=2, steps=2, opt="muon", clip=1e9, ac=True),
+            "hsdp": train_steps(dp_replicate=2, steps=2, opt="muon", clip=1e9),
             "balance": balancer_bias(),
             "qk_clip": qk_clip_case()}

@@ -41,9 +41,15 @@ def test_fsdp2_two_ranks_equal_one_process(two_rank_results):
 
 
 def test_ep2_equal_local_moe(two_rank_results):
-    """EP=2 (each rank holds 4 of 8 experts; tokens exchanged by all-to-all in the latent width): the same
-    losses, gradients (experts included) and updated parameters as the local MoE in one process."""
+    """EP=2 (each rank holds 4 of 8 experts; tokens exchanged by all-to-all in the latent width; with activation
+    checkpointing): the same losses, gradients (experts included) and updated parameters as the local MoE in one
+    process."""
     _check_run(two_rank_results[0]["ep2"], "ep2")
+
+
+def test_hsdp_replicas_equal_one_process(two_rank_results):
+    """dp_replicate=2, dp_shard=1: gradients all-reduced across replicas (sum), Muon on Replicate placements."""
+    _check_run(two_rank_results[0]["hsdp"], "hsdp")
 
 
 def test_dp4_ep2_sharded_muon_and_dcp_resume_on_other_meshes(tmp_path):
