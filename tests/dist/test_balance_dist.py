@@ -1,8 +1,10 @@
 """Balancers under 2 ranks (FSDP2 + EP=2) see the global batch: the bias after a step equals one process on the
 concatenated batch (k3/balance.py reduces its statistics over the default process group)."""
+import pytest
 import torch
 
 
+@pytest.mark.usefixtures("one_torch_thread")   # the in-process reference: tiny ops, one thread is much faster
 def test_balancer_bias_two_ranks_equals_one_process(two_rank_results):
     from launcher import _load
     ref = _load("tests/dist/cases.py:balancer_bias")(distributed=False)   # no process group in this process
