@@ -136,21 +136,23 @@ def _ep_slice(p, full: torch.Tensor) -> torch.Tensor:
 
 
 def _write_local(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy `full` (the whole logical tensor of p, or of its EP slice) into p's local shard, no communication."""
+    """Copy this rank's part of `full` (the whole logical tensor of p, or of its EP slice; may live on CPU or be
+    memory-mapped) into p's local shard: the slice is taken first, so only the local rows are read and moved."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     if isinstance(p, DTensor):
         shape, offset = compute_local_shape_and_global_offset(full.shape, p.device_mesh, p.placements)
         idx = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        p.to_local().copy_(full[idx] if len(idx) else full)
+        loc = p.to_local()
+        loc.copy_((full[idx] if len(idx) else full).to(device=loc.device, dtype=loc.dtype))
     else:
-        p.copy_(full)
+        p.copy_(full.to(device=p.device, dtype=p.dtype))
 
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, sd: dict, strict: bool = True) -> None:
-    """Load an unsharded state dict (e.g. from a single-process model or a released checkpoint read on every
-    rank) into the sharded model: each rank copies only its shards (and its EP experts)."""
+    """Load an unsharded state dict (a single-process model's, or a released checkpoint memory-mapped on every
+    rank) into the sharded model: each rank reads and copies only its shards (and its EP experts)."""
     refresh_ep_flags(model)
     own = dict(model.named_parameters())
     own.update(dict(model.named_buffers()))
@@ -161,10 +163,21 @@ def load_full_state_dict(model: nn.Module, sd: dict, strict: bool = True) -> Non
     for k, t in own.items():
         if k not in sd:
             continue
-        full = sd[k].to(device=t.device, dtype=t.dtype)
+        full = sd[k]
+        if tuple(full.shape) != _logical_shape(t):
+            raise K3ConfigError(f"load_full_state_dict: {k} has shape {tuple(full.shape)}, the model expects "
+                                f"{_logical_shape(t)}")
         if is_ep_param(t):
             full = _ep_slice(t, full)
         _write_local(t, full)
+
+
+def _logical_shape(t) -> tuple:
+    """The whole (all-rank) shape of a parameter: an EP expert slice counts all E experts."""
+    if is_ep_param(t):
+        _, ep_size, E = getattr(t, EP_PARAM_FLAG)
+        return (E,) + tuple(t.shape[1:])
+    return tuple(t.shape)
 
 
 def gather_full(t: torch.Tensor, ep_param=None) -> torch.Tensor:
