@@ -26,8 +26,6 @@ import math
 from dataclasses import dataclass, field, asdict
 from typing import Optional
 
-import torch
-
 from k3.errors import K3ConfigError
 from k3.parallel.mesh import ParallelDims
 

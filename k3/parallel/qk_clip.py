@@ -7,7 +7,6 @@ multiply a DTensor shard. `sharded_qk_clip` computes the same per-head factors f
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +52,7 @@ def sharded_qk_clip(model, tau: float = 100.0, group=None, optimizer=None) -> in
             gamma = torch.where(over, tau / S.clamp_min(1e-30), torch.ones_like(S))
             sq = gamma.sqrt()
             q_scale = torch.cat([sq[:, None].expand(H, n), gamma[:, None].expand(H, r)], 1).reshape(-1)
-            kv_scale = torch.cat([sq[:, None].expand(H, n), torch.ones(H, v)], 1).reshape(-1)
+            kv_scale = torch.cat([sq[:, None].expand(H, n), torch.ones(H, v, device=S.device)], 1).reshape(-1)
             for lin, scale in ((qw, q_scale), (kvw, kv_scale)):
                 W = lin.weight
                 if W.shape[0] != scale.numel():
