@@ -9,7 +9,8 @@ Layout: `<out_dir>/step-<N>/` holds DCP's `.metadata` and one `__<rank>_0.distcp
 `extra` dict: scheduler, balancer, data position, RNG -- tensors, numbers, strings and containers only; read
 back with `weights_only=True`). Every rank writes into `step-<N>.tmp`; after a barrier rank 0 writes `extra.pt`,
 fsyncs, and renames the directory to `step-<N>`: a kill at any point leaves the previous good checkpoint as the
-latest, and the half-written `.tmp` is ignored (and removed by the next save).
+latest, and the half-written `.tmp` is ignored (and removed by the next save). `async_save=True` stages the state
+in CPU memory and writes it in a background thread (dcp.async_save); `PendingCheckpoint.wait()` publishes it.
 
 Routed experts under EP live on each rank as an [E/ep, ...] slice FSDP-sharded over `efsdp`. For DCP they are
 presented as DTensors over an (ep, efsdp) view of the same ranks with placements (Shard(0), Shard(0)) -- the same
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from k3.errors import CheckpointError
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "find_checkpoints"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "find_checkpoints", "PendingCheckpoint"]
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -130,22 +131,50 @@ def _fsync_dir(path: str) -> None:
         pass
 
 
-def save_checkpoint(out_dir: str, step: int, model, optimizer=None, extra: Optional[dict] = None) -> str:
-    """Collective: every rank calls it. Returns the final `step-<step>` path."""
+def save_checkpoint(out_dir: str, step: int, model, optimizer=None, extra: Optional[dict] = None,
+                    async_save: bool = False):
+    """Collective: every rank calls it. Returns the final `step-<step>` path; with `async_save`, a
+    `PendingCheckpoint` once the state is staged in CPU memory (training may go on and change the weights): every
+    rank must call its `wait()` (collective) before the next save or exit; until then the checkpoint is `.tmp`."""
     import torch.distributed.checkpoint as dcp
     final = os.path.join(out_dir, f"step-{step}")
     tmp = final + ".tmp"
-    rank = dist.get_rank()
-    if rank == 0:
+    if dist.get_rank() == 0:
         os.makedirs(out_dir, exist_ok=True)
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
         os.makedirs(tmp)
     dist.barrier()
     state, _, _ = _states(model, optimizer)
+    if async_save:
+        fut = dcp.async_save(state, checkpoint_id=tmp)
+        fut = getattr(fut, "upload_completion", fut)   # AsyncSaveResponse (staging + upload) or a Future
+        return PendingCheckpoint(fut, tmp, final, out_dir, extra)
     dcp.save(state, checkpoint_id=tmp)
+    _finalize(tmp, final, out_dir, extra)
+    return final
+
+
+class PendingCheckpoint:
+    """An async save in flight (see save_checkpoint)."""
+
+    def __init__(self, future, tmp: str, final: str, out_dir: str, extra: Optional[dict]):
+        self.future, self.tmp, self.final, self.out_dir, self.extra = future, tmp, final, out_dir, extra
+        self.path: Optional[str] = None
+
+    def wait(self) -> str:
+        """Collective: wait for this rank's writes, then publish the checkpoint atomically. Returns its path."""
+        if self.path is None:
+            self.future.result()
+            _finalize(self.tmp, self.final, self.out_dir, self.extra)
+            self.path = self.final
+        return self.path
+
+
+def _finalize(tmp: str, final: str, out_dir: str, extra: Optional[dict]) -> None:
+    """After every rank wrote its shards: rank 0 writes extra.pt, fsyncs and renames .tmp -> final."""
     dist.barrier()
-    if rank == 0:
+    if dist.get_rank() == 0:
         if extra is not None:
             with open(os.path.join(tmp, "extra.pt"), "wb") as f:
                 torch.save(extra, f)
@@ -163,7 +192,6 @@ def save_checkpoint(out_dir: str, step: int, model, optimizer=None, extra: Optio
             os.rename(tmp, final)
         _fsync_dir(out_dir)
     dist.barrier()
-    return final
 
 
 def _drop_unsaved_optim_state(path: str, state: dict, osd: dict) -> None:

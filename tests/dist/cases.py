@@ -175,7 +175,47 @@ def qk_clip_case(rows=4, T=12):
             "dist": full_state_dict(model)}
 
 
-def two_rank_suite():
+def momenta(model, opt) -> dict:
+    """name -> full Muon momentum buffer (EP experts gathered over their ep group)."""
+    from k3.parallel.parallelize import gather_full, refresh_ep_flags
+    refresh_ep_flags(model)
+    return {n: gather_full(opt.state[p]["momentum_buffer"], ep_param=p).clone()
+            for n, p in model.named_parameters() if "momentum_buffer" in opt.state.get(p, {})}
+
+
+def async_save_case(ckpt_dir: str):
+    """Async DCP save (EP=2 model + sharded optimizer after one step), the weights changed while it is in flight,
+    then wait() and a load into a fresh model/optimizer: the loaded state is the one at save time."""
+    from k3.parallel.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from k3.parallel.muon import build_sharded_optimizer
+    from k3.parallel.parallelize import full_state_dict, global_mean_loss
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = micro_config()
+    sd = reference_model(cfg).state_dict()
+    model, pm = sharded_model(cfg, sd, ep=2)
+    opt = build_sharded_optimizer(model, lr=0.02)
+    ids, labels = batch(5, 4, 12, cfg.vocab_size)
+    global_mean_loss(model(rows_of_rank(ids, rank, world), labels=rows_of_rank(labels, rank, world)),
+                     pm).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    at_save = full_state_dict(model)
+    mom = momenta(model, opt)
+    pending = save_checkpoint(ckpt_dir, 1, model, opt, extra={"step": 1}, async_save=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)                           # training goes on while the save is in flight
+    was_tmp = latest_checkpoint(ckpt_dir) is None
+    path = pending.wait()
+    model2, _ = sharded_model(cfg, {k: v * 0 for k, v in sd.items()}, ep=2)
+    opt2 = build_sharded_optimizer(model2, lr=0.02)
+    extra = load_checkpoint(path, model2, opt2)
+    mom2 = momenta(model2, opt2)
+    return {"was_tmp": was_tmp, "extra": extra, "saved": at_save, "loaded": full_state_dict(model2),
+            "mom": mom, "mom2": mom2}
+
+
+def two_rank_suite(ckpt_dir: str = None):
     """Everything the 2-rank tests check, in one launch (process start-up dominates on a loaded CPU):
     FSDP2 (2 steps of sharded Muon + AdamW, clipping norm), EP=2 (2 steps, activation checkpointing), HSDP
     (dp_replicate=2: replicas all-reduce, Muon on Replicate x Shard(0) DTensors), the balancers, QK-clip."""
@@ -183,4 +223,5 @@ def two_rank_suite():
             "ep2": train_steps(ep=2, steps=2, opt="muon", clip=1e9, ac=True),
             "hsdp": train_steps(dp_replicate=2, steps=2, opt="muon", clip=1e9),
             "balance": balancer_bias(),
-            "qk_clip": qk_clip_case()}
+            "qk_clip": qk_clip_case(),
+            "async_save": async_save_case(ckpt_dir) if ckpt_dir else None}

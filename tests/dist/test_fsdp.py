@@ -75,3 +75,13 @@ def test_sharded_qk_clip_equals_one_process(two_rank_results):
     r = two_rank_results[0]["qk_clip"]
     assert r["n"] == r["n_ref"] > 0
     _close_dicts(r["dist"], r["ref"], 1e-7, 1e-6, "qk-clipped param")
+
+
+def test_async_dcp_save_is_the_state_at_save_time(two_rank_results):
+    """dcp.async_save: not published until wait(); what loads is the model and Muon momenta at save time, though
+    the weights changed while the write was in flight (EP=2, so the global expert view round-trips too)."""
+    r = two_rank_results[0]["async_save"]
+    assert r["was_tmp"] and r["extra"] == {"step": 1}
+    _close_dicts(r["loaded"], r["saved"], 0, 0, "async-saved param")
+    assert r["mom"] and r["mom"].keys() == r["mom2"].keys()
+    _close_dicts(r["mom2"], r["mom"], 0, 0, "async-saved momentum")
