@@ -1,0 +1,6 @@
+"""Distributed training on torch.distributed (issue #30): the device mesh, FSDP2 + expert parallelism applied from
+outside the model, sharded Muon, global-count losses and norms, and DCP checkpoints. Nothing in k3.model / k3.nn
+imports torch.distributed; everything here is applied to a built model."""
+from k3.parallel.mesh import ParallelDims, ParallelMesh, build_mesh
+
+__all__ = ["ParallelDims", "ParallelMesh", "build_mesh"]
