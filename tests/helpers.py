@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["rel_err", "assert_close", "case", "row"]
+__all__ = ["rel_err", "max_rel_err", "assert_close", "case", "row"]
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, finite: bool = False) -> float:
@@ -23,6 +23,14 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor, finite: bool = False) 
     if finite and not torch.isfinite(a).all():
         raise AssertionError(f"non-finite values in the result: {int((~torch.isfinite(a)).sum())} of {a.numel()}")
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| in fp64: the worst element against the largest one (the KDA tests'
+    measure; stricter than rel_err on a few bad elements)."""
+    a = actual.detach().double().cpu()
+    b = expected.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def _where(diff: torch.Tensor) -> tuple:

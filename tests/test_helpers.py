@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from helpers import assert_close, case, rel_err, row
+from helpers import assert_close, case, max_rel_err, rel_err, row
 
 
 def test_rel_err_is_the_relative_rmse():
@@ -14,6 +14,7 @@ def test_rel_err_is_the_relative_rmse():
     assert math.isnan(rel_err(torch.tensor([float("nan"), 1.0]), b))
     with pytest.raises(AssertionError, match="non-finite values in the result: 1 of 2"):
         rel_err(torch.tensor([float("inf"), 1.0]), b, finite=True)
+    assert max_rel_err(b + torch.tensor([0.0, 0.5]), b) == pytest.approx(0.125)
 
 
 def test_assert_close_names_the_worst_element():
