@@ -56,10 +56,15 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def _all_imports(body):
+    """Every Import / ImportFrom node, also inside functions and classes (not under `if TYPE_CHECKING:`)."""
     for node in body:
-        for sub in ast.walk(node):
-            if isinstance(sub, (ast.Import, ast.ImportFrom)):
-                yield sub
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            yield from _all_imports(node.orelse)
+        else:
+            for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+                yield from _all_imports(getattr(node, field, None) or [])
 
 
 def _module_level_imports(body):
