@@ -33,9 +33,7 @@ import time
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from k3.balance import load_stats, make_balancer, route_cutoffs  # noqa: E402
+from k3.balance import load_stats, make_balancer, route_cutoffs
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "balance_results")
 

@@ -24,11 +24,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from k3.config import K3Config  # noqa: E402
-from k3.info import count_params  # noqa: E402
-from k3.model import K3ForCausalLM  # noqa: E402
+from k3.config import K3Config
+from k3.info import count_params
+from k3.model import K3ForCausalLM
 
 DEV = "cuda"
 PEAK = 685e12

@@ -17,12 +17,9 @@ import datetime
 import json
 import os
 import platform
-import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DEV = "cuda"
 BF = torch.bfloat16

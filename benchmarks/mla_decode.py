@@ -36,9 +36,6 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 PEAK_BPS = 4.8e12
 # (block_n, num_warps, num_stages, splits factor) tried by --sweep (None: the plan's default)
 SWEEP = [(None, None, None, 1), (64, 4, 3, 1), (64, 8, 2, 1), (32, 8, 2, 1), (32, 4, 3, 1), (128, 8, 2, 1),

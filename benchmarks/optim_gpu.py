@@ -14,10 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():

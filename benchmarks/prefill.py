@@ -8,16 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from k3.config import K3Config  # noqa: E402
-from k3.generation.cache import K3Cache  # noqa: E402
-from k3.model import K3ForCausalLM  # noqa: E402
+from k3.config import K3Config
+from k3.generation.cache import K3Cache
+from k3.model import K3ForCausalLM
 
 
 def main():

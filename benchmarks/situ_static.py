@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TYPES = dict(R="i32", C="i32", sg="i32", su="i32", so="i32", sd="i32", sdg="i32", b1="fp32", b2="fp32")
 

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from k3.config import K3Config  # noqa: E402
+from k3.config import K3Config
 
 
 def active_params(cfg: K3Config) -> dict:

@@ -40,6 +40,7 @@ from typing import List, Optional
 
 import torch
 
+from k3 import knobs
 from k3.generation.cache import K3Cache, MLALayerCache
 from k3.ops import f32
 from k3.nn.mla import bmm_acc, out_dtype_matmul_ok  # noqa: F401 (re-exported)
@@ -96,8 +97,7 @@ class StaticDecoder:
         self._steps = 0
         self.compile = bool(compile)
         if mla_kernel is None:
-            import os
-            mla_kernel = os.environ.get("K3_MLA_DECODE", "") or ("triton" if self.device.type == "cuda" else "torch")
+            mla_kernel = knobs.get("K3_MLA_DECODE") or ("triton" if self.device.type == "cuda" else "torch")
         if mla_kernel not in ("torch", "triton"):
             raise ValueError(f"StaticDecoder: mla_kernel {mla_kernel!r} (expected 'torch' or 'triton')")
         self.mla_kernel = mla_kernel

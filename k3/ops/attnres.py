@@ -7,6 +7,7 @@ streams sources one at a time; `attnres_mix_reference` is the definition, writte
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -24,17 +25,16 @@ def mix_query(gamma: torch.Tensor, proj_1d: torch.Tensor) -> torch.Tensor:
     return f32(gamma) * f32(proj_1d[0])
 
 
-def _avail(name):
-    def ok() -> bool:
-        from k3.ops import attnres_triton
-        return attnres_triton.fla_available() if name == "fla" else attnres_triton.compile_available()
-    return ok
+def _fla_available() -> bool:
+    from k3.ops import attnres_triton
+    return attnres_triton.fla_available()
 
 
-# "torch": the eager code below (any device); "fla" / "compile": fused CUDA paths (k3.ops.attnres_triton).
+# "torch": the eager code below (any device); "fla": flash-linear-attention's fused kernels (k3.ops.attnres_triton);
+# "compile": the eager code under torch.compile (`mix_compile`, CUDA machines without fla)
 dispatch.register("attnres", "torch", lambda: True, priority=0)
-dispatch.register("attnres", "fla", _avail("fla"), priority=10)
-dispatch.register("attnres", "compile", _avail("compile"), priority=5)
+dispatch.register("attnres", "fla", _fla_available, priority=10)
+dispatch.register("attnres", "compile", lambda: torch.cuda.is_available(), priority=5)
 
 
 def attnres_mix_reference(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -58,11 +58,18 @@ def attnres_mix(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1
         return sources[0]
     if sources[0].device.type == "cuda":
         name = dispatch.resolve("attnres", backend, "cuda")
-        if name != "torch":
-            from k3.ops import attnres_triton
-            if attnres_triton.uniform(sources) and sources[0].dtype != torch.float64:
-                return attnres_triton.MIX[name](sources, w, eps)
+        if name != "torch" and _uniform(sources) and sources[0].dtype != torch.float64:
+            if name == "fla":
+                from k3.ops import attnres_triton
+                return attnres_triton.mix_fla(sources, w, eps)
+            return mix_compile(sources, w, eps)
     return mix_eager(sources, w, eps)
+
+
+def _uniform(sources: Sequence[torch.Tensor]) -> bool:
+    """The fused CUDA paths need every source in one dtype, shape and device (the model's are)."""
+    s0 = sources[0]
+    return all(s.dtype == s0.dtype and s.shape == s0.shape and s.device == s0.device for s in sources)
 
 
 def mix_eager(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -83,6 +90,18 @@ def _mix_streamed(sources, w, eps):
     for i in range(1, len(sources)):  # fixed summation order
         out = out + alpha_SN[i].unsqueeze(-1) * f32(sources[i])
     return out.to(sources[0].dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_mix():
+    return torch.compile(mix_eager, dynamic=False)
+
+
+def mix_compile(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "compile" CUDA backend: `mix_eager` under torch.compile (Inductor fuses it into a few kernels)."""
+    if torch.compiler.is_compiling():  # already inside a compiled region: let the outer graph fuse it
+        return mix_eager(sources, w, eps)
+    return _compiled_mix()(list(sources), w, eps)
 
 
 def attnres_mix_decode(sources: Sequence[torch.Tensor], w32: torch.Tensor, eps: float = ATTNRES_EPS) -> torch.Tensor:

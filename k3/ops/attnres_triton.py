@@ -1,11 +1,10 @@
-"""CUDA backends of AttnRes mixing (dispatch op "attnres"): one fused pass over the depth sources, fp32 math.
+"""The "fla" CUDA backend of AttnRes mixing (dispatch op "attnres"): one fused pass over the depth sources, fp32 math.
 
-- "fla": flash-linear-attention's Triton `fused_attnres` (forward and backward kernels). Our mix
-  softmax_s(<V_s / rms(V_s), w>) is fla's with query = w, rms_weight = 1, scale = 1; it reads each source once
-  (and once more in backward) and writes the mix once, so it runs near the copy bandwidth.
-- "compile": the eager fp32 formula of k3.ops.attnres under torch.compile (Inductor fuses it into a few kernels);
-  for CUDA machines without fla.
-Both need every source in one dtype and shape (the model's are); otherwise the eager path runs.
+flash-linear-attention's Triton `fused_attnres` (forward and backward kernels). Our mix softmax_s(<V_s / rms(V_s), w>)
+is fla's with query = w, rms_weight = 1, scale = 1; it reads each source once (and once more in backward) and writes
+the mix once, so it runs near the copy bandwidth. It needs every source in one dtype and shape (the model's are);
+otherwise k3.ops.attnres runs its eager path. The other CUDA backend, "compile" (the eager formula under
+torch.compile), lives beside the formula in k3.ops.attnres. This module imports nothing from k3.
 """
 from __future__ import annotations
 
@@ -31,10 +30,6 @@ def fla_available() -> bool:
     return torch.cuda.is_available() and _fla_attnres() is not None
 
 
-def compile_available() -> bool:
-    return torch.cuda.is_available()
-
-
 _ONES: dict = {}
 
 
@@ -51,24 +46,3 @@ def mix_fla(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> tor
     fused = _fla_attnres()
     d = sources[0].shape[-1]
     return fused(w.float(), list(sources), _ones(d, w.device), rms_eps=eps, scale=1.0)
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled():
-    from k3.ops.attnres import mix_eager
-    return torch.compile(mix_eager, dynamic=False)
-
-
-def mix_compile(sources: Sequence[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # already inside a compiled region: let the outer graph fuse it
-        from k3.ops.attnres import mix_eager
-        return mix_eager(sources, w, eps)
-    return _compiled()(list(sources), w, eps)
-
-
-def uniform(sources: Sequence[torch.Tensor]) -> bool:
-    s0 = sources[0]
-    return all(s.dtype == s0.dtype and s.shape == s0.shape and s.device == s0.device for s in sources)
-
-
-MIX = {"fla": mix_fla, "compile": mix_compile}

@@ -10,6 +10,8 @@ import math
 import os
 import sys
 
+from k3 import knobs
+
 
 def _int_in(name, lo, hi=None):
     """argparse type: an integer in [lo, hi] (a clear `k3 serve: error: argument ...` otherwise)."""
@@ -80,7 +82,7 @@ def build_server(a):
     if max_context < 2:
         raise K3Error(f"--max-context must be >= 2, got {max_context}")
     name = a.served_model_name or os.path.basename(os.path.normpath(a.ckpt)) or "k3"
-    key = a.api_key if a.api_key is not None else os.environ.get("K3_API_KEY") or None
+    key = a.api_key if a.api_key is not None else knobs.get("K3_API_KEY")
     default_max_tokens = a.default_max_tokens or None          # 0: the rest of the context
     cfg = ServeConfig(model_name=name, api_key=key, max_batch=a.max_batch, max_queue=a.max_queue,
                       max_context=max_context, default_max_tokens=default_max_tokens,
@@ -92,7 +94,7 @@ def build_server(a):
 def _cmd_serve(a) -> int:
     _need_serving_deps()                      # before loading the model: the flags are checked by argparse
     from k3.serve.app import run_server
-    if not _is_loopback(a.host) and not (a.api_key or os.environ.get("K3_API_KEY")):
+    if not _is_loopback(a.host) and not (a.api_key or knobs.get("K3_API_KEY")):
         print(f"k3 serve: warning: listening on {a.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
     app, cfg = build_server(a)

@@ -29,11 +29,8 @@ TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 1.5e-2}  # relative RMSE vs
 
 from k3.ops.triton_interp import fix_interpreter_bf16_dot, run_interpreted  # noqa: E402
 
-
-def _rr(a, b) -> float:
-    """Relative RMSE of a against reference b."""
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, also in the child
+from helpers import rel_err  # noqa: E402  (relative RMSE = ||a - b|| / ||b||)
 
 
 def reference(qf, kv, lens, C):
@@ -74,9 +71,9 @@ def _kernel_checks(res: dict) -> None:
         p = mdt.plan(N, H, W, C, R, dt, kv.device, splits=splits, block_n=bn)
         o = mdt.mla_decode(qf, kv, lens, C, p)
         ref = reference(qf, kv, lens, C)
-        res[name] = dict(rr=_rr(o, ref), finite=bool(torch.isfinite(o).all()), shape=list(o.shape),
+        res[name] = dict(rr=rel_err(o, ref), finite=bool(torch.isfinite(o).all()), shape=list(o.shape),
                          dtype=str(o.dtype), tol=TOL[str(dt).split(".")[-1]], splits=p.splits, NHB=p.NHB, BN=p.BN,
-                         row0_rr=_rr(o[0], ref[0]))
+                         row0_rr=rel_err(o[0], ref[0]))
     # the plan depends on static shapes only, and the default interpreter plan splits the window
     a = mdt.plan(4, 8, 300, 256, 32, torch.bfloat16, torch.device("cpu"))
     b = mdt.plan(4, 8, 300, 256, 32, torch.bfloat16, torch.device("cpu"))

@@ -3,8 +3,12 @@
 Errors are relative Frobenius norms ||gpu - ref|| / ||ref||; bf16 operands land around 1e-3..1e-2. Each test
 prints its errors (run with -s to see them; benchmarks/RESULTS.md quotes them).
 """
+import functools
+
 import pytest
 import torch
+
+from helpers import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -12,10 +16,7 @@ DEV = "cuda"
 BF = torch.bfloat16
 
 
-def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all(), "non-finite values in the GPU result"
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+rel = functools.partial(rel_err, finite=True)   # rel(gpu, reference); a non-finite GPU result fails by itself
 
 
 def report(name, **errs):

@@ -8,6 +8,8 @@ import time
 import pytest
 import torch
 
+from helpers import rel_err
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -68,10 +70,9 @@ def test_fused_muon_matches_foreach_on_cuda(micro_model_overrides):
     def worst(ka, kb):
         w = m = 0.0
         for pa, pb in zip(models[ka].parameters(), models[kb].parameters()):
-            rel = lambda a, b: float((a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30))  # noqa
-            w = max(w, rel(pa.detach(), pb.detach()))
+            w = max(w, rel_err(pb, pa))     # relative to run ka
             if "master" in opts[ka].state.get(pa, {}):
-                m = max(m, rel(opts[ka].state[pa]["master"], opts[kb].state[pb]["master"]))
+                m = max(m, rel_err(opts[kb].state[pb]["master"], opts[ka].state[pa]["master"]))
         return w, m
     f32_w, f32_m = worst((False, torch.float32), (True, torch.float32))
     bf_w, bf_m = worst((False, torch.bfloat16), (True, torch.bfloat16))

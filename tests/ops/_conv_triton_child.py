@@ -1,16 +1,18 @@
-"""Run under TRITON_INTERPRET=1 by test_conv_triton.py; prints one JSON object."""
+"""Run under TRITON_INTERPRET=1 by test_conv_triton.py; prints one JSON object: {case id: its row} (the ids are
+test_conv_triton.py's parameters; a case that raises records its traceback in its own row)."""
 import json
+import os
+import sys
 
 import torch
 
 from k3.ops import conv_triton as ct
 from k3.ops.conv import causal_conv1d, causal_conv1d_reference
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import case, rel_err as rel  # noqa: E402  (tests/helpers.py)
+
 torch.manual_seed(0)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def ref_grads(x, w, act, cu=None):
@@ -41,19 +43,18 @@ def check(x, w, act, cu=None):
     return out
 
 
-out = {"dense": {}, "varlen": {}}
+out = {}
 for act in ("silu", None):
     x = torch.randn(2, 150, 200) * 2
     w = torch.randn(200, 4) * 0.5
-    out["dense"][f"B2 T150 C200 {act}"] = check(x, w, act)
+    case(out, f"fp32 {act or 'no-act'} B2 T150 C200", lambda: check(x, w, act))
 cu = torch.tensor([0, 1, 1, 71, 76, 156], dtype=torch.int32)
 x = torch.randn(1, 156, 130) * 2
 w = torch.randn(130, 4) * 0.5
-out["varlen"]["docs 1,0,70,5,80"] = check(x, w, "silu", cu)
-y_no_reset = ct.conv1d_fwd(x, w, None, True)
-out["varlen_would_leak"] = rel(y_no_reset, ref_grads(x, w, "silu", cu)[0])
+case(out, "fp32 varlen docs 1,0,70,5,80", lambda: check(x, w, "silu", cu))
+case(out, "varlen without resets", lambda: {"y": rel(ct.conv1d_fwd(x, w, None, True), ref_grads(x, w, "silu", cu)[0])})
 xb, wb = (torch.randn(2, 100, 256) * 2).bfloat16(), torch.randn(256, 4) * 0.5
-out["bf16"] = check(xb, wb, "silu")
+case(out, "bf16 silu B2 T100 C256", lambda: check(xb, wb, "silu"))
 # the dispatch path with autograd (custom ops + autograd.Function) against the torch path
 x = (torch.randn(1, 90, 160) * 2).requires_grad_()
 wc = (torch.randn(160, 1, 4) * 0.5).requires_grad_()
@@ -67,34 +68,64 @@ def spy(*a):
     return orig(*a)
 
 
-ct.conv1d_fwd = spy
-y_t, st = causal_conv1d(x, wc, cu_seqlens=cu, backend="triton")
-ct.conv1d_fwd = orig
 y_r, _ = causal_conv1d(x, wc, cu_seqlens=cu, backend="torch")
 dy = torch.randn_like(y_r)
-g_t = torch.autograd.grad(y_t, (x, wc), dy)
 g_r = torch.autograd.grad(y_r, (x, wc), dy)
-out["dispatch_took_triton"] = bool(calls) and st is None
-out["dispatch"] = {"y": rel(y_t, y_r), "dx": rel(g_t[0], g_r[0]), "dw": rel(g_t[1], g_r[1])}
-# kernel size 3: the backward kernel is written for 4, so backend "triton" takes the torch path (and says why)
-w3 = torch.randn(160, 1, 3) * 0.5
-calls.clear()
-ct.conv1d_fwd = spy
-y3 = causal_conv1d(x.detach(), w3, backend="triton")[0]
-ct.conv1d_fwd = orig
-out["k3_took_torch"] = not calls and rel(y3, causal_conv1d(x.detach(), w3, backend="torch")[0]) == 0.0
-try:
-    ct.conv1d_bwd(x.detach(), w3.reshape(160, 3), dy, None, True)
-    out["k3_bwd_error"] = ""
-except ValueError as e:
-    out["k3_bwd_error"] = str(e)
-s = ct.token_starts(cu, 90)
-torch.library.opcheck(torch.ops.k3.conv1d_fwd.default, (x.detach(), wc.detach().reshape(160, 4), s, True))
-torch.library.opcheck(torch.ops.k3.conv1d_bwd.default, (x.detach(), wc.detach().reshape(160, 4), dy, s, True))
-out["opcheck"] = "ok"
-# torch.compile(fullgraph=True) through the dispatch, the custom ops and the autograd.Function: no graph break
-f = torch.compile(lambda a, b, c: causal_conv1d(a, b, cu_seqlens=c, backend="triton")[0], fullgraph=True)
-y_c = f(x, wc, cu)
-g_c = torch.autograd.grad(y_c, (x, wc), dy)
-out["compiled"] = {"y": rel(y_c, y_r), "dx": rel(g_c[0], g_r[0]), "dw": rel(g_c[1], g_r[1])}
+
+
+def dispatch():
+    calls.clear()
+    ct.conv1d_fwd = spy
+    try:
+        y_t, st = causal_conv1d(x, wc, cu_seqlens=cu, backend="triton")
+    finally:
+        ct.conv1d_fwd = orig
+    g_t = torch.autograd.grad(y_t, (x, wc), dy)
+    return {"took_triton": bool(calls) and st is None,
+            "errs": {"y": rel(y_t, y_r), "dx": rel(g_t[0], g_r[0]), "dw": rel(g_t[1], g_r[1])}}
+
+
+case(out, "dispatch triton vs torch", dispatch)
+
+
+def kernel_size_3():
+    """the backward kernel is written for 4, so backend "triton" takes the torch path (and says why)"""
+    w3 = torch.randn(160, 1, 3) * 0.5
+    calls.clear()
+    ct.conv1d_fwd = spy
+    try:
+        y3 = causal_conv1d(x.detach(), w3, backend="triton")[0]
+    finally:
+        ct.conv1d_fwd = orig
+    r = {"took_torch": not calls and rel(y3, causal_conv1d(x.detach(), w3, backend="torch")[0]) == 0.0}
+    try:
+        ct.conv1d_bwd(x.detach(), w3.reshape(160, 3), dy, None, True)
+        r["bwd_error"] = ""
+    except ValueError as e:
+        r["bwd_error"] = str(e)
+    return r
+
+
+case(out, "kernel size 3", kernel_size_3)
+
+
+def opcheck():
+    s = ct.token_starts(cu, 90)
+    torch.library.opcheck(torch.ops.k3.conv1d_fwd.default, (x.detach(), wc.detach().reshape(160, 4), s, True))
+    torch.library.opcheck(torch.ops.k3.conv1d_bwd.default, (x.detach(), wc.detach().reshape(160, 4), dy, s, True))
+    return "ok"
+
+
+case(out, "opcheck", opcheck)
+
+
+def compiled():
+    """torch.compile(fullgraph=True) through the dispatch, the custom ops and the autograd.Function"""
+    f = torch.compile(lambda a, b, c: causal_conv1d(a, b, cu_seqlens=c, backend="triton")[0], fullgraph=True)
+    y_c = f(x, wc, cu)
+    g_c = torch.autograd.grad(y_c, (x, wc), dy)
+    return {"y": rel(y_c, y_r), "dx": rel(g_c[0], g_r[0]), "dw": rel(g_c[1], g_r[1])}
+
+
+case(out, "compiled fullgraph vs torch", compiled)
 print(json.dumps(out))

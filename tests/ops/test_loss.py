@@ -4,12 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import assert_close
 from k3.ops.loss import ce_chunk_grad, linear_cross_entropy_sum
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _case(N=50, d=24, V=97, seed=0, dtype=torch.float64):
@@ -35,7 +31,9 @@ def test_matches_autograd_fp64(chunk):
     hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
     loss = linear_cross_entropy_sum(hs, ws, y, chunk)
     dh, dw = torch.autograd.grad(loss, (hs, ws))
-    assert rel(loss, ref) < 1e-12 and rel(dh, dh_ref) < 1e-12 and rel(dw, dw_ref) < 1e-12
+    assert_close(loss, ref, rel=1e-12)
+    assert_close(dh, dh_ref, rel=1e-12)
+    assert_close(dw, dw_ref, rel=1e-12)
     assert float(dh[40:50].abs().max()) == 0.0 and float(dh[3].abs().max()) == 0.0   # ignored rows: no gradient
 
 
@@ -44,7 +42,8 @@ def test_fp32_scaled_backward_and_all_ignored():
     ref, (dh_ref, dw_ref) = _reference(h, w, y)
     hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
     (linear_cross_entropy_sum(hs, ws, y, 16) * 0.25).backward()   # e.g. 1 / n and gradient accumulation weights
-    assert rel(hs.grad, 0.25 * dh_ref) < 1e-5 and rel(ws.grad, 0.25 * dw_ref) < 1e-5
+    assert_close(hs.grad, 0.25 * dh_ref, rel=1e-5)
+    assert_close(ws.grad, 0.25 * dw_ref, rel=1e-5)
     hs2 = h.clone().requires_grad_()
     none = linear_cross_entropy_sum(hs2, w, torch.full_like(y, -100), 16)
     assert float(none) == 0.0 and float(torch.autograd.grad(none, hs2)[0].abs().max()) == 0.0
@@ -57,7 +56,9 @@ def test_bf16_within_rounding_and_grad_dtypes():
     loss = linear_cross_entropy_sum(hb, wb, y, 16)
     dh, dw = torch.autograd.grad(loss, (hb, wb))
     assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == torch.bfloat16
-    assert rel(loss, ref) < 1e-2 and rel(dh, dh_ref) < 2e-2 and rel(dw, dw_ref) < 2e-2
+    assert_close(loss, ref, rel=1e-2)
+    assert_close(dh, dh_ref, rel=2e-2)
+    assert_close(dw, dw_ref, rel=2e-2)
 
 
 def test_chunk_grad_is_the_softmax_minus_onehot():
@@ -67,7 +68,8 @@ def test_chunk_grad_is_the_softmax_minus_onehot():
     y[2] = -100
     loss, gr = ce_chunk_grad(x, y)
     ref = F.cross_entropy(x, y, ignore_index=-100, reduction="sum")
-    assert rel(loss, ref) < 1e-14 and rel(gr, torch.autograd.grad(ref, x)[0]) < 1e-14
+    assert_close(loss, ref, rel=1e-14)
+    assert_close(gr, torch.autograd.grad(ref, x)[0], rel=1e-14)
 
 
 def test_bad_shapes_are_named():
@@ -83,7 +85,8 @@ def test_frozen_head_or_frozen_inputs():
     (dh,) = torch.autograd.grad(linear_cross_entropy_sum(hs, w, y, 8), (hs,))
     ws = w.clone().requires_grad_()
     (dw,) = torch.autograd.grad(linear_cross_entropy_sum(h, ws, y, 8), (ws,))
-    assert rel(dh, dh_ref) < 1e-12 and rel(dw, dw_ref) < 1e-12
+    assert_close(dh, dh_ref, rel=1e-12)
+    assert_close(dw, dw_ref, rel=1e-12)
 
 
 def test_bf16_gradient_scale_is_not_rounded():

@@ -3,14 +3,10 @@ fp64, on fresh random inputs; the bf16 GEMMs run as fp32 emulation on CPU (the H
 import pytest
 import torch
 
+from helpers import assert_close, rel_err
 from k3.ops import dispatch
 from k3.ops.moe import route
 from k3.ops.router import router_logits, split3
-
-
-def rel(a, b):
-    a, b = a.detach(), b.detach()
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300))
 
 
 def _inputs(N=384, d=256, E=64, seed=0, wdtype=torch.float32):
@@ -41,12 +37,12 @@ def test_split_logits_and_grads_match_fp64(wdtype):
         got = router_logits(xs, ws, backend="split_bf16")
         dx, dw = torch.autograd.grad(got, (xs, ws), dl.float())
         assert got.dtype == torch.float32 and dx.dtype == torch.bfloat16 and dw.dtype == wdtype
-        assert rel(got, ref) < 1e-6, rel(got, ref)
+        assert_close(got, ref, rel=1e-6)
         bf16_gemm = (x.float() @ w.bfloat16().float().t()).bfloat16()
-        assert rel(bf16_gemm, ref) > 1e-4   # a plain bf16 GEMM would fail the bound above
+        assert rel_err(bf16_gemm, ref) > 1e-4   # a plain bf16 GEMM would fail the bound above
         # dW in fp32 precision (stored in the weight's dtype); dx no worse than one rounding of the exact one to bf16
-        assert rel(dw, dw_ref) < (1e-6 if wdtype == torch.float32 else 4e-3), rel(dw, dw_ref)
-        assert rel(dx, dx_ref) < 1.1 * rel(dx_ref.bfloat16(), dx_ref), (rel(dx, dx_ref), rel(dx_ref.bfloat16(), dx_ref))
+        assert_close(dw, dw_ref, rel=1e-6 if wdtype == torch.float32 else 4e-3)
+        assert_close(dx, dx_ref, rel=1.1 * rel_err(dx_ref.bfloat16(), dx_ref))
 
 
 def test_route_scores_and_dispatch(monkeypatch):
@@ -60,7 +56,9 @@ def test_route_scores_and_dispatch(monkeypatch):
     monkeypatch.setattr(R._SplitLogits, "apply", lambda *a, _f=R._SplitLogits.apply: calls.append(1) or _f(*a))
     monkeypatch.setenv("K3_BACKEND", "router:split_bf16")   # forced: any number of rows (512 here)
     i_s, w_s, s_s = route(x, w, bias, 8)
-    assert calls and rel(s_s, s_ref) < 1e-6 and rel(w_s, w_ref) < 1e-6
+    assert calls
+    assert_close(s_s, s_ref, rel=1e-6)
+    assert_close(w_s, w_ref, rel=1e-6)
     assert float((i_s == i_ref).float().mean()) > 0.99
     with pytest.raises(ValueError, match="unknown backend"):
         dispatch.resolve("router", "bf16", "cpu")

@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 by test_optim.py: MuonAdamW(fused=True) against the foreach path on a micro K3
 model (per-head, stacked experts, gate_up halves, tall and wide plain matrices), fp32 weights and bf16 weights
-with fp32 masters, three steps with the same gradients. Prints one JSON object."""
+with fp32 masters, three steps with the same gradients. Prints one JSON object: {case id: its row} (a case that
+raises records its traceback in its own row)."""
 import copy
 import json
 import os
@@ -15,6 +16,7 @@ from k3.train.optim import build_optimizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from conftest import _MICRO_MODEL  # noqa: E402  (the trainer tests' micro model, tests/conftest.py)
+from helpers import case, rel_err  # noqa: E402  (tests/helpers.py)
 
 fix_interpreter_bf16_dot()
 emulate_gpu(True)   # fp32 -> bf16 stores round to nearest even, as on the GPU (the interpreter truncates)
@@ -22,7 +24,9 @@ torch.manual_seed(0)
 cfg = K3Config.from_preset("tiny", **_MICRO_MODEL)
 base = K3ForCausalLM(cfg)
 out = {}
-for name, dt, masters in (("fp32", torch.float32, False), ("bf16_masters", torch.bfloat16, True)):
+
+
+def compare(dt, masters):
     models = [copy.deepcopy(base).to(dt) for _ in range(2)]
     opts = [build_optimizer(m, lr=0.02, weight_decay=0.1, master_weights=masters, fused=f)
             for m, f in zip(models, (False, True))]
@@ -37,13 +41,16 @@ for name, dt, masters in (("fp32", torch.float32, False), ("bf16_masters", torch
     n_masters = 0
     for (n, pa), (_, pb) in zip(models[0].named_parameters(), models[1].named_parameters()):
         a, b = pa.detach(), pb.detach()
-        d = (a.double() - b.double()).norm() / a.double().norm().clamp_min(1e-30)
-        worst = max(worst, float(d))
+        worst = max(worst, rel_err(b, a))      # fused relative to the foreach run
         if masters and "master" in opts[0].state.get(pa, {}):
             n_masters += 1
             ma, mb = opts[0].state[pa]["master"], opts[1].state[pb]["master"]
-            worst_master = max(worst_master, float((ma.double() - mb.double()).norm() / ma.double().norm()))
+            worst_master = max(worst_master, rel_err(mb, ma))
     n_muon = sum(len(gr["params"]) for gr in opts[1].param_groups if gr["use_muon"])
     ortho = sorted({gr["ortho"] for gr in opts[1].param_groups if gr["use_muon"]})
-    out[name] = dict(worst=worst, worst_master=worst_master, n_muon=n_muon, orthos=ortho, n_masters=n_masters)
+    return dict(worst=worst, worst_master=worst_master, n_muon=n_muon, orthos=ortho, n_masters=n_masters)
+
+
+for name, dt, masters in (("fp32", torch.float32, False), ("bf16_masters", torch.bfloat16, True)):
+    case(out, name, lambda: compare(dt, masters))
 print(json.dumps(out))
