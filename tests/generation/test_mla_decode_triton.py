@@ -28,6 +28,8 @@ TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 1.5e-2}  # relative RMSE vs
 
 
 from k3.ops.triton_interp import fix_interpreter_bf16_dot, run_interpreted  # noqa: E402
+# bound at import: several test folders have a conftest module, so `conftest` later names whichever loaded last
+from conftest import build as _build, micro_config as _micro_config  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, also in the child
 from helpers import rel_err  # noqa: E402  (relative RMSE = ||a - b|| / ||b||)
@@ -173,9 +175,8 @@ def test_cpu_without_interpreter_falls_back():
     """In this process (no TRITON_INTERPRET) on CPU, mla_kernel='triton' runs the torch path; bad names raise."""
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("needs a CPU-only process without the interpreter")
-    from conftest import build, micro_config
     from k3.generation import K3Cache, StaticDecoder
-    m = build(micro_config(all_mla=True, layers=2), torch.float32)
+    m = _build(_micro_config(all_mla=True, layers=2), torch.float32)
     dec = StaticDecoder(m, K3Cache.for_model(m, 1, max_length=16), 1, mla_kernel="triton")
     assert dec.mla_kernel == "triton" and dec.layers[0]["attn"].kernel == "torch"
     dec.step(torch.tensor([3]))
