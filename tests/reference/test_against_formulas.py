@@ -4,8 +4,8 @@ Elsewhere in the suite fast paths are compared with k3's own reference functions
 (swapped SiTU betas, the MLA gate after o_proj, the AttnRes logits without the RMS normalisation, ...) passes.
 Here every layer of a small fp64 model (the `tiny` preset shrunk: 6 layers, AttnRes block boundaries at layers
 0, 2, 4, KDA and MLA, dense + LatentMoE) is run on CPU and compared with formulas.py, which reads the parameters
-by their released checkpoint names (k3.checkpoint.to_released: stacked experts split into w1/w3/w2, A_log padded), so the
-checkpoint mapping is covered as well. All parameters are randomised (norm weights != 1, AttnRes pseudo-queries
+by their released checkpoint names (k3.checkpoint.to_released: stacked experts split into w1/w3/w2, A_log
+padded), so the checkpoint mapping is covered as well. All parameters are randomised (norm weights != 1, AttnRes pseudo-queries
 != 0, correction bias != 0, A_log != 0) so that no term vanishes at init values.
 
 Tolerance: fp64 everywhere; the differences are summation-order effects (chunked KDA vs a token loop, grouped
