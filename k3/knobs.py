@@ -168,10 +168,11 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
           "Muon's momentum and update as Triton kernels (`1`) or torch foreach ops (`0`): speed of the optimizer "
           "step; `1` needs Triton with CUDA (or TRITON_INTERPRET=1).",
           _flag(), ["k3/train/optim.py"], "`build_optimizer(fused=)`"),
-    _knob("K3_SITU_TANH", "`approx`, `exact`", "approx", "`approx`",
-          "SiTU-GLU Triton kernels on 16-bit CUDA inputs: the hardware tanh.approx (`approx`, max relative error "
-          "2^-11, below bf16 rounding; faster) or exp-based tanh (`exact`). fp32 and the interpreter are always exact.",
-          _choice("approx", "exact"), ["k3/ops/activations_triton.py"],
+    _knob("K3_SITU_TANH", "`auto`, `approx`, `exact`", "auto", "`auto`",
+          "SiTU-GLU Triton kernels on 16-bit CUDA inputs: the hardware tanh.approx (max relative error 2^-11, "
+          "outputs within 0.51 bf16 ulp of fp64 on the model's activations; faster) or the exp-based exact tanh. "
+          "`auto`: approx for training launches, exact for inference. fp32 and the interpreter are always exact.",
+          _choice("auto", "approx", "exact"), ["k3/ops/activations_triton.py"],
           "`k3.ops.activations_triton.APPROX_TANH` (a pin for tests and benchmarks)"),
     _knob("K3_MLA_DECODE", "`torch`, `triton`", None, "`triton` on CUDA, else `torch`",
           "Kernel of the static (CUDA-graph) decoder's MLA step: the Triton decode kernel or the torch path.",
@@ -306,6 +307,15 @@ def override(**values: Any) -> Iterator[None]:
                 _PY.pop(n, None)
             else:
                 _PY[n] = v
+
+
+def child_env(**extra: str) -> dict:
+    """A copy of this process's environment for a child process, with `extra` set (e.g. TRITON_INTERPRET, which
+    must be set before the child imports triton, or CUDA_VISIBLE_DEVICES). Python-side knob settings do not cross
+    into the child: set them as environment variables in `extra`."""
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
 
 
 def table_markdown() -> str:

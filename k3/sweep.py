@@ -61,6 +61,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from k3 import knobs
 from k3.errors import K3ConfigError
 
 log = logging.getLogger("k3.sweep")
@@ -636,7 +637,7 @@ class Sweep:
         slots = list(range(self.gpus)) if self.gpus > 0 else [None]
         queue = list(todo)
         running: dict = {}  # slot -> (Popen, p, seed, cfg, row_path)
-        env_base = dict(os.environ)
+        env_base = knobs.child_env()
         try:
             while queue or running:
                 for slot in slots:

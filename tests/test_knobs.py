@@ -16,9 +16,6 @@ ENV_READERS_NOT_YET_CONVERTED = {
     "k3/ops/kda/triton/__init__.py",    # K3_KDA_TRITON_BWD
     "k3/ops/kda/triton/ops.py",         # K3_KDA_STATE_CFG, K3_KDA_TRITON_FWD
     "k3/ops/kda/triton/ops_bwd.py",     # K3_KDA_BWD_LAUNCH / _CHECK, TRITON_INTERPRET; writes K3_KDA_TRITON_BWD
-    # reads no knob: builds a child process's environment (a copy of this one plus TRITON_INTERPRET=1, which has to
-    # be set before the child imports triton), so the copy is the point
-    "k3/ops/triton_interp.py",
 }
 
 
@@ -202,12 +199,12 @@ def test_situ_tanh(monkeypatch):
     pytest.importorskip("triton")
     from k3.ops import activations_triton as at
     x = torch.zeros(2, dtype=torch.bfloat16)
-    assert knobs.get("K3_SITU_TANH") == "approx" and not at._approx(x)   # CPU tensors: always exact
+    assert knobs.get("K3_SITU_TANH") == "auto" and not at._approx(x)   # CPU tensors: always exact
     knobs.set(K3_SITU_TANH="exact")
     monkeypatch.setenv("K3_SITU_TANH", "APPROX")
     assert knobs.get("K3_SITU_TANH") == "approx"
     monkeypatch.setenv("K3_SITU_TANH", "fast")
-    with pytest.raises(K3ConfigError, match=r"K3_SITU_TANH must be approx or exact, got 'fast'"):
+    with pytest.raises(K3ConfigError, match=r"K3_SITU_TANH must be one of auto, approx, exact, got 'fast'"):
         at._approx(x)
 
 

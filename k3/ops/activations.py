@@ -48,10 +48,10 @@ def _use_triton(x: torch.Tensor) -> bool:
     return _HAVE_TRITON
 
 
-def _fwd(g, u, b1, b2):
+def _fwd(g, u, b1, b2, train: bool = True):
     if _use_triton(g) and g.shape == u.shape:
         from k3.ops import activations_triton  # noqa: F401  (registers torch.ops.k3.situ_*)
-        return torch.ops.k3.situ_fwd(g, u, b1, b2)
+        return torch.ops.k3.situ_fwd(g, u, b1, b2, train)
     return _situ_fwd_torch(g, u, b1, b2)
 
 
@@ -115,7 +115,7 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float 
         if not _use_node(g):
             return _situ_fwd_torch(g, u, beta1, beta2)
         return _SiTUGLU.apply(g, u, float(beta1), float(beta2))
-    return _fwd(g, u, float(beta1), float(beta2))
+    return _fwd(g, u, float(beta1), float(beta2), train=False)
 
 
 def situ_glu_reference(g: torch.Tensor, u: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:

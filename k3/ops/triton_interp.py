@@ -19,13 +19,16 @@ import subprocess
 import sys
 from typing import Iterable, Optional
 
+from k3 import knobs
+
 _GPU = {"on": False}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_interpreted(script: str, timeout: float = 300, env_pop: Iterable[str] = (),
                     env_set: Optional[dict] = None) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = knobs.child_env(TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     for k in env_pop:
         env.pop(k, None)
     env.update(env_set or {})

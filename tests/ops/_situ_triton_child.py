@@ -39,7 +39,19 @@ def check(R, C, dt):
     return errs
 
 
+def check_tiny():
+    """Small |g / b1|, |u / b2| (1e-7 .. 0.5: the exact tanh's series branch and its boundary at 1/8) against fp64,
+    worst element relative: the exp-based tanh alone cancels there (rel. error up to ~0.4)."""
+    mag = torch.logspace(-7, -0.3, 4096)
+    sign = torch.where(torch.arange(4096) % 2 == 0, 1.0, -1.0)
+    g, u = (mag * sign * 4.0).view(64, 64), (mag.flip(0) * 25.0).view(64, 64)
+    o = at.situ_fwd(g, u, 4.0, 25.0, train=False)
+    want = _situ_fwd_torch(g.double(), u.double(), 4.0, 25.0)
+    return [((o.double() - want).abs() / want.abs()).max().item()]
+
+
 res = {}
+case(res, "tiny.torch.float32", check_tiny)
 for R, C, dt in ((5, 48, torch.float32), (33, 512, torch.float32), (3, 1536, torch.bfloat16)):
     case(res, f"{R}x{C}.{dt}", lambda: check(R, C, dt))
 print(json.dumps(res))
