@@ -39,9 +39,12 @@ class TritonKDAConfig:
     prep_cfg: Optional[dict] = None
 
     def bwd_mode(self) -> str:
-        mode = (self.bwd or os.environ.get(ENV_BWD, "").strip().lower() or DEFAULT_BWD).lower()
+        if self.bwd is not None:
+            mode, what = str(self.bwd).lower(), "TritonKDAConfig.bwd"
+        else:
+            mode, what = os.environ.get(ENV_BWD, "").strip().lower() or DEFAULT_BWD, ENV_BWD
         if mode not in BWD_IMPLS:
-            raise ValueError(f"bwd={mode!r} (argument or ${ENV_BWD}): known values are {', '.join(BWD_IMPLS)}")
+            raise ValueError(f"{what}={mode!r}: known values are {', '.join(BWD_IMPLS)}")
         return mode
 
 
