@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ["K3_KDA_BWD_CHECK"] = "1"
 import torch  # noqa: E402
-from k3.ops.kda.triton import ops_bwd  # noqa: E402
+from k3.ops.kda.triton import bwd as ops_bwd  # noqa: E402
 
 cases = [(8192, 96, 16, 0), (1024, 96, 16, 0), (8192, 8, 16, 0), (8192, 96, 2.7, 0), (1024, 8, 2.7, 0)]
 if len(sys.argv) > 1:
