@@ -32,7 +32,7 @@ __all__ = ["kda_chunk_bwd", "fwd_save", "kernel_table", "gpu_selfcheck", "launch
 
 
 def _split_grid(NC: int, H: int, NS: int, inner: bool) -> tuple:
-    """Grid of a kernel whose (chunk, head) pairs are split NS ways (kernels_bwd._split_pid): (NC * NS, H, 1) with a
+    """Grid of a kernel whose (chunk, head) pairs are split NS ways (bwd_common._split_pid): (NC * NS, H, 1) with a
     chunk's splits consecutive (inner), else (NC, H, NS)."""
     return (NC * NS, H, 1) if inner else (NC, H, NS)
 
@@ -156,7 +156,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         if saved is not None and not (lc["value"]["PRE"] and (saved.states.dtype, saved.uns.dtype) == (st_dt, sdt)):
             saved = None  # (config changed since the forward: the states pass recomputes them)
         if sdt != torch.float32 and lc["value"]["BK"] > 32:
-            # correct in the interpreter, but an illegal memory access on the H200 (triton 3.6, tenth session)
+            # correct in the interpreter, but an illegal memory access on the H200 (triton 3.6)
             raise ValueError(f"kda_chunk_bwd: value BK={lc['value']['BK']} with the bf16 scratch is refused (an illegal "
                              "memory access on the H200 with triton 3.6); use BK <= 32")
         # the gradient kernels' operands, fp32: T, tril_-1(L) (cmat slots 0, 1), W, k e^(G_l - G), tril(Aq), G, norms
@@ -166,8 +166,7 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
         sf32 = bool(lc["value"]["PRE_F32"])
         # W / k e^(G_l - G) for the gradient kernels: fp32 copies, or the intermediate-dtype ones (w, kd); with value's
         # PRE only inter reads W (not with value's DNU either) and nothing k e^(G_l - G) (inter's fp32 x1s / x2s are then
-        # allocated by _grads); the fp32 Aq only without PRE (value forming du'; fourteenth session: matrices 1.78 -> 1.75
-        # ms, backward 10.24 -> 10.16 at B1 T8K H96, and 201 MB less at T8K, 3.2 GB at T128K)
+        # allocated by _grads); the fp32 Aq only without PRE (value forming du' itself; 3.2 GB less at B1 T128K H96)
         if pre and lc["value"]["DNU"]:
             ws = None  # (nothing reads W after the passes)
         else:
@@ -228,7 +227,7 @@ def _nonfinite(**tensors) -> None:
 
 def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, dstates, uns, dus, cmat,
            dq, dk, dv, dg, dbeta, dal_part, ddt_part, ctok, cend, scale, lb, Tt, NC, lc, const, upcast):
-    """The gradient kernels value, inter, intra, gate_norm (kernels_bwd.py) after the prep and the sequential passes."""
+    """The gradient kernels value, inter, intra, gate_norm (bwd_value.py ... bwd_gate.py) after the prep and the sequential passes."""
     H, K, V, BT, ieee = const["H"], const["K"], const["V"], const["BT"], const["IEEE"]
     _nonfinite(T=cmat[:, :, 0], L=cmat[:, :, 1], ws=ws, ks=ks, aqf=aqf, states=states, dstates=dstates)
     dev = qc.device
@@ -247,8 +246,7 @@ def _grads(qc, kc, vc, gc, bc, a_log, dtb, doc, ws, ks, aqf, gcs, rqk, states, d
     NKW = 0 if dnu else NDB
     # inter's fp32 outputs x1s / x2s take the places of the fp32 W / k e^(G_l - G) copies where there are such: value
     # (done) reads them whole, inter reads only its own block of W before it writes x1s there (-2 x 4 B per token-head
-    # and K column, 12.9 GB at B1 T128K H96 D128: fwd+bwd peak 103.6 GB there against fla's 97.0 on the H200,
-    # eleventh session)
+    # and K column, 12.9 GB at B1 T128K H96 D128)
     f32 = ws is not None and ws.dtype == torch.float32
     x1s = ws if f32 else torch.empty(H, Tt, K, device=dev, dtype=torch.float32)
     x2s = ks if f32 and ks is not None else torch.empty(H, Tt, K, device=dev, dtype=torch.float32)

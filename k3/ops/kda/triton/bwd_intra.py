@@ -66,7 +66,7 @@ def kda_bwd_intra_grad_kernel(q, k, g, beta, A_log, dt_bias, cmat, nkp, gcs, rqk
     dk_col_R = e^(G_m - G_R) (dAq[:, R]^T (q scale e^(G - G_m))_{>= start of R} + dL[:, R]^T (k e^(G - G_m))),
     then adds them to inter's terms (x1s: d(q scale) -> pre-norm dq, x2s: pre-norm dk, dgis: dG). Tiles go last to first.
     FIN (needs all of a chunk's tiles in the program, TPP = BT / TS) also finishes the columns (what gate_norm does
-    otherwise; 7.23 ms vs 3.46 + 1.67 for intra + gate_norm on the H200, tenth session: off by default): dG -> dg by the suffix
+    otherwise; slower on the H200, off by default): dG -> dg by the suffix
     sum carried across the tiles, the gate (dg, this block's dA_log / ddt_bias partials), and dq / dk, or with the L2
     norm the pre-norm dq / dk in x1s / x2s plus this K block's row sums sum(qn dqn), sum(kn dkn) in sqk [2, K / BK, H,
     Ttot]; dgis is then not written. SQK (without FIN, with the L2 norm): those row sums into sqk as well, so that

@@ -81,9 +81,7 @@ def _intra_fwd(qs, kn, G, gcs, i_h, o_kb, t0, t1, g_end, Ttot, K: tl.constexpr, 
 def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr,
                     PREC: tl.constexpr):
     """(I + Nm)^-1 for strictly lower Nm [BT, BT] (fp32; tensor-core products at PREC: "tf32x3", 3-pass tf32, is
-    ~fp32 accurate, "tf32" one pass; the former exact-fp32 FMA dots held whole 64-wide operand rows in registers,
-    255 registers and kilobytes of spills per thread in the kernels calling this at K = 128,
-    benchmarks/kda_bwd_static.py).
+    ~fp32 accurate, "tf32" one pass; exact-fp32 FMA dots would hold whole 64-wide operand rows in registers).
 
     Split Nm = Nd + No into its TS-diagonal blocks and the rest. Xd = (I + Nd)^-1 = prod_j (I + (-Nd)^(2^j)) by
     repeated squaring (Nd^TS = 0), then with M = Xd No (block-nilpotent, M^(BT/TS) = 0):

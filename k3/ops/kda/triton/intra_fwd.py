@@ -15,7 +15,7 @@ import triton.language as tl
 #  - heads-fastest grid (HEAD_FAST): programs running together read whole token rows of q, k, v, g;
 #  - options kept for tuning studies (`prep_cfg`): C chunks per tile as 3-D batched dots, LOOP tiles per program
 #    (PREFETCH: the next tile's loads before the current tile's compute), KB: K in blocks (two passes), maxnreg.
-# Measurements of every option set: docs/LOG.md and benchmarks/RESULTS.md (third and tenth sessions).
+# Measurements of every option set: benchmarks/RESULTS.md and docs/LOG.md.
 # ---------------------------------------------------------------------------------------------------------------
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
@@ -167,7 +167,7 @@ def _intra_gate_cumsum(b_f, dtb, a2, lb2, m3, USE_GATE: tl.constexpr):
 
 @triton.jit
 def _intra_cols_G(g, dt_bias, th, cols, i_h, a2, lb2, m3, K: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr):
-    """K-blocked c16p prep: the addresses pk of columns `cols` of the [C, 16] tiles and their in-tile cumsum G
+    """K-blocked prep: the addresses pk of columns `cols` of the [C, 16] tiles and their in-tile cumsum G
     (base-2 log-decay, `_intra_gate_cumsum`)."""
     pk = th[:, :, None] * K + cols[None, None, :]
     if USE_GATE:
