@@ -218,9 +218,11 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
     return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
+CHECK_NONFINITE = False  # debug aid (benchmarks/kda_bwd_nan.py sets it): print each intermediate's non-finite count
+
+
 def _nonfinite(**tensors) -> None:
-    """Debug aid ($K3_KDA_BWD_CHECK=1): print the non-finite element count of each intermediate."""
-    if os.environ.get("K3_KDA_BWD_CHECK", "0") not in ("", "0"):
+    if CHECK_NONFINITE:
         print("kda_bwd nonfinite:", {n: int((~torch.isfinite(t)).sum()) for n, t in tensors.items() if t is not None},
               flush=True)
 
