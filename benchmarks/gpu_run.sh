@@ -26,7 +26,7 @@ for stage in "$@"; do case $stage in
          step tests 300 python3 -m pytest -q -s --timeout 120 --durations=10 tests/gpu -k "not tiny_model and not bf16_params_train" ;;
   tests-decode) step tests-decode 330 python3 -m pytest -v -s --timeout 150 --durations=5 \
       tests/generation/test_static_decode.py ;;
-  kdafwdlong) step kdafwdlong 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
+  kdafwdlong) step kdafwdlong 260 python3 benchmarks/kda_triton.py --no-accuracy \
       --prep-configs '["default"]' --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 \
       --shapes B1_T128K,B2_T32K --json "$OUT/kda_triton_long.json" --budget-s 230 ;;
   tests-train) step tests-train 330 python3 -m pytest -q -s -o faulthandler_timeout=280 --timeout 310 \
@@ -38,16 +38,16 @@ for stage in "$@"; do case $stage in
       --batch 8 --seq 4096 --steps 5 --compile modules --bf16-params ;;
   # eighth session: the pipelined forward (prep of piece p + 1 overlapping the walk of piece p) at every shape
   pipetest) step pipetest 150 python3 -m pytest -q -s --timeout 120 tests/gpu/test_gpu_numerics.py -k "pipelined" ;;
-  kdapipe) step kdapipe 290 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p \
+  kdapipe) step kdapipe 290 python3 benchmarks/kda_triton.py --no-accuracy \
       --prep-configs '["default"]' --state-configs ${PIPE_CONFIGS:-nopipe,pipe4k,pipe8k,pipe8k_lpt,pipe4k_lpt} \
       --state-every-shape --shapes ${PIPE_SHAPES:-B1_T128K,B2_T32K,varlen,B8_T8K} --json "$OUT/kda_pipe.json" \
       --budget-s 260 ;;
   # ninth session's next-run item 4: the varlen prep with several chunk groups per program and the next group's
   # loads (chunk table included) in flight during the current one's compute
-  kdavarlen) step kdavarlen 200 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --state-configs none \
+  kdavarlen) step kdavarlen 200 python3 benchmarks/kda_triton.py --no-accuracy --state-configs none \
       --prep-configs '["default", {"loop2_pf": {"loop": 2, "prefetch": true}}, {"loop4_pf": {"loop": 4, "prefetch": true}}, {"loop2": {"loop": 2}}]' \
       --top 4 --shapes varlen,B8_T8K --json "$OUT/kda_varlen.json" --budget-s 170 ;;
-  kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --variants c16p --prep-configs '["default"]' \
+  kdafwd4) step kdafwd4 260 python3 benchmarks/kda_triton.py --no-accuracy --prep-configs '["default"]' \
       --state-configs none --shapes B8_T8K,varlen,B2_T32K,B1_T128K --json "$OUT/kda_triton_fwd4.json" --budget-s 230 ;;
   tests-model) step tests-model 200 python3 -m pytest -q -s --timeout 120 --durations=0 tests/gpu -k tiny_model ;;
   # BWDSWEEP_FLA=SECONDS: then fla's fwd+bwd on the same inputs, with that much more time (its first backward autotunes)
@@ -80,7 +80,7 @@ for stage in "$@"; do case $stage in
          -f -o "$NR/ncu" python3 benchmarks/kda_bwd_ncu.py ${NCU_ARGS:-}
        step ncu-details 120 bash -c "'$NCU' -i '$NR/ncu.ncu-rep' --page details > '$OUT/ncu_details.txt' 2>&1; \
          wc -l '$OUT/ncu_details.txt'"
-       for kn in ${NCU_KERNELS:-pmat pwu states dstates gv gw gi2 gfin}; do
+       for kn in ${NCU_KERNELS:-chunk_matrices wy states dstates value_grad inter_grad intra_grad gate_norm_grad}; do
          step "ncu-sass-$kn" 60 bash -c "'$NCU' -i '$NR/ncu.ncu-rep' --page source --csv --print-source sass \
            -k 'regex:_${kn}_kernel' > '$NR/src/$kn.csv' 2>&1; wc -c '$NR/src/$kn.csv'"
        done
@@ -153,14 +153,14 @@ for stage in "$@"; do case $stage in
   profk3) step profk3 260 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params --optimizer k3 ;;
   profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
-  kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.ops_bwd import gpu_selfcheck as g
+  kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.bwd import gpu_selfcheck as g
 print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   kdafwd) step kdafwd $(( ${KDAFWD_BUDGET:-500} + 60 )) python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" \
       --budget-s ${KDAFWD_BUDGET:-500} ;;
   kdastate) step kdastate 560 python3 benchmarks/kda_triton.py --json "$OUT/kda_triton_state.json" --budget-s 500 \
-      --shapes B8_T8K --prep-configs '["default"]' --state-configs base,base_s3,v2_w4_late_s3,v2_w8_r128_late_s3,v2_w8_r128_pf_late,v2_w8_pf,base_w8_r128,v2_w8_ch2_pf_late ;;
-  kdafb) step kdafb $(( ${KDAFB_BUDGET:-300} + 30 )) env K3_KDA_TRITON_FWD=${KDAFB_FWD:-c16p} python3 benchmarks/kda_triton.py \
-      --bwd --variants ${KDAFB_FWD:-c16p} --prep-configs '["default"]' --state-configs none --shapes B8_T8K,varlen \
+      --shapes B8_T8K --prep-configs '["default"]' --state-configs base,base_s3,base_w8_r128,base_w8_s3 ;;
+  kdafb) step kdafb $(( ${KDAFB_BUDGET:-300} + 30 )) python3 benchmarks/kda_triton.py \
+      --bwd --prep-configs '["default"]' --state-configs none --shapes B8_T8K,varlen \
       --json "$OUT/kda_triton_bwd.json" --budget-s ${KDAFB_BUDGET:-300} ;;
   mladec) step mladec 120 python3 benchmarks/mla_decode.py --sweep --budget-s 105 --json "$OUT/mla_decode.json" ;;
   pack) python3 benchmarks/fla_warmup.py --pack "$OUT/autotune.tgz" ;;

@@ -40,7 +40,7 @@ def main():
     args = ap.parse_args()
     import torch
     from k3.ops.kda import chunk_kda, recurrent_kda
-    from k3.ops.kda.triton.ops_bwd import ENV_LAUNCH
+    from k3.ops.kda.triton.bwd_config import ENV_LAUNCH
 
     dev = torch.device(args.device)
     if args.emulate_gpu:

@@ -1,13 +1,14 @@
 """Diagnostic: non-finite gradients of the Triton KDA backward at K3 shapes (B1 T8K H96 bf16, the inputs of
-kda_bwd_sweep.py) and smaller T / H / milder gates, with each intermediate's count (K3_KDA_BWD_CHECK=1).
+kda_bwd_sweep.py) and smaller T / H / milder gates, with each intermediate's count (bwd.CHECK_NONFINITE).
 Launch options come from $K3_KDA_BWD_LAUNCH. Usage: python benchmarks/kda_bwd_nan.py [T,H,ALOG_HI,STATES ...]
 (STATES 1: with an initial state and a final-state gradient, as gpu_selfcheck has them)."""
 import os
 import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ["K3_KDA_BWD_CHECK"] = "1"
 import torch  # noqa: E402
-from k3.ops.kda.triton import ops_bwd  # noqa: E402
+from k3.ops.kda.triton import bwd as ops_bwd  # noqa: E402
+
+ops_bwd.CHECK_NONFINITE = True
 
 cases = [(8192, 96, 16, 0), (1024, 96, 16, 0), (8192, 8, 16, 0), (8192, 96, 2.7, 0), (1024, 8, 2.7, 0)]
 if len(sys.argv) > 1:

@@ -4,7 +4,7 @@ backward at a K3 head shape, then runs ONE more backward between cudaProfilerSta
     ncu --clock-control none --profile-from-start off --set full -o REPORT python3 benchmarks/kda_bwd_ncu.py
 
 profiles exactly that call's kernels (benchmarks/gpu_run.sh stage `ncu` does this and prints the report's pages).
-$K3_KDA_BWD_LAUNCH applies as everywhere (ops_bwd.env_launch). --fwd profiles our forward (c16p) instead.
+$K3_KDA_BWD_LAUNCH applies as everywhere (bwd_config.env_launch). --fwd profiles our forward instead.
 
     python benchmarks/kda_bwd_ncu.py [--B 1] [--T 8192] [--H 96] [--D 128] [--fwd]
 """
@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--fwd", action="store_true", help="profile the forward instead of the backward")
     args = ap.parse_args()
     import torch
-    from k3.ops.kda.triton import ops as fwd_ops, ops_bwd
+    from k3.ops.kda.triton import bwd as ops_bwd, fwd as fwd_ops
 
     B, T, H, D = args.B, args.T, args.H, args.D
     q, k, v, f, beta, do, kw, scale = k3_inputs(B, T, H, D)

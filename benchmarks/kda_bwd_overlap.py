@@ -1,5 +1,5 @@
 """How much of the KDA backward's sequential passes could hide behind its parallel kernels (a probe for a pipelined
-backward, before writing one): records one backward's kernel launches (ops_bwd.kda_chunk_bwd at a K3 head shape),
+backward, before writing one): records one backward's kernel launches (bwd.kda_chunk_bwd at a K3 head shape),
 then replays them on one GPU, each kernel alone and pairs of them at once (the first on the current stream, the
 second on a high-priority side stream, as the pipelined forward runs its walks), and prints each pair's time
 against the sum of its parts. The replayed values are meaningless (atomics add again, passes re-read what later
@@ -18,10 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (main-stream kernels, side-stream kernels): what a pipelined backward would run at once
 PAIRS = [
-    (("pmat",), ("states",)), (("pwu",), ("states",)), (("pmat", "pwu"), ("states",)),
-    (("pmat", "pwu"), ("dstates",)), (("gv",), ("dstates",)), (("gw",), ("dstates",)), (("gi2",), ("dstates",)),
-    (("gfin",), ("dstates",)), (("gw", "gi2"), ("dstates",)), (("gv", "gw", "gi2", "gfin"), ("dstates",)),
-    (("gw", "gi2"), ("states",)), (("gv", "gw", "gi2", "gfin"), ("states", "dstates")),
+    (("matrices",), ("states",)), (("wy",), ("states",)), (("matrices", "wy"), ("states",)),
+    (("matrices", "wy"), ("dstates",)), (("value",), ("dstates",)), (("inter",), ("dstates",)), (("intra",), ("dstates",)),
+    (("gate_norm",), ("dstates",)), (("inter", "intra"), ("dstates",)), (("value", "inter", "intra", "gate_norm"), ("dstates",)),
+    (("inter", "intra"), ("states",)), (("value", "inter", "intra", "gate_norm"), ("states", "dstates")),
 ]
 
 
@@ -33,7 +33,7 @@ def main():
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bwd_overlap.json"))
     args = ap.parse_args()
     import torch
-    from k3.ops.kda.triton import ops_bwd
+    from k3.ops.kda.triton import bwd as ops_bwd
 
     launches = {}
 
@@ -47,11 +47,11 @@ def main():
                 return self.kern[grid](*a, **kw)
             return go
 
-    kb = ops_bwd._k
+    kb = ops_bwd  # (the module whose globals the backward launches)
     names = [n for n, _, _ in ops_bwd.kernel_table()]
     orig = {}
     for n, kern, _ in ops_bwd.kernel_table():
-        attr = f"kda_bwd_{n}_kernel"
+        attr = next(a for a, x in vars(kb).items() if x is kern)
         orig[attr] = kern
         setattr(kb, attr, Rec(n, kern))
     B, T, H, D = args.B, args.T, args.H, args.D

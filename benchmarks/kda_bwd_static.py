@@ -1,7 +1,7 @@
-"""Static (no GPU) sm_90 report of the KDA Triton backward kernels (k3/ops/kda/triton/kernels_bwd.py).
+"""Static (no GPU) sm_90 report of the KDA Triton backward kernels (k3/ops/kda/triton/bwd_*.py).
 
 Compiles every backward kernel ahead of time for sm_90 with triton's bundled ptxas, at the launch parameters
-`ops_bwd.launch_config` gives the real launches (BV, num_warps, num_stages; 64-token chunks at K <= 128), bf16
+`bwd_config.launch_config` gives the real launches (BV, num_warps, num_stages; 64-token chunks at K <= 128), bf16
 token tensors, fused gate + L2 norm, initial state and dht, and prints registers/thread, spill stack (bytes per
 thread, cuobjdump STACK), shared memory, resident programs per SM, and SASS instruction counts of the kernel
 body (total, HMMA, MUFU; loop bodies are counted once, not per iteration).
@@ -96,7 +96,7 @@ SCALARS = {"scale": "fp32", "lower_bound": "fp32", "Ttot": "i32"}
 
 def _signature(fn, consts, dtype="bf16"):
     """Argument types as launched at `dtype` token inputs (the default scratch's pointers in that dtype)."""
-    from k3.ops.kda.triton import ops_bwd as ob
+    from k3.ops.kda.triton import bwd_config as ob
     lowp = dtype in ("bf16", "fp16")
     t = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[dtype]
     scratch = ob.SCRATCH_PTRS[ob.launch_config(128, 128, 1, t)["scratch"]["DTYPE"]] if lowp else ()
@@ -132,23 +132,24 @@ def measure(ck, num_warps):
 
 
 def cases(H, N, K, V, dtype=torch.bfloat16):
-    """(name, kernel, constexprs, launch) of every backward kernel as ops_bwd launches it."""
-    from k3.ops.kda.triton import kernels_bwd as kb, ops_bwd as ob
+    """(name, kernel, constexprs, launch) of every backward kernel as bwd.kda_chunk_bwd launches it."""
+    from k3.ops.kda.triton import bwd_config as ob
+    from k3.ops.kda.triton.bwd import kernel_table
     BT = ob.chunk_len(K)
     lc = ob.launch_config(K, V, N * H, dtype)
     const = dict(H=H, K=K, V=V, BT=BT, TS=ob.TS, REF=ob.REF, LOG2_TS=int(math.log2(ob.TS)),
                  LOG2_NB=int(math.log2(BT // ob.TS)), USE_GATE=True, L2NORM=True, IEEE=dtype == torch.float32,
-                 NKW=0 if lc["gw"]["ATOMIC"] or lc["gv"]["DNU"] else K // lc["gw"]["BK"],
-                 NDB=0 if lc["gw"]["ATOMIC"] else K // lc["gw"]["BK"], DNW=not lc["gv"]["DNU"], UPCAST=False,
-                 NSQ=K // lc["gi2"]["BK"] + K // lc["gw"]["BK"] if lc["gi2"]["RED"] else 0, RED=lc["gi2"]["RED"],
-                 F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]),
-                 F32_K=not lc["gv"]["PRE"], FUSED=lc["gi2"]["FIN"],
-                 NKI=K // lc["gi2"]["BK"] + (K // lc["gw"]["BK"] if lc["gi2"]["RED"] else 0),
-                 SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"], AQF=not lc["gv"]["PRE"])
-    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["gv"]["PRE"],
-               SF32=lc["gv"]["PRE"] and lc["gv"]["PRE_F32"])
+                 NKW=0 if lc["inter"]["ATOMIC"] or lc["value"]["DNU"] else K // lc["inter"]["BK"],
+                 NDB=0 if lc["inter"]["ATOMIC"] else K // lc["inter"]["BK"], DNW=not lc["value"]["DNU"], UPCAST=False,
+                 NSQ=K // lc["intra"]["BK"] + K // lc["inter"]["BK"] if lc["intra"]["RED"] else 0, RED=lc["intra"]["RED"],
+                 F32_W=not (lc["value"]["PRE"] and lc["value"]["DNU"]),
+                 F32_K=not lc["value"]["PRE"], FUSED=lc["intra"]["FIN"],
+                 NKI=K // lc["intra"]["BK"] + (K // lc["inter"]["BK"] if lc["intra"]["RED"] else 0),
+                 SQK=lc["gate_norm"]["ONEPASS"] and not lc["intra"]["FIN"], AQF=not lc["value"]["PRE"])
+    seq = dict(H=H, K=K, V=V, BT=BT, IEEE=dtype == torch.float32, UPCAST=False, STORE_U=lc["value"]["PRE"],
+               SF32=lc["value"]["PRE"] and lc["value"]["PRE_F32"])
     out = []
-    for name, fn, extra in ob.kernel_table(kb):
+    for name, fn, extra in kernel_table():
         cfg = dict(lc[name])
         consts = dict(const if extra == "chunk" else seq)
         if extra == "states":

@@ -1,4 +1,4 @@
-"""Time the KDA Triton backward (k3/ops/kda/triton/ops_bwd.py) kernel by kernel on one GPU: the default launch
+"""Time the KDA Triton backward (k3/ops/kda/triton/bwd.py) kernel by kernel on one GPU: the default launch
 and one change of it per row, at a K3 head shape (H=96, D=128, bf16, gate + L2 norm in the kernel, 64-token chunks).
 
     python benchmarks/kda_bwd_sweep.py [--T 8192] [--B 1] [--budget-s 150] [--json PATH] [--fla]
@@ -6,7 +6,7 @@ and one change of it per row, at a K3 head shape (H=96, D=128, bf16, gate + L2 n
 Per configuration: the backward alone (`kda_chunk_bwd`, do_bench median), each kernel's CUDA time (one call under
 torch.profiler), non-finite counts, and each gradient's relative RMSE against the first configuration's (a broken
 option shows up here; the accuracy against the fp32 reference is tests/gpu's selfcheck). Also times our forward
-(c16p) once, so fwd + bwd can be set against fla's fwd+bwd; --fla times fla's chunk_kda(safe_gate=True) fwd+bwd on
+once, so fwd + bwd can be set against fla's fwd+bwd; --fla times fla's chunk_kda(safe_gate=True) fwd+bwd on
 the same inputs after the sweep (its first backward at a new shape autotunes for minutes, so it goes last: the
 sweep's rows are printed and saved before). Rows are printed as they finish; configurations left when --budget-s
 runs out are skipped.
@@ -58,17 +58,17 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # gi2's products with the decayed q / k as tf32 part plus rest (PREC "split_b", opt-in: the gate's gradients
     # several times more accurate) 8.85 ms vs 8.32 (gi2 2.17 vs 1.63), capped at 128 registers 8.91, 3-pass tf32
     # (removed) 9.04
-    ("gi2_split_b", {"gi2": {"PREC": "split_b"}}),
+    ("gi2_split_b", {"intra": {"PREC": "split_b"}}),
     ("scr_fp32", {"scratch": {"DTYPE": "fp32"}}),
-    ("gw_w8_r128", {"gw": {"num_warps": 8, "maxnreg": 128}}),
-    ("gi2_no_red", {"gi2": {"RED": False}}),
-    ("pmat_s2", {"pmat": {"num_stages": 2}}),
-    ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
+    ("gw_w8_r128", {"inter": {"num_warps": 8, "maxnreg": 128}}),
+    ("gi2_no_red", {"intra": {"RED": False}}),
+    ("pmat_s2", {"matrices": {"num_stages": 2}}),
+    ("pwu_uncapped", {"wy": {"maxnreg": None}}),
     ("states_s3", {"states": {"num_stages": 3}}),
-    ("dn_parts", {"gv": {"DNU": False}}),
-    ("gv_bv32", {"gv": {"BV": 32}}),
-    ("dnu_gw_s2", {"gw": {"num_stages": 2}}),
-    ("dnu_gw_bk32", {"gw": {"BK": 32}}),
+    ("dn_parts", {"value": {"DNU": False}}),
+    ("gv_bv32", {"value": {"BV": 32}}),
+    ("dnu_gw_s2", {"inter": {"num_stages": 2}}),
+    ("dnu_gw_bk32", {"inter": {"BK": 32}}),
     # fourteenth session, measured then removed (B1 T8K H96, default 10.22-10.25 ms in the same processes): the prep's
     # matrices by row tiles (prow per (chunk, head, 16-row tile) with [16, K] operands block by block + pinv per
     # (chunk, head) for the inverse): 11.10 ms (prow 2.26 + pinv 0.39 against pmat 1.78), its tile's q / k rows as
@@ -84,16 +84,16 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # dG carried across the tiles, the gate, dq / dk or their pre-norm form in gi2; gfin keeps dbeta and the L2
     # norm): sm_90 static TPP 4 158 registers / 3 CTAs per SM, with FIN 243 / 2 (BLK TPP 1: 125 / 4). Measured at
     # 10.15 ms (gi2 2.10): TPP 2 / 4 10.37 / 10.36 (gi2 2.33), FIN 11.95 (gi2 4.32), FIN at BK 32 13.52
-    ("gi2_blk_tpp2", {"gi2": {"BLK": True, "TPP": 2}}),
-    ("gi2_blk_tpp4", {"gi2": {"BLK": True, "TPP": 4}}),
-    ("gi2_blk_fin", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}}),
-    ("gi2_blk_fin_bk32", {"gi2": {"BLK": True, "TPP": 4, "FIN": True, "BK": 32}}),
-    ("gi2_blk_fin_scr_states", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}, "scratch": {"DTYPE": "states"}}),
+    ("gi2_blk_tpp2", {"intra": {"BLK": True, "TPP": 2}}),
+    ("gi2_blk_tpp4", {"intra": {"BLK": True, "TPP": 4}}),
+    ("gi2_blk_fin", {"intra": {"BLK": True, "TPP": 4, "FIN": True}}),
+    ("gi2_blk_fin_bk32", {"intra": {"BLK": True, "TPP": 4, "FIN": True, "BK": 32}}),
+    ("gi2_blk_fin_scr_states", {"intra": {"BLK": True, "TPP": 4, "FIN": True}, "scratch": {"DTYPE": "states"}}),
     # pmat's decay-factored products through 32-row tiles (PTS 32, the default since: normalised q / k first,
     # per-tile exponentials) against 16-row tiles with FACTOR (the former default): at 10.17 ms, PTS 32 9.88 (pmat
     # 1.74 -> 1.45), PTS 32 at BK 32 9.92 (1.54); gfin on 8 warps (sm_90 static 192 registers, no spills, 1 CTA per
     # SM) 10.45-10.48 (gfin 1.23 vs 0.91); pmat at BK 32 with 16-row tiles 10.25
-    ("pmat_pts16", {"pmat": {"PTS": 16}}),
+    ("pmat_pts16", {"matrices": {"PTS": 16}}),
     # (measured then removed: each 32-row tile's products from its own rows reloaded, [32, 64] accumulators joined
     # at the end (sm_90 static spill stack 152 -> 48 B, at BK 32 none): at 9.69 ms 9.88 (pmat 1.64 vs 1.45), at BK
     # 32 10.10 (1.87))
@@ -103,64 +103,64 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # against 9.69 capped at 96
     # register caps for 3 CTAs per SM (sm_90 static): gv at 168 (96 B of spills), gfin at 168 (200 B), pmat at 168
     # (608 B). At 9.68 ms: 9.71-9.72 (gv 1.00 vs 0.98), 9.75 (gfin 0.97 vs 0.91), 9.89-9.94 (pmat 1.70 vs 1.45)
-    ("gv_r168", {"gv": {"maxnreg": 168}}),
-    ("gfin_r168", {"gfin": {"maxnreg": 168}}),
-    ("pmat_r168", {"pmat": {"maxnreg": 168}}),
-    ("gi2_blk_bk32", {"gi2": {"BK": 32}}),
-    ("gi2_uncapped", {"gi2": {"maxnreg": None}}),
-    ("gi2_r80", {"gi2": {"maxnreg": 80}}),
-    ("gi2_blk_bk128_w8", {"gi2": {"BK": 128, "num_warps": 8}}),
-    ("pmat_bk32", {"pmat": {"BK": 32}}),
-    ("pmat_w8", {"pmat": {"num_warps": 8}}),
+    ("gv_r168", {"value": {"maxnreg": 168}}),
+    ("gfin_r168", {"gate_norm": {"maxnreg": 168}}),
+    ("pmat_r168", {"matrices": {"maxnreg": 168}}),
+    ("gi2_blk_bk32", {"intra": {"BK": 32}}),
+    ("gi2_uncapped", {"intra": {"maxnreg": None}}),
+    ("gi2_r80", {"intra": {"maxnreg": 80}}),
+    ("gi2_blk_bk128_w8", {"intra": {"BK": 128, "num_warps": 8}}),
+    ("pmat_bk32", {"matrices": {"BK": 32}}),
+    ("pmat_w8", {"matrices": {"num_warps": 8}}),
     ("scr_states", {"scratch": {"DTYPE": "states"}}),
-    ("gv_bv64", {"gv": {"BV": 64}}),
-    ("gv_w8", {"gv": {"num_warps": 8}}),
+    ("gv_bv64", {"value": {"BV": 64}}),
+    ("gv_w8", {"value": {"num_warps": 8}}),
     # thirteenth session: gfin's one pass (ONEPASS, from gi2's row-sum partials) against its second pass over the
     # columns, and a chunk's column-block / tile programs next to each other on grid axis 0 (INNER) against axis 2
-    ("gfin_two_pass", {"gfin": {"ONEPASS": False}}),
-    ("splits_outer", {"pwu": {"INNER": False}, "gw": {"INNER": False}, "gi2": {"INNER": False}}),
-    ("pwu_outer", {"pwu": {"INNER": False}}),
-    ("gw_outer", {"gw": {"INNER": False}}),
-    ("gi2_outer", {"gi2": {"INNER": False}}),
-    ("both_off", {"gfin": {"ONEPASS": False}, "pwu": {"INNER": False}, "gw": {"INNER": False},
-                  "gi2": {"INNER": False}}),
+    ("gfin_two_pass", {"gate_norm": {"ONEPASS": False}}),
+    ("splits_outer", {"wy": {"INNER": False}, "inter": {"INNER": False}, "intra": {"INNER": False}}),
+    ("pwu_outer", {"wy": {"INNER": False}}),
+    ("gw_outer", {"inter": {"INNER": False}}),
+    ("gi2_outer", {"intra": {"INNER": False}}),
+    ("both_off", {"gate_norm": {"ONEPASS": False}, "wy": {"INNER": False}, "inter": {"INNER": False},
+                  "intra": {"INNER": False}}),
     # thirteenth session: gw's epilogue storing each term as soon as it is complete (EPI_ORDER; sm_90 static stack
     # 312 -> 280 B), and deeper pipelining of its value loop (ncu: 12.9% of its stall samples on the loop-head barrier
     # waiting for the cp.async tiles; 3 stages 104 KB, 2 CTAs per SM; BV 16 at 4 stages 78 KB)
     # (at 11.34 ms: gw_epi_off 11.41, gw 2.42 vs 2.33; gw 3 stages 11.23, gw 2.23: the default since at bf16 / fp16
     # K <= 128; gw_bv16_s4 11.62, gw_bv16_s3 11.69)
     # thirteenth session: pmat's two-level decays (FACTOR, default) against per-tile exponentials
-    ("pmat_factor_off", {"pmat": {"FACTOR": False}}),  # (at 11.12 ms: 11.23, pmat 1.84 vs 1.78)
+    ("pmat_factor_off", {"matrices": {"FACTOR": False}}),  # (at 11.12 ms: 11.23, pmat 1.84 vs 1.78)
     # gw's dN / dbeta parts added into gv's with atomics (ATOMIC, the default since: 10.77 vs 11.12 at TPP 4; at
     # TPP 1 10.62 vs 10.89)
-    ("gw_no_atomic", {"gw": {"ATOMIC": False}}),
-    ("gw_epi_off", {"gw": {"EPI_ORDER": False}}),
-    ("gw_s2", {"gw": {"num_stages": 2}}),
-    ("gw_bv16_s4", {"gw": {"BV": 16, "num_stages": 4}}),
-    ("gw_bv16_s3", {"gw": {"BV": 16, "num_stages": 3}}),
+    ("gw_no_atomic", {"inter": {"ATOMIC": False}}),
+    ("gw_epi_off", {"inter": {"EPI_ORDER": False}}),
+    ("gw_s2", {"inter": {"num_stages": 2}}),
+    ("gw_bv16_s4", {"inter": {"BV": 16, "num_stages": 4}}),
+    ("gw_bv16_s3", {"inter": {"BV": 16, "num_stages": 3}}),
     # twelfth session: the default since is gv's PRE + PRE_F32 (the sequential passes store u' / du', formed against
     # the fp32 state as two bf16 halves; 13.89 ms): without PRE (the default until then, 15.33), PRE against the
     # state's bf16 rounding (13.53, opt-in accuracy class of the bf16 scratch), and both on the bf16 scratch preset
     # (the eleventh session's rows gv_pre / scr_preset_pre / gv_pre_f32 / scr_preset_pre_f32; gv_pre_f32 measured
     # 14.36 ms as tf32 products of fp32 operands, NaN at BV 16)
-    ("no_pre", {"gv": {"PRE": False}}),
+    ("no_pre", {"value": {"PRE": False}}),
     # twelfth session: register caps (maxnreg) for more resident programs per SM where the sm_90 static compile
     # spills little (benchmarks/kda_bwd_static.py; gi2 / gw / gfin / pmat run 2 CTAs of 4 warps at 255 registers).
     # At 13.33 ms: pwu_r168 13.07 (pwu 1.67 -> 1.37; its default since), every other row slower (gi2 3.40 -> 3.85-
     # 4.42, gw 2.92 -> 3.24, gfin 1.22 -> 1.26, gv 0.98 -> 1.00)
-    ("pwu_r128", {"pwu": {"maxnreg": 128}}),                   # 4 CTAs, 416 B: 13.33 vs 13.06 (pwu 1.61)
-    ("pmat_r168", {"pmat": {"maxnreg": 168}}),                 # 3 CTAs, 504 B: 13.22 vs 13.06 (pmat 1.82)
-    ("gi2_bk32_r168", {"gi2": {"BK": 32, "maxnreg": 168}}),     # 3 CTAs / SM, 24 B of spills
-    ("gi2_w8_r128", {"gi2": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 104 B
-    ("gi2_bk32_r128", {"gi2": {"BK": 32, "maxnreg": 128}}),     # 4 CTAs, 256 B
-    ("gfin_w8_r128", {"gfin": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 128 B
-    ("gw_bk32_r168", {"gw": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
-    ("gv_r168", {"gv": {"maxnreg": 168}}),
-    ("gfin_w8", {"gfin": {"num_warps": 8}}),  # 246 registers, no spills, 1 CTA of 8 warps: 12.45 vs 12.20 (1.41 ms)
+    ("pwu_r128", {"wy": {"maxnreg": 128}}),                   # 4 CTAs, 416 B: 13.33 vs 13.06 (pwu 1.61)
+    ("pmat_r168", {"matrices": {"maxnreg": 168}}),                 # 3 CTAs, 504 B: 13.22 vs 13.06 (pmat 1.82)
+    ("gi2_bk32_r168", {"intra": {"BK": 32, "maxnreg": 168}}),     # 3 CTAs / SM, 24 B of spills
+    ("gi2_w8_r128", {"intra": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 104 B
+    ("gi2_bk32_r128", {"intra": {"BK": 32, "maxnreg": 128}}),     # 4 CTAs, 256 B
+    ("gfin_w8_r128", {"gate_norm": {"num_warps": 8, "maxnreg": 128}}),  # 2 CTAs of 8 warps, 128 B
+    ("gw_bk32_r168", {"inter": {"BK": 32, "maxnreg": 168}}),       # 3 CTAs, 120 B
+    ("gv_r168", {"value": {"maxnreg": 168}}),
+    ("gfin_w8", {"gate_norm": {"num_warps": 8}}),  # 246 registers, no spills, 1 CTA of 8 warps: 12.45 vs 12.20 (1.41 ms)
     # twelfth session: with pmat storing G for pwu / gw / gi2 (12.06 ms: pmat 2.06, pwu 0.87), pmat reading its
     # tiles' reference rows back from there (REFLOAD) 11.86 ms (pmat 1.84; the default since), pwu uncapped 12.06
-    ("pmat_reduce", {"pmat": {"REFLOAD": False}}),
-    ("pwu_uncapped", {"pwu": {"maxnreg": None}}),
+    ("pmat_reduce", {"matrices": {"REFLOAD": False}}),
+    ("pwu_uncapped", {"wy": {"maxnreg": None}}),
     # twelfth session, measured then removed: gw's and gi2's partial gradients of d(q scale) / d(kn) (x1s, x2s) in
     # bf16 (a scratch PARTS option): 13.19 ms vs 13.34 (gi2 -0.09, gfin -0.03), 12.29 vs 12.45 on the bf16 scratch
     # preset, at H200 selfcheck dq / dk 3.49e-3 / 3.46e-3 (3.07e-3 / 2.59e-3) and ~1.1e-2 dk in the interpreter's
@@ -174,38 +174,38 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     ("dstates_bv64", {"dstates": {"BV": 64, "num_warps": 4}}),
     ("dstates_bv64_s1", {"dstates": {"BV": 64, "num_warps": 4, "num_stages": 1}}),
     ("seq_bv32", {"states": {"BV": 32}, "dstates": {"BV": 32, "num_warps": 4}}),
-    ("pre_bf16_state", {"gv": {"PRE_F32": False}}),
-    ("scr_preset_no_pre", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE": False}}),
-    ("scr_preset_pre_bf16_state", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64, "PRE_F32": False}}),
+    ("pre_bf16_state", {"value": {"PRE_F32": False}}),
+    ("scr_preset_no_pre", {"scratch": {"DTYPE": "input"}, "value": {"BV": 64, "PRE": False}}),
+    ("scr_preset_pre_bf16_state", {"scratch": {"DTYPE": "input"}, "value": {"BV": 64, "PRE_F32": False}}),
     # eleventh session: gw adds its per-K-block dN / dbeta parts into gv's with fp32 atomics (gi2 and gfin then read
     # one dN instead of three sources), alone, with gw's launch changes, and on the bf16 scratch preset
-    ("gw_atomic", {"gw": {"ATOMIC": True}}),
-    ("gw_atomic_s1", {"gw": {"ATOMIC": True, "num_stages": 1}}),
-    ("scr_preset", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),
-    ("scr_preset_atomic", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}, "gw": {"ATOMIC": True}}),
+    ("gw_atomic", {"inter": {"ATOMIC": True}}),
+    ("gw_atomic_s1", {"inter": {"ATOMIC": True, "num_stages": 1}}),
+    ("scr_preset", {"scratch": {"DTYPE": "input"}, "value": {"BV": 64}}),
+    ("scr_preset_atomic", {"scratch": {"DTYPE": "input"}, "value": {"BV": 64}, "inter": {"ATOMIC": True}}),
     # tenth session: the gradient kernels' scratch (W, k e^(G_l - G), u', du', states, dS) in bf16 instead of fp32:
     # 16.41 ms vs 17.28 (opt-in: its accuracy); only the states or only W / u' in bf16 (measured, then removed:
     # 30.97 / 29.19 ms, the mixed-dtype dots spill)
     ("scratch_input", {"scratch": {"DTYPE": "input"}}),
     # tenth session: launch changes on top of the bf16 scratch (its tiles take half the registers / shared memory)
-    ("scr_gv_bv64", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}}),
-    ("scr_gv_bk64", {"scratch": {"DTYPE": "input"}, "gv": {"BK": 64}}),
-    ("scr_gw_w4", {"scratch": {"DTYPE": "input"}, "gw": {"num_warps": 4}}),
-    ("scr_gw_bv64", {"scratch": {"DTYPE": "input"}, "gw": {"BV": 64}}),
-    ("scr_gw_s3", {"scratch": {"DTYPE": "input"}, "gw": {"num_stages": 3}}),
+    ("scr_gv_bv64", {"scratch": {"DTYPE": "input"}, "value": {"BV": 64}}),
+    ("scr_gv_bk64", {"scratch": {"DTYPE": "input"}, "value": {"BK": 64}}),
+    ("scr_gw_w4", {"scratch": {"DTYPE": "input"}, "inter": {"num_warps": 4}}),
+    ("scr_gw_bv64", {"scratch": {"DTYPE": "input"}, "inter": {"BV": 64}}),
+    ("scr_gw_s3", {"scratch": {"DTYPE": "input"}, "inter": {"num_stages": 3}}),
     ("scr_states_bv64", {"scratch": {"DTYPE": "input"}, "states": {"BV": 64}, "dstates": {"BV": 64}}),
     # the same two launch changes with the fp32 scratch
-    ("gw_w4", {"gw": {"num_warps": 4}}),
+    ("gw_w4", {"inter": {"num_warps": 4}}),
     ("states_bv64", {"states": {"BV": 64}, "dstates": {"BV": 64}}),
     # all three winners above together (gw at 4 warps and the states at BV 64 are the default since; the bf16
     # scratch with gv at BV 64 is ops_bwd.SCRATCH_INPUT_LAUNCH)
-    ("scr_tuned", {"scratch": {"DTYPE": "input"}, "gv": {"BV": 64}, "gw": {"num_warps": 4}, "states": {"BV": 64},
+    ("scr_tuned", {"scratch": {"DTYPE": "input"}, "value": {"BV": 64}, "inter": {"num_warps": 4}, "states": {"BV": 64},
                    "dstates": {"BV": 64}}),
     # tenth session: gi2 also finishing the columns (gate, suffix sum, dq / dk): 7.23 ms vs 3.46 + 1.67 (gi2 + gfin)
-    ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),
+    ("gi2_fin", {"intra": {"FIN": True, "TPP": 4}}),
     # ninth session: the default's pmat inverse went from 3-pass to one-pass tf32 (3.92 -> 1.90 ms); the former
     # default and the losing row-tile products (measured, then removed: pmat 6.21 ms, 3.67 with the tf32 inverse)
-    ("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),
+    ("pmat_tf32x3", {"matrices": {"INV_PREC": "tf32x3"}}),
     # gi2 with TPP row tiles per program (the chunk's columns loaded once for them; the default is all four since
     # the ninth session: 3.52 ms vs 4.64 at TPP 1, 4.12 at 2, 3.92 at 4 / BK 32, 5.56 at 2 / BK 32); gw at BK 32 /
     # 8 warps (static sm_90 159 regs, no spills; measured 5.90 ms vs 3.81). Thirteenth session, with a chunk's tile
@@ -215,32 +215,32 @@ CONFIGS = [  # most informative first: the budget cuts the tail
     # shared memory, 4 CTAs per SM at 1 stage; 19 KB at 2, 29 KB at 3; capped at 96 registers 5 CTAs, 24 B of spills).
     # At 10.73 ms (gi2 2.66): BLK 10.23 (gi2 2.13; the default since), 2 stages 10.48, 3 stages 10.38, 2 stages at 96
     # registers 10.32
-    ("gi2_no_blk", {"gi2": {"BLK": False}}),
-    ("gi2_blk_s2", {"gi2": {"BLK": True, "num_stages": 2}}),
-    ("gi2_blk_s3", {"gi2": {"BLK": True, "num_stages": 3}}),
-    ("gi2_blk_s2_r96", {"gi2": {"BLK": True, "num_stages": 2, "maxnreg": 96}}),
-    ("gi2_tpp4", {"gi2": {"TPP": 4}}),
+    ("gi2_no_blk", {"intra": {"BLK": False}}),
+    ("gi2_blk_s2", {"intra": {"BLK": True, "num_stages": 2}}),
+    ("gi2_blk_s3", {"intra": {"BLK": True, "num_stages": 3}}),
+    ("gi2_blk_s2_r96", {"intra": {"BLK": True, "num_stages": 2, "maxnreg": 96}}),
+    ("gi2_tpp4", {"intra": {"TPP": 4}}),
     # at TPP 1 (sm_90 static): BK 32 90 registers, 5 CTAs per SM; 8 warps 102 registers; BK 128 on 8 warps 128
     # registers, 1 CTA; and gw at BK 32 / 3 stages 195 registers, no spills. Measured at 10.62 ms (gi2 2.50, gw
     # 2.18): gi2_bk32 10.95 (gi2 2.85), gi2_w8 11.23 (3.11), gi2_bk128_w8 11.72 (3.62), gw_bk32_s3 11.04 (gw 2.60);
     # and gfin_bk32 10.92 (gfin 1.20 vs 0.91, in its one pass)
-    ("gi2_bk32", {"gi2": {"BK": 32}}),
-    ("gi2_w8", {"gi2": {"num_warps": 8}}),
-    ("gi2_bk128_w8", {"gi2": {"BK": 128, "num_warps": 8}}),
-    ("gw_bk32_s3", {"gw": {"BK": 32, "num_stages": 3}}),
-    ("gi2_tpp2", {"gi2": {"TPP": 2}}),
-    ("gi2_tpp4_bk32", {"gi2": {"TPP": 4, "BK": 32}}),
-    ("gw_bk32_w8", {"gw": {"BK": 32, "num_warps": 8}}),
-    ("gw_w8", {"gw": {"num_warps": 8}}),  # the default until the tenth session (3.78 ms vs 3.01 at 4 warps)
+    ("gi2_bk32", {"intra": {"BK": 32}}),
+    ("gi2_w8", {"intra": {"num_warps": 8}}),
+    ("gi2_bk128_w8", {"intra": {"BK": 128, "num_warps": 8}}),
+    ("gw_bk32_s3", {"inter": {"BK": 32, "num_stages": 3}}),
+    ("gi2_tpp2", {"intra": {"TPP": 2}}),
+    ("gi2_tpp4_bk32", {"intra": {"TPP": 4, "BK": 32}}),
+    ("gw_bk32_w8", {"inter": {"BK": 32, "num_warps": 8}}),
+    ("gw_w8", {"inter": {"num_warps": 8}}),  # the default until the tenth session (3.78 ms vs 3.01 at 4 warps)
     # (ninth session, measured then removed: gv loading T, T^T and Aq^T in every value block, 3.26 ms vs 2.98)
-    ("gw_s1", {"gw": {"num_stages": 1}}),  # 4.32 ms vs 3.82 (ninth session)
-    ("gv_bk64", {"gv": {"BK": 64}}),
-    ("gi2_bk128", {"gi2": {"BK": 128}}),
-    ("gi2_bk64_w8", {"gi2": {"num_warps": 8}}),
+    ("gw_s1", {"inter": {"num_stages": 1}}),  # 4.32 ms vs 3.82 (ninth session)
+    ("gv_bk64", {"value": {"BK": 64}}),
+    ("gi2_bk128", {"intra": {"BK": 128}}),
+    ("gi2_bk64_w8", {"intra": {"num_warps": 8}}),
     # eleventh session: pmat and gfin at BK 64 became the default (1.68 vs 1.89 ms, 1.22 vs 1.27): the former BK 32
-    ("gfin_bk32", {"gfin": {"BK": 32}}),
-    ("pwu_bk128_bv128", {"pwu": {"BK": 128, "BV": 128}}),
-    ("gw_bv64", {"gw": {"BV": 64}}),
+    ("gfin_bk32", {"gate_norm": {"BK": 32}}),
+    ("pwu_bk128_bv128", {"wy": {"BK": 128, "BV": 128}}),
+    ("gw_bv64", {"inter": {"BV": 64}}),
 ]
 
 
@@ -275,7 +275,7 @@ def main():
     args = ap.parse_args()
     import torch
     from triton.testing import do_bench
-    from k3.ops.kda.triton import ops as fwd_ops, ops_bwd
+    from k3.ops.kda.triton import bwd as ops_bwd, fwd as fwd_ops
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kda_triton import kernel_breakdown
 
@@ -287,7 +287,7 @@ def main():
     fwd = lambda: fwd_ops.kda_chunk_fwd(q, k, v, f, beta, scale, output_final_state=True, **kw)
     fwd()
     res["ours_fwd_ms"] = do_bench(fwd, warmup=10, rep=50, return_mode="median")
-    print(f"forward (c16p) {res['ours_fwd_ms']:.2f} ms", flush=True)
+    print(f"forward {res['ours_fwd_ms']:.2f} ms", flush=True)
     ref = None
     for name, launch in CONFIGS:
         if names is not None and name not in names:

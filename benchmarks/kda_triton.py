@@ -1,57 +1,35 @@
-"""KDA forward on one GPU: our Triton forward variants (k3.ops.kda.triton.ops.FWD_VARIANTS) vs fla
-chunk_kda(safe_gate=True, lower_bound=-5, in-kernel gate and q/k L2 norm); decode behind --decode, fwd+bwd behind
---bwd. Default run = the study of the 16-token prep kernel: the old prep (c16) vs each option set of the new one
-(c16p, PREP16P_SWEEP below), each alone (prep_only) and inside the full forward, at B8 T8K and B1 T128K.
+"""KDA forward on one GPU: our Triton forward (k3.ops.kda.triton.fwd: the prep kernel kda_intra_wy_fwd_kernel, then
+the walk kda_state_output_fwd_kernel) vs fla chunk_kda(safe_gate=True, lower_bound=-5, in-kernel gate and q/k L2
+norm); decode behind --decode, fwd+bwd behind --bwd. Default run = the study of the prep kernel: each option set of
+fwd.PREP_DEFAULT (PREP_SWEEP below), each alone (prep_only) and inside the full forward, at B8 T8K and B1 T128K.
 
 One command (about 5-8 minutes on a fresh H200, mostly compiles); rows are appended to --json as they are measured
 and --budget-s skips whatever is left (the sweep is ordered by how much each row is needed). In order:
 0. fla warm-up at a tiny T (its autotune keys do not depend on T); prints how long it took.
 1. Accuracy vs the fp32 token loop (relative RMSE of o and of the final state), B2 T2048 H96 D128 bf16 with an
    initial state, two inputs: "random" (randn q/k/v/gate, as fla's tests) and "hard" (nearly collinear keys, weak
-   decay, beta in [0.5, 1]: |n| ~ 1 in the intra-chunk system, where tf32 repeated squaring fails; the CPU
-   emulation of tensor-core rounding gives o 0.27-0.41 off there, c16 7e-3). Rows: fla, each variant's default,
-   every c16p sweep config; with each one's first-call seconds (compile).
-2. Per shape (--shapes, default B8_T8K,B1_T128K; also varlen, B2_T32K): fla; the c16 prep alone (4 and 2 warps at
-   the first shape); every c16p sweep config's prep alone and full forward at the first shape, the --top best
-   (by prep time) plus the default at the others; registers/spills of each prep kernel; then every variant's full
-   forward (c16: BV configs; c16p: default; c64*: their configs when asked for), o vs fla, floor fraction.
+   decay, beta in [0.5, 1]: |n| ~ 1 in the intra-chunk system, where tf32 repeated squaring fails). Rows: fla, our
+   default forward ("fwd"), every prep sweep config; with each one's first-call seconds (compile).
+2. Per shape (--shapes, default B8_T8K,B1_T128K; also varlen, B2_T32K): fla; every prep sweep config's prep alone
+   and full forward at the first shape, the --top best (by prep time) plus the default at the others;
+   registers/spills of each prep kernel; the default full forward ("fwd"), o vs fla, floor fraction.
+2d. (first shape; every shape with --state-every-shape) every STATE_SWEEP option set of the walk (--state-configs
+   to pick, 'none' to skip): the full forward; walk ms = forward - prep alone.
 3. --decode: one token, fp32 state updated in place, B1 and B64, ours vs fla fused_recurrent_kda.
-4. --bwd: fwd+bwd at every --shapes shape (default forward variant + the backend's backward) vs fla, one sequence
-   of T tokens for the fixed shapes (B1 T8K / T32K / T128K), the whole batch for varlen; per-kernel CUDA times of both.
+4. --bwd: fwd+bwd at every --shapes shape (the backend's forward and backward) vs fla, one sequence of T tokens for
+   the fixed shapes (B1 T8K / T32K / T128K), the whole batch for varlen; per-kernel CUDA times of both.
 --smoke: the same plumbing on CPU under TRITON_INTERPRET=1 with tiny shapes and GPU-like rounding (checks that the
 script runs, not speed; a 4-config sweep). fla is skipped (with a warning) wherever it does not import.
---static: no GPU needed: compile the old prep and every sweep config for sm_90 (triton's bundled ptxas) and print
-registers, spills, shared memory, resident programs/warps per SM and SASS counts per chunk.
---static-what prep,state (default both): "state" also compiles the sequential pass (kda_state_fwd_kernel on the grid
-BV 32/64/128 x 4/8 warps x 1/2/3 stages, and every STATE_SWEEP option set of ops.STATE_CFG_DEFAULT) and prints
-registers, spills, programs per SM, SASS of the loop body per 16-token step, a one-warp in-order issue simulation of
-that body (cycles per step) and a calibrated model of the sequential ms at B8 T8K.
-2d. (GPU, first shape; every shape with --state-every-shape) every STATE_SWEEP option set (--state-configs to pick,
-'none' to skip): the full forward with the c16p prep (c16 when c16p is not in --variants); sequential ms = forward -
-prep alone.
+--static: no GPU needed: compile every prep sweep config for sm_90 (triton's bundled ptxas) and print registers,
+spills, shared memory, resident programs/warps per SM and SASS counts per chunk.
+--static-what prep,state (default both): "state" also compiles the walk (on the grid BV 32/64/128 x 4/8 warps x
+1/2/3 stages, and every STATE_SWEEP option set of fwd.STATE_CFG_DEFAULT) and prints registers, spills, programs per
+SM, SASS of the loop body per 16-token step, a one-warp in-order issue simulation of that body (cycles per step) and
+a calibrated model of the walk's ms at B8 T8K.
+Measured numbers and the history of the forward (the earlier variants c16 / c64 / c64s / c64f and the "v2" walk):
+benchmarks/RESULTS.md, docs/LOG.md.
 
-Measured on 2026-11-30 (H200, triton 3.6, B8 T8K H96 D128 bf16): fla 19.7 ms, c16 17.0 ms of which its prep kernel
-12.4 ms (the sequential pass ~4.6 ms). The prep's own memory floor: it reads q, k, v, g (256 B each) and beta, and
-writes qg, kd, W, U (256 B each), Aqk (32 B) and e^G_last (32 B per token-head): ~2.1 KB per token-head, 13.3 GB at
-B8 T8K -> 2.8 ms at 4.8 TB/s. The old prep runs at ~1/4.4 of that. Diagnosis from `--static` (sm_90 compile on a
-CPU, triton 3.9): 246 registers per thread (its [16, 128] fp32 dot operands sit in every warp, 64 registers each)
--> 2 programs = 8 warps = 2 chunks resident per SM to hide a chain of loads, 49 barriers and dependent dots; 10,144
-warp-instructions per chunk (all 4 warps redo the 16-row dots), 6.8 MUFU ops per element. At 12.4 ms the SMs issue
-~1.4 instructions per clock of 4: latency-bound at low occupancy, not bandwidth-bound.
-
-Predictions, prep alone at B8 T8K (full forward = prep + ~4.6 ms, the sequential pass is unchanged):
-see PREP16P_SWEEP (each entry: what it changes, predicted ms from the static model described there; ranges are
-wide, about +-40%, because the causes were never timed separately). The default c16p prep (one chunk per program
-on 2 warps, registers capped at 128: 8 programs and 16 warps per SM instead of the old 2 and 8; block inverse;
-6,080 instead of 10,144 warp-instructions per chunk) is predicted at 4.9 ms (3.5-7), the c16p forward at 9.5 ms
-(2.1x fla). B1 T128K (twice the tokens; 96 sequence-heads, the sequential pass ~15 ms there): ~25 ms forward
-(1.6x fla's 40.8).
-c64/c64s/c64f (measured 45-70 ms on 2026-11-30) run only when named in --variants.
-Measured in the third session (benchmarks/RESULTS.md): the capped default spilled (13.8 ms); uncapped c1_w2 6.40 ms
-prep, 10.97 ms forward (2.02x fla at B8 T8K, 1.59-1.69x at the other shapes): now ops.PREP16P_DEFAULT, and the
-sweep's "default" row is c1_w2 (the "c1_w2" row then repeats it).
-
-Usage: python benchmarks/kda_triton.py [--json PATH] [--budget-s S] [--variants c16,c16p,...] [--shapes ...]
+Usage: python benchmarks/kda_triton.py [--json PATH] [--budget-s S] [--shapes ...]
        [--prep-configs JSON] [--top N] [--decode] [--bwd] [--smoke] [--static]
 """
 from __future__ import annotations
@@ -65,18 +43,17 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PREDICTED_MS_B8_T8K = {"fla": 19.7, "c16": 17.0, "c16p": 9.5,  # c16p measured 10.97 (third session)
-                        "c64": 45.3, "c64s": 46.9, "c64f": 69.6}
-# c16p prep option sets (overrides of ops.PREP16P_DEFAULT = c=1, 2 warps, maxnreg=None, block inverse, tf32 Aqk/Akk,
+PREDICTED_MS_B8_T8K = {"fla": 19.7, "fwd": 9.5}  # measured 10.97 (third session)
+# prep option sets (overrides of fwd.PREP_DEFAULT = c=1, 2 warps, maxnreg=None, block inverse, tf32 Aqk/Akk,
 # heads-fastest, whole-K tiles), in the order they are timed, with the predicted prep time at B8 T8K (ms) and what
-# the row isolates. Keys: see ops.PREP16P_DEFAULT. The predictions come from `--static` (sm_90 compile with triton
+# the row isolates. Keys: see fwd.PREP_DEFAULT. The predictions come from `--static` (sm_90 compile with triton
 # 3.9 on a CPU: registers, spills, programs per SM, SASS warp-instructions per chunk I) and one crude model
 # calibrated on the old prep (I = 10,144, 8 warps per SM, 12.4 ms => 1.39 instructions per clock per SM):
 #   t = 2,980 chunks per SM * I / IPC / 1.755 GHz,  IPC = 1.39 * (resident warps per SM / 8) ** 0.6,
 # i.e. the prep is taken to be issue- and latency-bound (not bandwidth-bound: floor ~2.8-3.2 ms) and more resident
 # warps hide more latency. The register counts on the H200 (triton 3.6) are recorded per row as n_regs/n_spills.
-PREP16P_SWEEP = [
-    ("default", {}, 7.1, "ops.PREP16P_DEFAULT: c=1 chunk per program on 2 warps, no register cap (= c1_w2; 6.40 ms, third session)"),
+PREP_SWEEP = [
+    ("default", {}, 7.1, "fwd.PREP_DEFAULT: c=1 chunk per program on 2 warps, no register cap (= c1_w2; 6.40 ms, third session)"),
     ("c1_w2_r128", dict(maxnreg=128), 4.9, "the second session's default: registers capped at 128 (8 programs / 16 warps per SM); measured 13.8 ms (spills)"),
     ("c1_w2", dict(maxnreg=None), 7.1, "no register cap (~250 registers: 4 programs per SM); the default since the third session"),
     ("c1_w2_r168", dict(maxnreg=168), 5.6, "cap 168: 6 programs per SM, fewer spills"),
@@ -101,15 +78,6 @@ PREP16P_SWEEP = [
     ("c4_w4", dict(c=4, num_warps=4, maxnreg=None), 8.0, "one warp per chunk, 4 chunks per program (spills)"),
 ]
 SMOKE_SWEEP = ["default", "kb32_c1_w1_r128", "c2_w4", "c1_w4_loop4_prefetch"]
-# Sequential-kernel configs tried at the first shape (first = the heuristic default there). bv: value columns per
-# program; num_warps/num_stages of the sequential kernel (c64f: of the fused kernel, always 1 stage).
-CONFIGS = {
-    "c16": [dict(bv=128), dict(bv=64)],  # 17.2 / 18.4 ms on 2026-11-30 (bv=32: 21.2 ms)
-    "c16p": [{}],
-    "c64": [dict(bv=64, num_warps=4, num_stages=2), dict(bv=128, num_warps=8, num_stages=2)],
-    "c64s": [dict(bv=64, num_warps=4, num_stages=2)],
-    "c64f": [dict(num_warps=8)],
-}
 SHAPES = {"B8_T8K": (8, 8192), "B2_T32K": (2, 32768), "B1_T128K": (1, 131072), "varlen": (1, 65536),
           "B1_T8K": (1, 8192)}
 HBM_TBPS = 4.8
@@ -128,11 +96,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_triton.json"))
     ap.add_argument("--budget-s", type=float, default=540.0, help="skip what is left after this many seconds")
-    ap.add_argument("--variants", default="c16,c16p")
     ap.add_argument("--shapes", default="B8_T8K,B1_T128K", help=f"comma list of {sorted(SHAPES)}")
     ap.add_argument("--prep-configs", default=None,
-                    help="JSON: list of sweep names and/or {name: overrides} objects (default: all of PREP16P_SWEEP)")
-    ap.add_argument("--top", type=int, default=2, help="best c16p preps (first shape) carried to the other shapes")
+                    help="JSON: list of sweep names and/or {name: overrides} objects (default: all of PREP_SWEEP)")
+    ap.add_argument("--top", type=int, default=2, help="best preps (first shape) carried to the other shapes")
     ap.add_argument("--decode", action="store_true", help="also time decode (one token) vs fla")
     ap.add_argument("--bwd", action="store_true", help="also time fwd+bwd (slow: fla's backward autotune)")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the accuracy rows (timing only)")
@@ -157,18 +124,16 @@ def main():
     import torch.nn.functional as F
     import triton
     from k3.ops.kda import recurrent_kda
-    from k3.ops.kda.triton import chunk_kda_triton, ops as ours
+    from k3.ops.kda.triton import chunk_kda_triton, fwd as ours
 
     t_start = time.time()
     over = lambda: time.time() - t_start > args.budget_s
-    variants = [v for v in args.variants.split(",") if v]
-    for v in variants:
-        ours.fwd_variant(v)  # validates the name
+    variants = ["fwd"]  # (the rows' name of our default forward)
     shape_names = [s for s in args.shapes.split(",") if s]
     for s in shape_names:
         if s not in SHAPES:
             raise SystemExit(f"--shapes: unknown {s!r} (known: {sorted(SHAPES)})")
-    sweep_all = {name: (ov, pred, why) for name, ov, pred, why in PREP16P_SWEEP}
+    sweep_all = {name: (ov, pred, why) for name, ov, pred, why in PREP_SWEEP}
     if args.prep_configs:
         sweep = {}
         for item in json.loads(args.prep_configs):
@@ -179,8 +144,7 @@ def main():
     else:
         sweep = {n: sweep_all[n] for n in (SMOKE_SWEEP if args.smoke else sweep_all)}
     for ov, _, _ in sweep.values():
-        ours.prep16p_config(ov)  # validates
-    do_sweep = "c16p" in variants
+        ours.prep_config(ov)  # validates
     state_all = {n: (ov, pred, why) for n, ov, pred, why in STATE_SWEEP}
     if args.state_configs == "none":
         state_sweep = {}
@@ -216,11 +180,10 @@ def main():
         dev, H, D = "cuda", 96, 128
     res = {"torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (interpreter smoke)",
-           "default_variant": ours.fwd_variant(), "prep16p_default": ours.PREP16P_DEFAULT,
-           "predicted_ms_B8_T8K": PREDICTED_MS_B8_T8K,
-           "prep16p_sweep": {n: dict(cfg=ov, predicted_prep_ms=p, why=w) for n, (ov, p, w) in sweep.items()},
+           "prep_default": ours.PREP_DEFAULT, "predicted_ms_B8_T8K": PREDICTED_MS_B8_T8K,
+           "prep_sweep": {n: dict(cfg=ov, predicted_prep_ms=p, why=w) for n, (ov, p, w) in sweep.items()},
            "rows": []}
-    print({k: v for k, v in res.items() if k not in ("rows", "prep16p_sweep")}, flush=True)
+    print({k: v for k, v in res.items() if k not in ("rows", "prep_sweep")}, flush=True)
 
     def save():
         tmp = args.json + ".tmp"
@@ -281,9 +244,9 @@ def main():
     gk = lambda ins: dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=ins[5], dt_bias=ins[6],
                           lower_bound=-5.0)
 
-    def ours_fwd(ins, variant, cfg, cu=None, h0=None, fs=False, prep_only=False):
+    def ours_fwd(ins, cfg, cu=None, h0=None, fs=False, prep_only=False):
         return ours.kda_chunk_fwd(*ins[:5], scale, initial_state=h0, output_final_state=fs, cu_seqlens=cu,
-                                  variant=variant, prep_only=prep_only, **gk(ins), **cfg)
+                                  prep_only=prep_only, **gk(ins), **cfg)
 
     def fla_fwd(ins, cu=None, h0=None, fs=False):
         kw = {} if cu is None else dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
@@ -297,7 +260,7 @@ def main():
         add(dict(op="fla_warmup", T=256, first_call_s=secs))
         print(f"fla warm-up (compile + autotune at T=256): {secs:.1f} s", flush=True)
 
-    # 1. accuracy vs the fp32 token loop: fla, each variant's default, each c16p sweep config; random and hard inputs
+    # 1. accuracy vs the fp32 token loop: fla, our default forward, each prep sweep config; random and hard inputs
     B_acc, T_acc = (2, 2048) if not args.smoke else (1, 100)
     for case in () if args.bwd_only or args.no_accuracy else ("random", "hard"):
         if over():
@@ -314,22 +277,21 @@ def main():
                 acc.update(fla_o=rr(o2, o_ref), fla_S=rr(s2, s_ref))
             except Exception as e:  # noqa: BLE001
                 acc["fla_error"] = repr(e)[:200]
-        runs = [(v, v, {}) for v in variants]
-        if do_sweep:
-            runs += [(f"c16p[{n}]", "c16p", dict(prep_cfg=ov)) for n, (ov, _, _) in sweep.items() if n != "default"]
-        for key, v, cfg in runs:
+        runs = [("fwd", {})] + [(f"prep[{n}]", dict(prep_cfg=ov)) for n, (ov, _, _) in sweep.items()
+                                if n != "default"]
+        for key, cfg in runs:
             if over():
                 acc[f"{key}_skipped"] = "time budget"
                 continue
             try:
-                (o1, s1), secs = timed_first(lambda: ours_fwd(ins, v, cfg, h0=h0, fs=True))
+                (o1, s1), secs = timed_first(lambda: ours_fwd(ins, cfg, h0=h0, fs=True))
                 acc.update({f"{key}_o": rr(o1, o_ref), f"{key}_S": rr(s1, s_ref), f"{key}_first_call_s": secs})
             except Exception as e:  # noqa: BLE001
                 acc[f"{key}_error"] = repr(e)[:300]
         add(acc)
         del ins, o_ref, s_ref
 
-    # 2. per shape: fla, preps alone (old c16 vs the c16p sweep), full forwards
+    # 2. per shape: fla, preps alone (the prep sweep), full forwards
     if args.smoke:
         shapes = [("B2_T200", 2, 200, None), ("varlen", 1, 300, [0, 1, 64, 65, 300])][:max(1, len(shape_names))]
     else:
@@ -372,8 +334,7 @@ def main():
                 row["error"] = repr(e)[:300]
             add(row)
 
-    best_cfg = {}
-    prep_rank = []  # c16p sweep names by prep time at the first shape
+    prep_rank = []  # prep sweep names by prep time at the first shape
     for si, (name, B, T, cu_list) in enumerate([] if args.bwd_only else shapes):
         if over():
             add(dict(op="chunk_fwd", shape=name, error="skipped: time budget"))
@@ -392,74 +353,56 @@ def main():
                 row["fla_ms"] = bench(lambda: fla_fwd(ins, cu=cu))
             except Exception as e:  # noqa: BLE001
                 row["fla_error"] = repr(e)[:200]
-        # 2a. old prep alone (c16), at 4 warps (and 2 at the first shape)
-        if "c16" in variants or do_sweep:
-            for pw in ([4, 2] if si == 0 else [4]):
-                if over():
-                    break
-                try:
-                    ours_fwd(ins, "c16", dict(prep_warps=pw), cu=cu, prep_only=True)
-                    row[f"c16_prep_ms_w{pw}"] = bench(lambda: ours_fwd(ins, "c16", dict(prep_warps=pw), cu=cu,
-                                                                       prep_only=True))
-                    row[f"c16_prep_kernel_w{pw}"] = ours.kernel_info("c16")
-                except Exception as e:  # noqa: BLE001
-                    row[f"c16_prep_w{pw}_error"] = repr(e)[:200]
-        # 2b. c16p sweep: prep alone and full forward per config
-        if do_sweep:
+        # 2b. prep sweep: prep alone and full forward per config
+        if True:
             names = list(sweep) if si == 0 else list(dict.fromkeys(["default"] + prep_rank[:args.top]))
             prep, full = {}, {}
             for n in names:
                 if over():
-                    row[f"c16p[{n}]_skipped"] = "time budget"
+                    row[f"prep[{n}]_skipped"] = "time budget"
                     continue
                 cc = dict(prep_cfg=sweep[n][0])
                 try:
-                    _, secs = timed_first(lambda: ours_fwd(ins, "c16p", cc, cu=cu, prep_only=True))
-                    prep[n] = bench(lambda: ours_fwd(ins, "c16p", cc, cu=cu, prep_only=True))
-                    row[f"c16p[{n}]_prep_ms"] = prep[n]
-                    row[f"c16p[{n}]_prep_kernel"] = dict(ours.kernel_info("c16p"), first_call_s=secs)
-                    o_v = ours_fwd(ins, "c16p", cc, cu=cu)[0]
+                    _, secs = timed_first(lambda: ours_fwd(ins, cc, cu=cu, prep_only=True))
+                    prep[n] = bench(lambda: ours_fwd(ins, cc, cu=cu, prep_only=True))
+                    row[f"prep[{n}]_prep_ms"] = prep[n]
+                    row[f"prep[{n}]_prep_kernel"] = dict(ours.kernel_info("prep"), first_call_s=secs)
+                    o_v = ours_fwd(ins, cc, cu=cu)[0]
                     if o_fla is not None:
-                        row[f"c16p[{n}]_vs_fla_rrmse"] = rr(o_v, o_fla)
+                        row[f"prep[{n}]_vs_fla_rrmse"] = rr(o_v, o_fla)
                     del o_v
-                    full[n] = bench(lambda: ours_fwd(ins, "c16p", cc, cu=cu))
-                    row[f"c16p[{n}]_ms"] = full[n]
+                    full[n] = bench(lambda: ours_fwd(ins, cc, cu=cu))
+                    row[f"prep[{n}]_ms"] = full[n]
                     if "fla_ms" in row:
-                        row[f"c16p[{n}]_speedup"] = row["fla_ms"] / full[n]
+                        row[f"prep[{n}]_speedup"] = row["fla_ms"] / full[n]
                 except Exception as e:  # noqa: BLE001
-                    row[f"c16p[{n}]_error"] = repr(e)[:300]
+                    row[f"prep[{n}]_error"] = repr(e)[:300]
             if si == 0 and prep:
                 prep_rank = sorted(prep, key=prep.get)
-                row["c16p_prep_rank"] = prep_rank
+                row["prep_rank"] = prep_rank
             if prep:
                 bn = min(prep, key=prep.get)
-                row["c16p_best_prep"] = bn
-                row["c16p_best_prep_ms"] = prep[bn]
-                row["c16p_best_prep_floor_frac"] = prep_floor_ms / prep[bn]
-                if "c16_prep_ms_w4" in row:
-                    row["c16p_best_prep_speedup_vs_c16_prep"] = row["c16_prep_ms_w4"] / prep[bn]
+                row["prep_best"] = bn
+                row["prep_best_ms"] = prep[bn]
+                row["prep_best_floor_frac"] = prep_floor_ms / prep[bn]
             if full:
                 bn = min(full, key=full.get)
-                row["c16p_best_full"] = bn
-                row["c16p_best_full_ms"] = full[bn]
-        # 2c. full forward of every variant (c16p: its default prep; the sweep above has the others)
+                row["prep_best_full"] = bn
+                row["prep_best_full_ms"] = full[bn]
+        # 2c. the default full forward (the sweep above has the other prep configs)
         for v in variants:
-            if si == 0:
-                cfgs = CONFIGS[v]
-            else:
-                cfgs = [best_cfg[v]] if v in best_cfg else []
-                cfgs = cfgs + [{}] if {} not in cfgs else cfgs  # heuristic default for this shape
+            cfgs = [{}]
             times = {}
             for c in cfgs:
                 if over():
                     row[f"{v}_skipped"] = "time budget"
                     break
                 try:
-                    o_v, secs = timed_first(lambda: ours_fwd(ins, v, c, cu=cu)[0])
+                    o_v, secs = timed_first(lambda: ours_fwd(ins, c, cu=cu)[0])
                     if o_fla is not None and f"{v}_vs_fla_rrmse" not in row:
                         row[f"{v}_vs_fla_rrmse"] = rr(o_v, o_fla)
                     del o_v
-                    times[cfg_name(c)] = bench(lambda: ours_fwd(ins, v, c, cu=cu))
+                    times[cfg_name(c)] = bench(lambda: ours_fwd(ins, c, cu=cu))
                     row[f"{v}_first_call_s[{cfg_name(c)}]"] = secs
                 except Exception as e:  # noqa: BLE001
                     row[f"{v}_error[{cfg_name(c)}]"] = repr(e)[:300]
@@ -471,16 +414,12 @@ def main():
                 row[f"{v}_floor_frac"] = floor_ms / times[bname]
                 if "fla_ms" in row:
                     row[f"{v}_speedup"] = row["fla_ms"] / times[bname]
-                if si == 0:
-                    best_cfg[v] = next(c for c in cfgs if cfg_name(c) == bname)
-        # 2d. sequential-pass option sets (STATE_SWEEP) at the first shape (or every one), after the prep of c16p
-        # (else c16)
-        if (si == 0 or args.state_every_shape) and state_sweep and any(v in variants for v in ("c16", "c16p")):
-            sv = "c16p" if "c16p" in variants else "c16"
+        # 2d. walk option sets (STATE_SWEEP) at the first shape (or every one)
+        if (si == 0 or args.state_every_shape) and state_sweep:
             try:
-                ours_fwd(ins, sv, {}, cu=cu, prep_only=True)
-                prep_ms = bench(lambda: ours_fwd(ins, sv, {}, cu=cu, prep_only=True))
-                row[f"state[{sv}]_prep_ms"] = prep_ms
+                ours_fwd(ins, {}, cu=cu, prep_only=True)
+                prep_ms = bench(lambda: ours_fwd(ins, {}, cu=cu, prep_only=True))
+                row["state_prep_ms"] = prep_ms
             except Exception as e:  # noqa: BLE001
                 prep_ms = None
                 row["state_prep_error"] = repr(e)[:200]
@@ -491,18 +430,18 @@ def main():
                     continue
                 cc = dict(state_cfg=ov)
                 try:
-                    o_v, secs = timed_first(lambda: ours_fwd(ins, sv, cc, cu=cu)[0])
+                    o_v, secs = timed_first(lambda: ours_fwd(ins, cc, cu=cu)[0])
                     if o_fla is not None:
                         row[f"state[{n}]_vs_fla_rrmse"] = rr(o_v, o_fla)
                     del o_v
-                    st[n] = bench(lambda: ours_fwd(ins, sv, cc, cu=cu))
+                    st[n] = bench(lambda: ours_fwd(ins, cc, cu=cu))
                     row[f"state[{n}]_fwd_ms"] = st[n]
                     if "fla_ms" in row:
                         row[f"state[{n}]_speedup"] = row["fla_ms"] / st[n]
                     if prep_ms is not None:
                         row[f"state[{n}]_seq_ms"] = st[n] - prep_ms
                     row[f"state[{n}]_predicted_seq_ms"] = pred
-                    row[f"state[{n}]_kernel"] = dict(ours.kernel_info(sv, "state"), first_call_s=secs)
+                    row[f"state[{n}]_kernel"] = dict(ours.kernel_info("state"), first_call_s=secs)
                 except Exception as e:  # noqa: BLE001
                     row[f"state[{n}]_error"] = repr(e)[:300]
             if st:
@@ -515,7 +454,7 @@ def main():
         if si == 0 and args.decode:
             run_decode()
 
-    # 4. fwd+bwd (default forward variant + the backend's backward) vs fla
+    # 4. fwd+bwd (the backend's forward and backward) vs fla
     if args.bwd or args.bwd_only:
         # every requested shape, one sequence of T tokens for the fixed ones (B1 T8K / T32K / T128K) and the whole
         # varlen batch (the fp32 backward scratch at B8 T8K would be ~43 GB next to fla's buffers)
@@ -525,7 +464,7 @@ def main():
                 continue
             Bb = 1 if cu_list is None else B
             cu = None if cu_list is None else torch.tensor(cu_list, device=dev)
-            rowb = dict(op="chunk_fwd_bwd", shape=name, B=Bb, T=T, H=H, D=D, fwd_variant=ours.fwd_variant())
+            rowb = dict(op="chunk_fwd_bwd", shape=name, B=Bb, T=T, H=H, D=D)
             try:
                 ins = make(Bb, T, grad=True)
                 do = torch.randn(Bb, T, H, D, device=dev, dtype=torch.bfloat16)
@@ -640,13 +579,14 @@ def print_rows(first: str, keys, rows: dict) -> None:
 
 
 def static_report(sweep, json_path=None, H=96, D=128):
-    """--static (no GPU needed): compile the old prep and every c16p sweep config for sm_90 with triton's bundled
+    """--static (no GPU needed): compile every prep sweep config for sm_90 with triton's bundled
     ptxas (B8 T8K-like arguments, bf16, fused gate + L2 norm) and print registers, spill stack, shared memory,
     resident programs / chunks / warps per SM, and SASS counts per 16-token chunk (warp-instructions summed over the
     program's warps; MUFU, MMA and barriers per program). The K-block loops are unrolled, so counts are per chunk
     as executed (the LOOP loop's body is counted once)."""
     import triton
-    from k3.ops.kda.triton import kernels as kern, ops as ours
+    from k3.ops.kda.triton import fwd as ours
+    from k3.ops.kda.triton.intra_fwd import kda_intra_wy_fwd_kernel
     from k3.ops.triton_sm90 import compile_sm90, stats
 
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
@@ -668,21 +608,14 @@ def static_report(sweep, json_path=None, H=96, D=128):
                     bar_per_program=ops_["BAR"])
 
     rows = {}
-    base = dict(H=H, K=D, V=D, USE_GATE=True, L2NORM=True)
-    for nw in (4, 2):
-        try:
-            rows[f"c16 (old, {nw} warps)"] = measure(build(kern.kda_prep_fwd_kernel, dict(base, BT=16, REF=7),
-                                                            dict(num_warps=nw, num_stages=1)), nw, 1)
-        except Exception as e:  # noqa: BLE001
-            rows[f"c16 (old, {nw} warps)"] = dict(error=repr(e)[:300])
     for n, (ov, _, _) in sweep.items():
-        cfg = ours.prep16p_config(ov)
-        consts, launch = ours.prep16p_meta(cfg, H, D, D, varlen=False, USE_GATE=True, L2NORM=True)
+        cfg = ours.prep_config(ov)
+        consts, launch = ours.prep_meta(cfg, H, D, D, varlen=False, USE_GATE=True, L2NORM=True)
         try:
-            rows[f"c16p[{n}]"] = measure(build(kern.kda_prep16p_fwd_kernel, consts, launch), launch["num_warps"],
+            rows[f"prep[{n}]"] = measure(build(kda_intra_wy_fwd_kernel, consts, launch), launch["num_warps"],
                                          cfg["c"])
         except Exception as e:  # noqa: BLE001
-            rows[f"c16p[{n}]"] = dict(error=repr(e)[:300])
+            rows[f"prep[{n}]"] = dict(error=repr(e)[:300])
     keys = ["regs", "spill_stack_B", "smem_KB", "cta_per_SM", "chunks_per_SM", "warps_per_SM",
             "warp_instr_per_chunk", "mufu_per_chunk", "mma_per_chunk", "bar_per_program"]
     print(f"static sm_90 compile (triton {triton.__version__}), H={H} D={D} bf16")
@@ -692,33 +625,21 @@ def static_report(sweep, json_path=None, H=96, D=128):
             json.dump(dict(triton=triton.__version__, H=H, D=D, rows=rows), fh, indent=1)
 
 
-# Sequential-pass option sets (ops.STATE_CFG_DEFAULT keys), timed after the variant rows at the first shape (c16's prep,
-# then this sequential pass; the sequential time is the full forward minus the c16 prep alone in the same run).
-# Predicted sequential ms at B8 T8K H96 D128 bf16 (c16 measured 17.0 ms = 12.4 prep + ~4.6 sequential); the basis is
+# Walk option sets (fwd.STATE_CFG_DEFAULT keys), timed after the forward rows at the first shape (the walk time is the
+# full forward minus the prep alone in the same run). The "v2" walk kernel's sets (kernel / ch / prefetch / out_late /
+# fold) were removed with the kernel (best 4.08 ms vs base_s3 3.94 at B8 T8K, third session: docs/LOG.md).
+# Predicted walk ms at B8 T8K H96 D128 bf16 (measured 4.6 ms with the old 2-stage default); the basis is
 # `--static` (triton 3.9 sm_90 compile on a CPU): registers/spills, programs per SM and a one-warp in-order issue
 # simulation of the loop body's SASS (fixed latencies, STATE_LAT) -> cycles per 16-token step, then
 #   t = waves * 512 steps * max(sim cycles, resident programs * issue cycles of one program) / 1.755 GHz * CAL
 # with CAL fitted so that the measured "base" row (BV 128, 4 warps, 2 stages) gives 4.6 ms. Ranges about +-40%.
 STATE_SWEEP = [
-    ("base", {}, 4.6, "kda_state_fwd_kernel, BV 128, 4 warps, 2 stages (measured ~4.6 ms, 2026-11-30)"),
+    ("base", dict(num_stages=2), 4.6, "kda_state_output_fwd_kernel, BV 128, 4 warps, 2 stages (measured ~4.6 ms, "
+     "2026-11-30)"),
     ("base_w8", dict(num_warps=8), 8.2, "BV 128 on 8 warps: the [128, 128] fp32 state is 64 registers a thread, "
      "no spill (4 warps: 255 registers + 184 B spill stack)"),
     ("base_w8_s3", dict(num_warps=8, num_stages=3), 5.9, "+ a 3-stage cp.async pipeline (loads 2 steps ahead)"),
     ("base_bv64_w4", dict(bv=64, num_warps=4), 6.4, "BV 64 on 4 warps (1,536 programs; K-wide tiles read twice)"),
-    ("v2_w8", dict(kernel="v2", num_warps=8), 8.2, "new kernel, no option: should equal base_w8 (control)"),
-    ("v2_w8_late", dict(kernel="v2", num_warps=8, out_late=True), 8.2,
-     "output dots issued after the state update"),
-    ("v2_w8_fold_late", dict(kernel="v2", num_warps=8, out_late=True, fold=True), 9.5,
-     "o = (qg - Aqk W) S + Aqk U: output needs only the old state"),
-    ("v2_w8_pf", dict(kernel="v2", num_warps=8, prefetch=True), 4.8,
-     "next chunk's tiles loaded to registers before the dots (1 stage)"),
-    ("v2_w8_pf_late", dict(kernel="v2", num_warps=8, prefetch=True, out_late=True), 5.2, "prefetch + out_late"),
-    ("v2_w8_ch2_late", dict(kernel="v2", num_warps=8, ch=2, out_late=True), 6.2,
-     "2 chunks per iteration (both loaded up front), out_late"),
-    ("v2_w8_ch2_pf_late", dict(kernel="v2", num_warps=8, ch=2, prefetch=True, out_late=True), 5.2,
-     "2 chunks per iteration, next pair prefetched, out_late"),
-    ("v2_w4_bv64_pf_late", dict(kernel="v2", bv=64, num_warps=4, prefetch=True, out_late=True), 5.7,
-     "BV 64 on 4 warps with prefetch + out_late"),
 ]
 STATE_SWEEP += [  # long sequences (B x H < 2 x SMs): more, smaller value blocks (fourth session; `kdafwdlong`)
     ("long_bv16_s3", dict(bv=16, num_stages=3), None, "BV 16: 4x the programs of BV 64 at N*H = 192, 2x of BV 32"),
@@ -729,14 +650,7 @@ STATE_SWEEP += [  # long sequences (B x H < 2 x SMs): more, smaller value blocks
 STATE_SWEEP += [
     ("base_s3", dict(num_stages=3), 3.3, "base with a 3-stage cp.async pipeline (loads two steps ahead): best of the "
      "static grid"),
-    ("v2_w4_late_s3", dict(kernel="v2", out_late=True, num_stages=3), 4.2, "4 warps, out_late, 3 stages"),
     ("base_w8_r128", dict(num_warps=8, maxnreg=128), 5.4, "8 warps capped at 128 registers: 2 programs per SM"),
-    ("v2_w8_r128_pf_late", dict(kernel="v2", num_warps=8, maxnreg=128, prefetch=True, out_late=True), 4.3,
-     "8 warps, cap 128, prefetch + out_late"),
-    ("v2_w8_r128_late_s3", dict(kernel="v2", num_warps=8, maxnreg=128, out_late=True, num_stages=3), 4.0,
-     "8 warps, cap 128, out_late, 3-stage cp.async pipeline"),
-    ("v2_w4_bv64_r128_pf_late", dict(kernel="v2", bv=64, num_warps=4, maxnreg=128, prefetch=True, out_late=True),
-     5.7, "BV 64 on 4 warps, cap 128 (4 programs per SM), prefetch + out_late"),
 ]
 STATE_SWEEP += [  # eighth session: prep of piece p + 1 overlapped with the walk of piece p (ops `pipe`); predicted
     # from the fifth session's split (B1 T128K: prep 12.8 + walk ~11 ms; B2 T32K ~6.4 + 5.6; B8 T8K ~6.4 + 4.0) as
@@ -758,10 +672,8 @@ STATE_SWEEP += [  # eighth session: prep of piece p + 1 overlapped with the walk
     ("pipe8k_grid", dict(pipe=8192, lpt=False, num_stages=3), None, "8,192-token pieces, walks in grid order"),
     ("nopipe_bv64", dict(pipe=0, bv=64, num_stages=3), None, "not pipelined, BV 64 (twice the walk programs)"),
 ]
-STATE_ORDER = ["base", "base_s3", "v2_w4_late_s3", "v2_w8_r128_late_s3", "v2_w8_r128_pf_late", "v2_w8_pf", "base_w8_r128", "v2_w8_ch2_pf_late",
-               "v2_w8_pf_late", "base_w8_s3", "v2_w4_bv64_pf_late", "v2_w4_bv64_r128_pf_late", "v2_w8_ch2_late",
-               "base_bv64_w4", "v2_w8", "base_w8", "v2_w8_late", "v2_w8_fold_late"]
-SMOKE_STATE = ["base", "v2_w8_pf_late", "v2_w8_ch2_late"]
+STATE_ORDER = ["base", "base_s3", "base_w8_r128", "base_w8_s3", "base_bv64_w4", "base_w8"]
+SMOKE_STATE = ["base", "base_s3", "pipe1k"]
 # fixed latencies (cycles) of the one-warp SASS simulation in --static (assumed, not measured)
 STATE_LAT = dict(global_=600, shared=30, local=30, hmma=32, hmma_interval=8, hgmma_per_n=1, mufu=20, alu=6, bar=20)
 
@@ -875,7 +787,7 @@ def _sim_body(body, nw, reps=4):
 
 
 def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
-    """--static, sequential pass: compile kda_state_fwd_kernel for every BV in (32, 64, 128) x num_warps (4, 8) x
+    """--static, the walk: compile kda_state_output_fwd_kernel for every BV in (32, 64, 128) x num_warps (4, 8) x
     num_stages (1, 2, 3) (grid=True) and every STATE_SWEEP option set for sm_90, and print registers, spill stack,
     shared memory, programs per SM, SASS of the loop body per 16-token step (warp-instructions of one program, HMMA
     (mma.sync) and HGMMA (wgmma) per warp, MUFU, BAR, local spill loads/stores), the one-warp simulated cycles per
@@ -883,7 +795,8 @@ def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
     import collections
     import math
     import triton
-    from k3.ops.kda.triton import ops as ours
+    from k3.ops.kda.triton import fwd as ours
+    from k3.ops.kda.triton.state_fwd import kda_state_output_fwd_kernel
     from k3.ops.triton_sm90 import compile_sm90, sass, stats
 
     bf, f32, i32 = "*bf16", "*fp32", "*i32"
@@ -893,12 +806,10 @@ def state_static_report(state_sweep, json_path=None, H=96, D=128, grid=True):
 
     def one(scfg):
         bv = scfg["bv"] or 128
-        fn, consts, launch = ours.state_meta(scfg, bv, D)
-        nw, ch = launch["num_warps"], consts.get("CH", 1)
-        consts = dict(consts, H=H, K=D, V=D, BT=16, BV=bv, HAS_H0=True, STORE_HT=True)
-        if fn is ours._k.kda_state_fwd_kernel:
-            consts["SAVE"] = 0
-        ck = compile_sm90(fn, consts, sig, **launch)
+        launch = ours.state_launch(scfg, bv, D)
+        nw, ch = launch["num_warps"], 1
+        consts = dict(H=H, K=D, V=D, BT=16, BV=bv, HAS_H0=True, STORE_HT=True, SAVE=0)
+        ck = compile_sm90(kda_state_output_fwd_kernel, consts, sig, **launch)
         st = stats(ck, nw)
         _, body = _sass_body(sass(ck))
         cnt = collections.Counter(op for _, op, _, _ in body)
@@ -967,49 +878,42 @@ def summary(res, variants, sweep, H, D):
     if acc:
         print(f"\nH={H} D={D} bf16. Accuracy: rel. RMSE of o / final state vs the fp32 token loop "
               f"({', '.join(acc)} inputs)")
-        keys = ["fla"] + list(variants) + [f"c16p[{n}]" for n in sweep if n != "default"]
+        keys = ["fla"] + list(variants) + [f"prep[{n}]" for n in sweep if n != "default"]
         print("| run | " + " | ".join(acc) + " |")
         print("|---|" + "---|" * len(acc))
         for key in keys:
             cells = [f"{a.get(key + '_o', nan):.2e} / {a.get(key + '_S', nan):.2e}" for a in acc.values()]
             print(f"| {key} | " + " | ".join(cells) + " |")
-    if sweep and any("c16p_best_prep" in r for r in fwd):
-        print("\nPrep kernel alone / full forward, ms (c16 = the old prep; regs/spills at the first shape)")
+    if sweep and any("prep_best" in r for r in fwd):
+        print("\nPrep kernel alone / full forward, ms (regs/spills at the first shape)")
         print("| prep | predicted prep | " + " | ".join(f"{r['shape']} prep | {r['shape']} fwd" for r in fwd)
               + " | regs/spills |")
         print("|---|---|" + "---|---|" * len(fwd) + "---|")
         first = fwd[0]
-        for pw in (4, 2):
-            if f"c16_prep_ms_w{pw}" in first:
-                cells = " | ".join(f"{r.get(f'c16_prep_ms_w{pw}', nan):.2f} | "
-                                   f"{(r.get('c16_ms', nan) if pw == 4 else nan):.2f}" for r in fwd)
-                ki = first.get(f"c16_prep_kernel_w{pw}", {})
-                print(f"| c16 (old, {pw} warps) | {'12.4 (2026-11-30)' if pw == 4 else '-'} | {cells} | "
-                      f"{ki.get('n_regs', '-')}/{ki.get('n_spills', '-')} |")
         for n, (_, pred, _) in sweep.items():
-            cells = " | ".join(f"{r.get(f'c16p[{n}]_prep_ms', nan):.2f} | {r.get(f'c16p[{n}]_ms', nan):.2f}"
+            cells = " | ".join(f"{r.get(f'prep[{n}]_prep_ms', nan):.2f} | {r.get(f'prep[{n}]_ms', nan):.2f}"
                                for r in fwd)
-            ki = first.get(f"c16p[{n}]_prep_kernel", {})
-            print(f"| c16p[{n}] | {pred if pred is not None else '-'} | {cells} | "
+            ki = first.get(f"prep[{n}]_prep_kernel", {})
+            print(f"| prep[{n}] | {pred if pred is not None else '-'} | {cells} | "
                   f"{ki.get('n_regs', '-')}/{ki.get('n_spills', '-')} |")
     if fwd:
         print("\nFull forward, ms (best config); fla in the same run")
-        print("| shape | fla | " + " | ".join(variants) + " | c16p best prep config | best speedup vs fla |")
+        print("| shape | fla | " + " | ".join(variants) + " | best prep config | best speedup vs fla |")
         print("|---|---|" + "---|" * len(variants) + "---|---|")
     for r in fwd:
         ms = {v: r.get(f"{v}_ms", nan) for v in variants}
-        if "c16p_best_full_ms" in r:
-            ms["c16p*"] = r["c16p_best_full_ms"]
+        if "prep_best_full_ms" in r:
+            ms["prep*"] = r["prep_best_full_ms"]
         ok = {v: t for v, t in ms.items() if t == t}
         bv = min(ok, key=ok.get) if ok else None
         cells = " | ".join(f"{ms[v]:.2f} ({r.get(f'{v}_cfg', '-')})" for v in variants)
         best = r.get("fla_ms", nan) / ok[bv] if bv else nan
         print(f"| {r['shape']} | {r.get('fla_ms', nan):.2f} | {cells} | "
-              f"{r.get('c16p_best_full', '-')} {r.get('c16p_best_full_ms', nan):.2f} | {best:.2f} ({bv}) |")
+              f"{r.get('prep_best_full', '-')} {r.get('prep_best_full_ms', nan):.2f} | {best:.2f} ({bv}) |")
     if fwd and any(k.startswith("state[") and k.endswith("_fwd_ms") for k in fwd[0]):
         r = fwd[0]
-        print(f"\nSequential pass options ({r['shape']}): full forward, sequential = forward - prep alone "
-              f"({r.get('state[c16p]_prep_ms', r.get('state[c16]_prep_ms', nan)):.2f} ms), predicted sequential")
+        print(f"\nWalk options ({r['shape']}): full forward, walk = forward - prep alone "
+              f"({r.get('state_prep_ms', nan):.2f} ms), predicted walk")
         print("| state_cfg | fwd ms | seq ms | predicted seq ms | regs/spills | vs fla |")
         print("|---|---|---|---|---|---|")
         for k in [k for k in r if k.startswith("state[") and k.endswith("_fwd_ms")]:

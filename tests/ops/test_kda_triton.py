@@ -3,11 +3,11 @@
 TRITON_INTERPRET must be set before triton is imported, and pytest imports every test module into one process,
 so the checks run in one subprocess (this file run as a script, with TRITON_INTERPRET=1) that prints a JSON
 table of relative RMSEs; the tests below read that table. Skips cleanly when triton is not installed.
-Every forward variant (k3.ops.kda.triton.ops.FWD_VARIANTS, selected through $K3_KDA_TRITON_FWD as a user would)
-runs the same forward cases; the options of the c16p prep (ops.PREP16P_DEFAULT) run a subset. The interpreter
+The forward (k3.ops.kda.triton.fwd) runs every forward case through chunk_kda as a user would; the options of its
+prep (fwd.PREP_DEFAULT) and walk (fwd.STATE_CFG_DEFAULT), set through `triton_config`, run subsets. The interpreter
 computes dots exactly in fp32 and truncates fp32 -> bf16; `emulate_gpu` makes it round like the GPU (tf32 dot
 operands truncated to 10 mantissa bits, tf32x3 as three such products, fp32 -> bf16 to nearest even), used for the
-D=128 accuracy checks of c16 / c16p.
+D=128 accuracy checks.
 """
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ TOL_OUT, TOL_DQKV, TOL_DGB = 5e-3, 8e-3, 2e-2
 # intermediates and the state operand of the dots are bf16, as in fla; ~1e-2 at these small K, V (3.3e-3 at
 # D=128 on the H200).
 TOL_BF16 = 2.5e-2
-VARIANTS = ("c16", "c64", "c64s", "c64f", "c16p")  # = ops.FWD_VARIANTS (checked in the subprocess)
-# c16p prep options beyond the default (ops.PREP16P_DEFAULT), run on a subset of the forward cases
-PREP16P_CASES = {
+# prep options beyond the default (fwd.PREP_DEFAULT), run on a subset of the forward cases
+PREP_CASES = {
     "c2_w4_ieee_chunkfast": dict(c=2, num_warps=4, maxnreg=None, inv="ieee", head_fast=False),
     "c4_loop2_prefetch": dict(c=4, loop=2, prefetch=True),
     "c2_loop4_blkn_qk3": dict(c=2, loop=4, inv="blkn", qk="tf32x3"),
@@ -34,30 +33,28 @@ PREP16P_CASES = {
     "kb16": dict(kb=16, num_warps=1),                  # K = 32: two K blocks; V = 16: one value block
     "kb16_c2_loop2": dict(kb=16, c=2, loop=2, head_fast=False),
 }
-PREP16P_FWD_CASES = ("precomputed_g", "varlen", "gate_at_bound_lb-10", "bf16")
-# sequential-pass options (ops.STATE_CFG_DEFAULT, kda_chunk_fwd(state_cfg=...)), on c16 (and c16p for one set), on a
-# subset: T = 100 not a multiple of 16 with an initial state, varlen (lengths 0, 1, 5, 17, ...) with initial states,
-# bf16 varlen, K = V = 16 without an initial state
+PREP_FWD_CASES = ("precomputed_g", "varlen", "gate_at_bound_lb-10", "bf16")
+# walk options (fwd.STATE_CFG_DEFAULT, kda_chunk_fwd(state_cfg=...)) on a subset: T = 100 not a multiple of 16 with
+# an initial state, varlen (lengths 0, 1, 5, 17, ...) with initial states, bf16 varlen, K = V = 16 without an
+# initial state
 STATE_CASES = {
-    "c16:v2_ch2_pf_late_fold": dict(kernel="v2", ch=2, prefetch=True, out_late=True, fold=True),
-    "c16:v2_ch1_pf_bv16": dict(kernel="v2", prefetch=True, bv=16),
-    "c16:v2_ch2_late_s3": dict(kernel="v2", ch=2, out_late=True, num_stages=3),
-    "c16p:v2_pf_late_w8": dict(kernel="v2", prefetch=True, out_late=True, num_warps=8),
+    "bv16_s2": dict(bv=16, num_stages=2),
+    "w8": dict(num_warps=8),
     # time pieces (the pipelined forward): 16 tokens (every chunk its own piece; sequences of 0 and 1 tokens walk
-    # empty pieces), 48 (T = 100: pieces of 48, 48, 4), 64 on the 64-token variant
-    "c16p:pipe16": dict(pipe=16),
-    "c16:pipe48_v2_pf": dict(pipe=48, kernel="v2", prefetch=True),
-    "c64:pipe64": dict(pipe=64),
+    # empty pieces), 48 (T = 100: pieces of 48, 48, 4), 64
+    "pipe16": dict(pipe=16),
+    "pipe48": dict(pipe=48),
+    "pipe64": dict(pipe=64),
 }
-# the pipelined forward against the same variant unpiped: the same kernels on the same chunks, so equal to rounding
-PIPE_RUNS = {"c16p": 32, "c16": 16, "c64": 128}
+# the pipelined forward against the unpiped one: the same kernels on the same chunks, so equal to rounding
+PIPE_RUNS = {"pipe32": 32, "pipe16": 16, "pipe128": 128}
 STATE_FWD_CASES = ("gate_l2_h0", "precomputed_g", "varlen", "bf16")
 # D=128 bf16 inputs with GPU rounding emulated: o and state vs the fp32 loop. "hard": nearly collinear keys and weak
 # decay (|n| ~ 1): a tf32 inverse by repeated squaring gives o off by 0.27-0.41 there (tried), the block inverse
-# matches the ieee squaring of c16
-TOL_D128 = {"random": 5e-3, "hard": 1e-2}  # c16 (ieee inverse): 3.1e-3 / 7e-3 to 8e-3 (bf16 W, U and state)
+# matches the ieee squaring
+TOL_D128 = {"random": 5e-3, "hard": 1e-2}  # ieee inverse: 3.1e-3 / 7e-3 to 8e-3 (bf16 W, U and state)
 D128_CASES = ("random", "hard")
-D128_RUNS = {"c16": None, "c16p": {}, "c16p_blkn": dict(inv="blkn"), "c16p_kb32": dict(kb=32, num_warps=1)}
+D128_RUNS = {"default": {}, "ieee": dict(inv="ieee"), "blkn": dict(inv="blkn"), "kb32": dict(kb=32, num_warps=1)}
 
 
 def _rr(a, b) -> float:
@@ -73,13 +70,14 @@ def _checks() -> dict:
     import torch
     import torch.nn.functional as F
     from k3.ops.kda import chunk_kda, recurrent_kda
-    from k3.ops.kda.triton import available, fused_recurrent_kda_triton, ops
+    from k3.ops.kda.triton import available, fused_recurrent_kda_triton, triton_config
+    from k3.ops.kda.triton import fwd as ops, tables
 
     assert available(), "triton backend should be available under TRITON_INTERPRET=1"
     fix_interpreter_bf16_dot()
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)
-    res = {"variants_match": float(tuple(ops.FWD_VARIANTS) == VARIANTS)}
+    res = {}
 
     def inputs(B, T, H, K, V, unit_k=False, gate=True):
         q, k, v = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V)
@@ -99,7 +97,7 @@ def _checks() -> dict:
     A_log, dtb = torch.rand(H, generator=gen), r(H * K) * 0.5
     gk = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dtb)
 
-    # Forward cases: (name, args, kwargs, tolerance). Inputs drawn once; every variant runs all of them.
+    # Forward cases: (name, args, kwargs, tolerance). Inputs drawn once.
     cases = []
     # fused gate + L2 norm + initial state; T = 100 = 64 + 36 = 6*16 + 4 (partial chunk for both chunk sizes)
     q, k, v, f, beta = inputs(2, 100, H, K, V)
@@ -132,80 +130,63 @@ def _checks() -> dict:
     refs = [recurrent_kda(*[x.float() for x in args], output_final_state=True, **kw) for _, args, kw, _ in cases]
     causal_in = inputs(1, 80, H, K, V)
     t0 = 20
-    for variant in VARIANTS:
-        os.environ[ops.ENV_FWD] = variant
-        res[variant + ".selected"] = float(ops.fwd_variant() == variant)
-        for (name, args, kw, _), (o1, s1) in zip(cases, refs):
-            o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
-            res[f"{variant}.{name}.o"] = _rr(o2, o1)
-            res[f"{variant}.{name}.S"] = _rr(s2, s1)
-            res[f"{variant}.{name}.dtype_ok"] = float(o2.dtype == args[2].dtype and s2.dtype == torch.float32)
-        # causality: outputs at t <= t0 never depend on gates (or anything else) after t0
-        q, k, v, f, beta = causal_in
-        o_a, _ = chunk_kda(q, k, v, f, beta, backend="triton", **gk)
-        f2 = f.clone()
-        f2[:, t0 + 1:] = r(*f2[:, t0 + 1:].shape) * 10
-        v2 = v.clone()
-        v2[:, t0 + 1:] += 1.0
-        o_b, _ = chunk_kda(q, k, v2, f2, beta, backend="triton", **gk)
-        res[f"{variant}.causal.max_abs_diff_before"] = float(
-            (o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
-        res[f"{variant}.causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
-    def option_sweep(label, defaults, option_sets, fwd_cases, variant_of):
-        """chunk_kda (public path) with the module defaults patched per option set; restored after each."""
-        saved = dict(defaults)
-        for oname, opts in option_sets.items():
-            os.environ[ops.ENV_FWD] = variant_of(oname)
-            defaults.update(opts)
-            for (name, args, kw, _), (o1, s1) in zip(cases, refs):
-                if name in fwd_cases:
-                    o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
-                    res[f"{label}[{oname}].{name}.o"] = _rr(o2, o1)
-                    res[f"{label}[{oname}].{name}.S"] = _rr(s2, s1)
-            defaults.clear()
-            defaults.update(saved)
+    for (name, args, kw, _), (o1, s1) in zip(cases, refs):
+        o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
+        res[f"fwd.{name}.o"] = _rr(o2, o1)
+        res[f"fwd.{name}.S"] = _rr(s2, s1)
+        res[f"fwd.{name}.dtype_ok"] = float(o2.dtype == args[2].dtype and s2.dtype == torch.float32)
+    # causality: outputs at t <= t0 never depend on gates (or anything else) after t0
+    q, k, v, f, beta = causal_in
+    o_a, _ = chunk_kda(q, k, v, f, beta, backend="triton", **gk)
+    f2 = f.clone()
+    f2[:, t0 + 1:] = r(*f2[:, t0 + 1:].shape) * 10
+    v2 = v.clone()
+    v2[:, t0 + 1:] += 1.0
+    o_b, _ = chunk_kda(q, k, v2, f2, beta, backend="triton", **gk)
+    res["fwd.causal.max_abs_diff_before"] = float(
+        (o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
+    res["fwd.causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
 
-    # c16p prep options (ops.PREP16P_DEFAULT patched); sequential-pass options (ops.STATE_CFG_DEFAULT patched:
-    # chunk_kda takes no state_cfg), names "variant:option"
-    option_sweep("c16p", ops.PREP16P_DEFAULT, PREP16P_CASES, PREP16P_FWD_CASES, lambda n: "c16p")
-    option_sweep("state", ops.STATE_CFG_DEFAULT, STATE_CASES, STATE_FWD_CASES, lambda n: n.split(":")[0])
-    # pipelined vs unpiped, same variant, varlen with initial states (and without a final state: the last piece's
-    # walk then stores nothing); a piece length that is not a multiple of c64's chunk is refused by name
+    def option_sweep(label, field, option_sets, fwd_cases):
+        """chunk_kda (public path) under triton_config(**{field: options}) per option set."""
+        for oname, opts in option_sets.items():
+            with triton_config(**{field: opts}):
+                for (name, args, kw, _), (o1, s1) in zip(cases, refs):
+                    if name in fwd_cases:
+                        o2, s2 = chunk_kda(*args, output_final_state=True, backend="triton", **kw)
+                        res[f"{label}[{oname}].{name}.o"] = _rr(o2, o1)
+                        res[f"{label}[{oname}].{name}.S"] = _rr(s2, s1)
+
+    option_sweep("prep", "prep_cfg", PREP_CASES, PREP_FWD_CASES)
+    option_sweep("state", "state_cfg", STATE_CASES, STATE_FWD_CASES)
+    # pipelined vs unpiped, varlen with initial states (and without a final state: the last piece's walk then stores
+    # nothing)
     _, args, kw, _ = next(c for c in cases if c[0] == "varlen")
-    for variant, piece in PIPE_RUNS.items():
-        o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, output_final_state=True,
-                                   state_cfg=dict(pipe=0), **kw)
-        o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, output_final_state=True,
-                                   state_cfg=dict(pipe=piece), **kw)
-        o2, _ = ops.kda_chunk_fwd(*args, K ** -0.5, variant=variant, state_cfg=dict(pipe=piece), **kw)
-        res[f"pipe.{variant}.o"], res[f"pipe.{variant}.S"] = _rr(o1, o0), _rr(s1, s0)
-        res[f"pipe.{variant}.o_no_final"] = _rr(o2, o0)
-        res[f"pipe.{variant}.used"] = float(ops.pipe_tokens(ops.state_config(dict(pipe=piece)), variant, 280, 12,
-                                                            64 if variant == "c64" else 16) == piece)
+    for run, piece in PIPE_RUNS.items():
+        o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, output_final_state=True, state_cfg=dict(pipe=0), **kw)
+        o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, output_final_state=True, state_cfg=dict(pipe=piece), **kw)
+        o2, _ = ops.kda_chunk_fwd(*args, K ** -0.5, state_cfg=dict(pipe=piece), **kw)
+        res[f"pipe.{run}.o"], res[f"pipe.{run}.S"] = _rr(o1, o0), _rr(s1, s0)
+        res[f"pipe.{run}.o_no_final"] = _rr(o2, o0)
+        res[f"pipe.{run}.used"] = float(ops.pipe_tokens(ops.state_config(dict(pipe=piece)), 280, 12) == piece)
     # longest documents walked first (lengths 5, 64, 1, 0, 280, 17 -> order 280, 64, 17, 5, 1, 0; the default at
     # varlen), unpiped and pipelined, against grid order (lpt=False): same result, final states per sequence
-    o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True,
+    o0, s0 = ops.kda_chunk_fwd(*args, K ** -0.5, output_final_state=True,
                                state_cfg=dict(pipe=0, lpt=False), **kw)
-    o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True,
+    o1, s1 = ops.kda_chunk_fwd(*args, K ** -0.5, output_final_state=True,
                                state_cfg=dict(pipe=32, lpt=True), **kw)
-    o2, s2 = ops.kda_chunk_fwd(*args, K ** -0.5, variant="c16p", output_final_state=True, state_cfg=dict(pipe=0),
+    o2, s2 = ops.kda_chunk_fwd(*args, K ** -0.5, output_final_state=True, state_cfg=dict(pipe=0),
                                **kw)
     res["pipe.lpt.o"], res["pipe.lpt.S"] = max(_rr(o1, o0), _rr(o2, o0)), max(_rr(s1, s0), _rr(s2, s0))
-    res["lpt.order"] = ops._walk_order(ops._cu_cpu(1, 0, kw["cu_seqlens"]), "cpu").tolist()
-    # equal-length rows (no cu_seqlens): c16p's prep finds each piece's chunks without tables (T = 100: the last
+    res["lpt.order"] = tables._walk_order(tables._cu_cpu(1, 0, kw["cu_seqlens"]), "cpu").tolist()
+    # equal-length rows (no cu_seqlens): the prep finds each piece's chunks without tables (T = 100: the last
     # piece's chunk is partial)
     _, args_f, kw_f, _ = next(c for c in cases if c[0] == "gate_l2_h0")
-    o0, s0 = ops.kda_chunk_fwd(*args_f, K ** -0.5, variant="c16p", output_final_state=True, state_cfg=dict(pipe=0),
+    o0, s0 = ops.kda_chunk_fwd(*args_f, K ** -0.5, output_final_state=True, state_cfg=dict(pipe=0),
                                **kw_f)
-    o1, s1 = ops.kda_chunk_fwd(*args_f, K ** -0.5, variant="c16p", output_final_state=True,
+    o1, s1 = ops.kda_chunk_fwd(*args_f, K ** -0.5, output_final_state=True,
                                state_cfg=dict(pipe=32), **kw_f)
-    res["pipe.c16p_fixed.o"], res["pipe.c16p_fixed.S"] = _rr(o1, o0), _rr(s1, s0)
-    try:
-        ops.kda_chunk_fwd(*args, K ** -0.5, variant="c64", state_cfg=dict(pipe=32), **kw)
-        res["pipe.c64_bad_piece_raises"] = 0.0
-    except ValueError as e:
-        res["pipe.c64_bad_piece_raises"] = float("chunk" in str(e))
-    saved = dict(ops.PREP16P_DEFAULT)  # restored after each D128 run below
+    res["pipe.fixed.o"], res["pipe.fixed.S"] = _rr(o1, o0), _rr(s1, s0)
     res["state_bad_cfg_raises"] = 0.0
     for bad in (dict(ch=3), dict(prefetch=True), dict(kernel="v3"), dict(bv=24), dict(foo=1), dict(pipe=24),
                 dict(pipe=-16), dict(lpt=1)):
@@ -213,12 +194,12 @@ def _checks() -> dict:
             ops.state_config(bad)
         except ValueError:
             res["state_bad_cfg_raises"] += 1.0
-    res["prep16p_bad_cfg_raises"] = 0.0
+    res["prep_bad_cfg_raises"] = 0.0
     try:
-        ops.prep16p_config(dict(c=3))
+        ops.prep_config(dict(c=3))
     except ValueError:
-        res["prep16p_bad_cfg_raises"] = 1.0
-    # D=128, bf16 inputs, tensor-core rounding emulated: c16 and c16p options vs the fp32 loop
+        res["prep_bad_cfg_raises"] = 1.0
+    # D=128, bf16 inputs, tensor-core rounding emulated: prep options vs the fp32 loop
     Hd, Dd = 2, 128
     cu_d = torch.tensor([0, 37, 100])
     al_d, dt_d = torch.rand(Hd, generator=gen), r(Hd * Dd) * 0.1
@@ -236,22 +217,11 @@ def _checks() -> dict:
         kw = dict(initial_state=h0_d, cu_seqlens=cu_d, **gk_d)
         o1, s1 = recurrent_kda(*[x.float() for x in xs], output_final_state=True, **kw)
         for run, pc in D128_RUNS.items():
-            variant = run.split("_")[0]
-            os.environ[ops.ENV_FWD] = variant
-            if pc is not None:
-                ops.PREP16P_DEFAULT.update(pc)
-            o2, s2 = chunk_kda(*xs, output_final_state=True, backend="triton", **kw)
-            ops.PREP16P_DEFAULT.clear()
-            ops.PREP16P_DEFAULT.update(saved)
+            with triton_config(prep_cfg=pc):
+                o2, s2 = chunk_kda(*xs, output_final_state=True, backend="triton", **kw)
             res[f"d128.{run}.{case}.o"] = _rr(o2, o1)
             res[f"d128.{run}.{case}.S"] = _rr(s2, s1)
     emulate_gpu(False)
-    del os.environ[ops.ENV_FWD]
-    try:
-        ops.fwd_variant("c32")
-        res["bad_variant_raises"] = 0.0
-    except ValueError:
-        res["bad_variant_raises"] = 1.0
     # decode: one token per sequence through chunk_kda (dispatches to the recurrent kernel), varlen decode,
     #    and the in-place few-token decode API
     q, k, v, f, beta = inputs(3, 1, H, K, V)
@@ -265,7 +235,7 @@ def _checks() -> dict:
     o2, s2 = fused_recurrent_kda_triton(q, k, v, f, beta, initial_state=st, inplace=True, **gk)
     res["decode_inplace.o"], res["decode_inplace.S"] = _rr(o2, o1), _rr(st, s1)
     res["decode_inplace.same_tensor"] = float(s2.data_ptr() != st.data_ptr())
-    # gradients (default forward variant + the backend's backward) vs the fp64 reference
+    # gradients (the backend's forward and backward) vs the fp64 reference
     q, k, v, f, beta = inputs(1, 35, H, K, V)
     h0 = r(1, H, K, V)
     leaves64 = [x.detach().clone().double().requires_grad_() for x in (q, k, v, f, beta, h0, A_log, dtb)]
@@ -299,20 +269,19 @@ FWD_CASES = ["gate_l2_h0", "precomputed_g", "varlen", "gate_at_bound", "gate_at_
              "g_mixed_0_-10", "bf16"]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("name", FWD_CASES)
-def test_forward_variant_and_state(results, variant, name):
+def test_forward_and_state(results, name):
     tol = results["tol"][name]
-    key = f"{variant}.{name}"
+    key = f"fwd.{name}"
     _assert_o_and_state(results, key, tol)
     assert results[key + ".dtype_ok"] == 1.0
 
 
-@pytest.mark.parametrize("option", list(PREP16P_CASES))
-@pytest.mark.parametrize("name", PREP16P_FWD_CASES)
-def test_prep16p_options(results, option, name):
+@pytest.mark.parametrize("option", list(PREP_CASES))
+@pytest.mark.parametrize("name", PREP_FWD_CASES)
+def test_prep_options(results, option, name):
     tol = results["tol"][name]
-    key = f"c16p[{option}].{name}"
+    key = f"prep[{option}].{name}"
     if option == "qk_bf16" and tol < TOL_BF16:  # bf16 Aqk/Akk operands: bf16-level error even for fp32 inputs
         tol = 2 * TOL_OUT
     _assert_o_and_state(results, key, tol)
@@ -338,7 +307,7 @@ def test_pipelined_forward_equals_unpiped(results, variant):
 
 
 def test_pipelined_forward_fixed_rows_equals_unpiped(results):
-    assert results["pipe.c16p_fixed.o"] <= 1e-6 and results["pipe.c16p_fixed.S"] <= 1e-6, results["pipe.c16p_fixed.o"]
+    assert results["pipe.fixed.o"] <= 1e-6 and results["pipe.fixed.S"] <= 1e-6, results["pipe.fixed.o"]
 
 
 def test_pipelined_longest_first_equals_unpiped(results):
@@ -347,12 +316,8 @@ def test_pipelined_longest_first_equals_unpiped(results):
                                                                             results["pipe.lpt.S"])
 
 
-def test_pipe_piece_must_fit_the_chunk(results):
-    assert results["pipe.c64_bad_piece_raises"] == 1.0
-
-
-def test_prep16p_config_validated(results):
-    assert results["prep16p_bad_cfg_raises"] == 1.0
+def test_prep_config_validated(results):
+    assert results["prep_bad_cfg_raises"] == 1.0
 
 
 @pytest.mark.parametrize("run", list(D128_RUNS))
@@ -363,17 +328,10 @@ def test_d128_bf16_gpu_rounding(results, run, case):
     assert results[key + ".S"] <= TOL_D128[case], (key, results[key + ".o"], results[key + ".S"])
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_variant_selected_by_env_and_causal(results, variant):
-    assert results[variant + ".selected"] == 1.0
+def test_forward_causal(results):
     # rounding only (a tile's reference row may lie after t)
-    assert results[variant + ".causal.max_abs_diff_before"] <= 1e-6
-    assert results[variant + ".causal.changed_after"] > 1e-3
-
-
-def test_variant_names(results):
-    assert results["variants_match"] == 1.0
-    assert results["bad_variant_raises"] == 1.0
+    assert results["fwd.causal.max_abs_diff_before"] <= 1e-6
+    assert results["fwd.causal.changed_after"] > 1e-3
 
 
 @pytest.mark.parametrize("name", ["decode_B3", "decode_varlen", "decode_inplace"])
@@ -407,7 +365,7 @@ def test_state_cfg_from_the_environment(monkeypatch):
     name; lpt takes None / True / False."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from k3.ops.kda.triton import ops
+    from k3.ops.kda.triton import fwd as ops
     monkeypatch.setenv("K3_KDA_STATE_CFG", '{"bv": 64, "lpt": false}')
     cfg = ops.state_config()
     assert cfg["bv"] == 64 and cfg["lpt"] is False and cfg["pipe"] is None
@@ -422,19 +380,18 @@ def test_state_cfg_from_the_environment(monkeypatch):
 
 
 def test_pipe_auto_rule():
-    """pipe=None: pipelined in PIPE_AUTO-token pieces only above PIPE_AUTO tokens, for variants with a separate prep,
-    up to PIPE_MAX_PROGS (sequence, head) pairs; an explicit piece length wins."""
+    """pipe=None: pipelined in PIPE_AUTO-token pieces only above PIPE_AUTO tokens, up to PIPE_MAX_PROGS (sequence,
+    head) pairs; an explicit piece length wins."""
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
-    from k3.ops.kda.triton import ops
+    from k3.ops.kda.triton import fwd as ops
     auto, n = ops.state_config({}), ops.PIPE_AUTO
-    assert ops.pipe_tokens(auto, "c16p", n + 1, 96) == n
-    assert ops.pipe_tokens(auto, "c16p", n, 96) == 0                       # one piece: nothing to overlap
-    assert ops.pipe_tokens(auto, "c16p", 4 * n, ops.PIPE_MAX_PROGS + 1) == 0
-    assert ops.pipe_tokens(auto, "c16p", 4 * n, 192) == n and ops.pipe_tokens(auto, "c16p", 4 * n, 1152) == 0
-    assert ops.pipe_tokens(auto, "c64f", 4 * n, 96) == 0                   # no separate prep
-    assert ops.pipe_tokens(ops.state_config(dict(pipe=0)), "c16", 4 * n, 96) == 0
-    assert ops.pipe_tokens(ops.state_config(dict(pipe=512)), "c16", 1000, 5000) == 512
+    assert ops.pipe_tokens(auto, n + 1, 96) == n
+    assert ops.pipe_tokens(auto, n, 96) == 0                       # one piece: nothing to overlap
+    assert ops.pipe_tokens(auto, 4 * n, ops.PIPE_MAX_PROGS + 1) == 0
+    assert ops.pipe_tokens(auto, 4 * n, 192) == n and ops.pipe_tokens(auto, 4 * n, 1152) == 0
+    assert ops.pipe_tokens(ops.state_config(dict(pipe=0)), 4 * n, 96) == 0
+    assert ops.pipe_tokens(ops.state_config(dict(pipe=512)), 1000, 5000) == 512
 
 
 def test_fixed_length_tables_built_once_per_shape():
@@ -443,7 +400,7 @@ def test_fixed_length_tables_built_once_per_shape():
     if not HAVE_TRITON:
         pytest.skip("triton is not installed")
     import torch
-    from k3.ops.kda.triton import ops
+    from k3.ops.kda.triton import tables as ops
     ops._FIXED_TABLES.clear()
     a = ops._seq_tables(3, 100, None, "cpu", 16)
     b = ops._seq_tables(3, 100, None, "cpu", 16)

@@ -1,4 +1,4 @@
-"""KDA Triton backward (ops_bwd.kda_chunk_bwd) vs autograd through the fp64 token-loop reference, on CPU through
+"""KDA Triton backward (bwd.kda_chunk_bwd) vs autograd through the fp64 token-loop reference, on CPU through
 the Triton interpreter.
 
 As in test_kda_triton.py, TRITON_INTERPRET must be set before triton is imported, so the checks run in one
@@ -23,81 +23,81 @@ TOL_FP32_DG_BOUND = 2.5e-4
 TOL_FP32_GATE_BOUND10 = 5e-4
 TOL_BF16_DQKV, TOL_BF16_DGB = 8e-3, 2e-2
 # bf16 inputs with g = -5 at every step, GPU-like rounding: dg, the small difference of large terms above, 1.7e-2 to
-# 2.5e-2 across the scratch options (fp32 scratch 2.2e-2) with gi2's one-pass tf32 products, whose operand roundings
-# are shared along the chunk (the suffix sum adds them up); 3.1e-3 with its split products (gi2 PREC "split_b")
+# 2.5e-2 across the scratch options (fp32 scratch 2.2e-2) with intra's one-pass tf32 products, whose operand roundings
+# are shared along the chunk (the suffix sum adds them up); 3.1e-3 with its split products (intra PREC "split_b")
 TOL_BF16_DG_BOUND = 3e-2
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-LAUNCH_OPTIONS = (("bk16", {"gi2": {"BK": 16}, "gfin": {"BK": 16}, "gw": {"BK": 16}, "gv": {"BK": 16, "BV": 16}}),
-                  ("gi2_bk32_w2", {"gi2": {"BK": 32, "num_warps": 2}}),
-                  ("prep_bk16", {"pmat": {"BK": 16}, "pwu": {"BK": 16, "BV": 16}}),
+LAUNCH_OPTIONS = (("bk16", {"intra": {"BK": 16}, "gate_norm": {"BK": 16}, "inter": {"BK": 16}, "value": {"BK": 16, "BV": 16}}),
+                  ("intra_bk32_w2", {"intra": {"BK": 32, "num_warps": 2}}),
+                  ("prep_bk16", {"matrices": {"BK": 16}, "wy": {"BK": 16, "BV": 16}}),
                   # the default until the eleventh session
-                  ("pmat_gfin_bk32", {"pmat": {"BK": 32}, "gfin": {"BK": 32}}),
+                  ("matrices_gate_norm_bk32", {"matrices": {"BK": 32}, "gate_norm": {"BK": 32}}),
                   ("states_bv16", {"states": {"BV": 16}, "dstates": {"BV": 16}}),
                   ("dstates_bv32_only", {"dstates": {"BV": 32}}),  # grid from its own BV
                   # all row tiles per program (the default until the thirteenth session; the default's BLK gives
-                  # way to it unless BLK is asked for too: gi2_blk_tpp2 / gi2_blk_fin below)
-                  ("gi2_tpp4", {"gi2": {"TPP": 4}}),
-                  ("gi2_tpp2_bk32", {"gi2": {"TPP": 2, "BK": 32}}),
-                  ("gi2_fin", {"gi2": {"FIN": True, "TPP": 4}}),  # gi2 finishes the columns (gfin: dbeta, L2 norm)
-                  ("gi2_fin_bk32", {"gi2": {"FIN": True, "BK": 32, "TPP": 4}}),
-                  # gw storing its dN / dbeta parts for gi2 / gfin to sum (the default until the thirteenth session;
-                  # since, it adds them into gv's with atomics)
-                  ("gw_no_atomic", {"gw": {"ATOMIC": False}}),
-                  # gw adding its part dXk W^T of dN (gv's DNU off: the default until the fifteenth session, since
-                  # gv forms the whole dN from u'), with atomics and stored per K block
-                  ("gv_dn_parts", {"gv": {"DNU": False}}),
-                  ("gv_dn_parts_no_atomic", {"gv": {"DNU": False}, "gw": {"ATOMIC": False}}),
-                  # gi2 reading gw's terms and rewriting the sums (RED off: the default until the fifteenth session,
-                  # since it adds its own by atomics), and RED with two full-tile row tiles per program at BK 32 (gw
-                  # and gi2 row-sum slots of different widths)
-                  ("gi2_no_red", {"gi2": {"RED": False}}),
-                  ("gi2_red_tpp2_bk32", {"gi2": {"RED": True, "TPP": 2, "BK": 32}}),
-                  ("gw_atomic_bk16_fin", {"gw": {"ATOMIC": True, "BK": 16}, "gi2": {"FIN": True, "TPP": 4}}),
-                  # gv forming u' / du' itself against the stored states (the default until the twelfth session:
+                  # way to it unless BLK is asked for too: intra_blk_tpp2 / intra_blk_fin below)
+                  ("intra_tpp4", {"intra": {"TPP": 4}}),
+                  ("intra_tpp2_bk32", {"intra": {"TPP": 2, "BK": 32}}),
+                  ("intra_fin", {"intra": {"FIN": True, "TPP": 4}}),  # intra finishes the columns (gate_norm: dbeta, L2 norm)
+                  ("intra_fin_bk32", {"intra": {"FIN": True, "BK": 32, "TPP": 4}}),
+                  # inter storing its dN / dbeta parts for intra / gate_norm to sum (the default until the thirteenth session;
+                  # since, it adds them into value's with atomics)
+                  ("inter_no_atomic", {"inter": {"ATOMIC": False}}),
+                  # inter adding its part dXk W^T of dN (value's DNU off: the default until the fifteenth session, since
+                  # value forms the whole dN from u'), with atomics and stored per K block
+                  ("value_dn_parts", {"value": {"DNU": False}}),
+                  ("value_dn_parts_no_atomic", {"value": {"DNU": False}, "inter": {"ATOMIC": False}}),
+                  # intra reading inter's terms and rewriting the sums (RED off: the default until the fifteenth session,
+                  # since it adds its own by atomics), and RED with two full-tile row tiles per program at BK 32 (inter
+                  # and intra row-sum slots of different widths)
+                  ("intra_no_red", {"intra": {"RED": False}}),
+                  ("intra_red_tpp2_bk32", {"intra": {"RED": True, "TPP": 2, "BK": 32}}),
+                  ("inter_atomic_bk16_fin", {"inter": {"ATOMIC": True, "BK": 16}, "intra": {"FIN": True, "TPP": 4}}),
+                  # value forming u' / du' itself against the stored states (the default until the twelfth session:
                   # the sequential passes store them, fp32 here: their 3-pass tf32 dots, ~fp32), and PRE with the
                   # passes' products against the state's rounding (equal to the default at fp32 inputs)
-                  ("gv_no_pre", {"gv": {"PRE": False}}),
-                  ("gv_pre_bf16_state", {"gv": {"PRE_F32": False}}),
+                  ("value_no_pre", {"value": {"PRE": False}}),
+                  ("value_pre_bf16_state", {"value": {"PRE_F32": False}}),
                   ("dstates_s1", {"dstates": {"num_stages": 1}}),
-                  # pmat's products through 16-row tiles with FACTOR's two-level decays (the default until the
+                  # matrices's products through 16-row tiles with FACTOR's two-level decays (the default until the
                   # fourteenth session; 32-row tiles since, at the L2 norm's cases), and reference rows of G by
-                  # reductions, not loads (at 16 rows: pmat_factor_reduce_bk16 below)
-                  ("pmat_pts16", {"pmat": {"PTS": 16}}),
-                  ("pmat_reduce", {"pmat": {"REFLOAD": False}}),
-                  # pmat's decays per row tile (the default until the thirteenth session), and FACTOR's two-level
+                  # reductions, not loads (at 16 rows: matrices_factor_reduce_bk16 below)
+                  ("matrices_pts16", {"matrices": {"PTS": 16}}),
+                  ("matrices_reduce", {"matrices": {"REFLOAD": False}}),
+                  # matrices's decays per row tile (the default until the thirteenth session), and FACTOR's two-level
                   # decays with the reference rows by reductions
-                  ("pmat_factor_off", {"pmat": {"FACTOR": False, "PTS": 16}}),
-                  ("pmat_factor_reduce_bk16", {"pmat": {"REFLOAD": False, "BK": 16, "PTS": 16}}),
-                  # gfin's second pass over the columns for dq / dk and a chunk's column-block / tile programs along
-                  # grid axis 2 (the defaults until the thirteenth session), and gfin's one pass at BK 32 in both gi2
-                  # (its row-sum partials: 4 K blocks) and gfin (gfin_onepass_bk32 below)
-                  ("splits_outer_gfin_two_pass", {"pwu": {"INNER": False}, "gw": {"INNER": False},
-                                                  "gi2": {"INNER": False}, "gfin": {"ONEPASS": False}}),
-                  ("splits_outer_gi2_tpp2", {"gi2": {"INNER": False, "TPP": 2}}),
-                  ("gw_epi_order_off", {"gw": {"EPI_ORDER": False}}),
-                  # gi2 walking the chunk block by block (BLK, the default since the thirteenth session) pipelined
+                  ("matrices_factor_off", {"matrices": {"FACTOR": False, "PTS": 16}}),
+                  ("matrices_factor_reduce_bk16", {"matrices": {"REFLOAD": False, "BK": 16, "PTS": 16}}),
+                  # gate_norm's second pass over the columns for dq / dk and a chunk's column-block / tile programs along
+                  # grid axis 2 (the defaults until the thirteenth session), and gate_norm's one pass at BK 32 in both intra
+                  # (its row-sum partials: 4 K blocks) and gate_norm (gate_norm_onepass_bk32 below)
+                  ("splits_outer_gate_norm_two_pass", {"wy": {"INNER": False}, "inter": {"INNER": False},
+                                                  "intra": {"INNER": False}, "gate_norm": {"ONEPASS": False}}),
+                  ("splits_outer_intra_tpp2", {"intra": {"INNER": False, "TPP": 2}}),
+                  ("inter_epi_order_off", {"inter": {"EPI_ORDER": False}}),
+                  # intra walking the chunk block by block (BLK, the default since the thirteenth session) pipelined
                   # without the atomics' dN, and its full-tile products at one tile per program
-                  ("gi2_blk_s2_bk32_no_atomic", {"gi2": {"BLK": True, "num_stages": 2, "BK": 32},
-                                                 "gw": {"ATOMIC": False}}),
-                  ("gi2_no_blk", {"gi2": {"BLK": False}}),
-                  ("gi2_blk_tpp2", {"gi2": {"BLK": True, "TPP": 2}}),
-                  ("gi2_blk_fin", {"gi2": {"BLK": True, "TPP": 4, "FIN": True}}),
-                  ("gfin_onepass_bk32", {"gi2": {"BK": 32}, "gfin": {"BK": 32}}),
-                  ("maxnreg", {"gi2": {"maxnreg": 168}, "pwu": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
+                  ("intra_blk_s2_bk32_no_atomic", {"intra": {"BLK": True, "num_stages": 2, "BK": 32},
+                                                 "inter": {"ATOMIC": False}}),
+                  ("intra_no_blk", {"intra": {"BLK": False}}),
+                  ("intra_blk_tpp2", {"intra": {"BLK": True, "TPP": 2}}),
+                  ("intra_blk_fin", {"intra": {"BLK": True, "TPP": 4, "FIN": True}}),
+                  ("gate_norm_onepass_bk32", {"intra": {"BK": 32}, "gate_norm": {"BK": 32}}),
+                  ("maxnreg", {"intra": {"maxnreg": 168}, "wy": {"maxnreg": 168}, "states": {"maxnreg": 128}}),
                   # the sequential passes in grid order (the default walks varlen sequences longest first)
                   ("walks_grid_order", {"states": {"ORDERED": False}, "dstates": {"ORDERED": False}}),
-                  ("gv_pre_bv16_states_bv16", {"gv": {"PRE": True, "BV": 16}, "states": {"BV": 16},
+                  ("value_pre_bv16_states_bv16", {"value": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))
-# pmat's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
+# matrices's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
-LAUNCH_OPTIONS_LOWP = (("pmat_tf32x3", {"pmat": {"INV_PREC": "tf32x3"}}),)
+LAUNCH_OPTIONS_LOWP = (("matrices_tf32x3", {"matrices": {"INV_PREC": "tf32x3"}}),)
 # other options at bf16 inputs, checked against the fp64 reference within the bf16 tolerances: the fp32 scratch (the
 # default until the sixteenth session), only the per-chunk states / state gradients in bf16 ("states"), the sequential
-# passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32), gv forming u' / du' itself (no
-# PRE), and gi2's products with the decayed q / k in two tf32 parts (also checked for their gain below)
-SCRATCH_LOWP = {"fp32": {"scratch": {"DTYPE": "fp32"}}, "pre_bf16_state": {"gv": {"PRE_F32": False}},
-                "no_pre": {"gv": {"PRE": False}}, "states": {"scratch": {"DTYPE": "states"}},
-                "gi2_split_b": {"gi2": {"PREC": "split_b"}}}
+# passes forming u' / du' against the state's bf16 rounding (PRE without PRE_F32), value forming u' / du' itself (no
+# PRE), and intra's products with the decayed q / k in two tf32 parts (also checked for their gain below)
+SCRATCH_LOWP = {"fp32": {"scratch": {"DTYPE": "fp32"}}, "pre_bf16_state": {"value": {"PRE_F32": False}},
+                "no_pre": {"value": {"PRE": False}}, "states": {"scratch": {"DTYPE": "states"}},
+                "intra_split_b": {"intra": {"PREC": "split_b"}}}
 
 
 def _rr(a, b) -> float:
@@ -110,7 +110,8 @@ def _checks() -> dict:
     import torch
     import torch.nn.functional as F
     from k3.ops.kda import chunk_kda, recurrent_kda
-    from k3.ops.kda.triton import available, ops_bwd
+    from k3.ops.kda.triton import available, triton_config
+    from k3.ops.kda.triton import bwd as ops_bwd
     from k3.ops.triton_interp import emulate_gpu, fix_interpreter_bf16_dot
 
     assert available(), "triton backend should be available under TRITON_INTERPRET=1"
@@ -184,10 +185,10 @@ def _checks() -> dict:
     run("g_at_bound", 1, 130, H, 16, 16, gate=False, l2=False, h0=False, dht=True, g_const=-5.0, unit_k=True,
         scale=0.3)
     # 3b. the bound through the in-kernel gate (saturated: g = -5 at nearly every step, so dg / dA_log / ddt_bias,
-    # ~e^-20 of the rest, are not compared) with the L2 norm: pmat's 32-row tiles (e^80 factors; FACTOR's steps
+    # ~e^-20 of the rest, are not compared) with the L2 norm: matrices's 32-row tiles (e^80 factors; FACTOR's steps
     # between their reference rows would underflow to 0 here), large raw q / k (normalised in the kernel)
     run("g_at_bound_l2", 1, 130, H, 32, 16, gate=True, l2=True, h0=True, dht=True, f_shift=30.0, qk_scale=30.0)
-    # 3c. the gate at lower_bound -10 (the steepest the kernels take), most steps near it, with the L2 norm: pmat's
+    # 3c. the gate at lower_bound -10 (the steepest the kernels take), most steps near it, with the L2 norm: matrices's
     # 16-row tiles (32-row ones' e^160 factors overflow: NaN)
     run("gate_bound10_l2", 1, 130, H, 32, 16, gate=True, l2=True, h0=True, dht=True, lower_bound=-10.0, f_shift=6.0)
     # 4. precomputed g in (-5, 0), gate-free, L2 norm, h0 but no final state (dht unused), K != V, two value blocks
@@ -221,7 +222,7 @@ def _checks() -> dict:
     res["calls.triton_bwd"] = float(calls["n"])
     # 7b. other launch block sizes against the default launch on the same inputs (fp32, varlen with an empty and
     # a 1-token sequence); the default itself is checked against the fp64 reference above
-    from k3.ops.kda.triton import ops_bwd as ob
+    from k3.ops.kda.triton import bwd as ob
     B, T, K, V, cu = 1, 168, 64, 32, [0, 1, 71, 71, 104, 168]
     q, k, v, do = r(B, T, H, K), r(B, T, H, K), r(B, T, H, V), r(B, T, H, V)
     f, beta = r(B, T, H, K) * 2, torch.rand(B, T, H, generator=gen)
@@ -239,9 +240,8 @@ def _checks() -> dict:
         res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
     # 7c. the training forward's saved chunk states and u' (ops.FwdSave; the default at bf16 / fp16 inputs, asked for
     # here at fp32, where the forward's and the states pass's products agree to rounding): the backward from them
-    # against the backward's own states pass, on the varlen batch above, through the plain walk, the 64-token
-    # variant, time pieces (in walk order, and longest sequence first), and a piece the save cannot use
-    from k3.ops.kda.triton import kernels_bwd as kbw, ops as of
+    # against the backward's own states pass, on the varlen batch above, through the plain walk, time pieces (in walk order, and longest sequence first), and a piece the save cannot use
+    from k3.ops.kda.triton import bwd as kbw, fwd as of
     launches = {"states": 0}
     real_states = kbw.kda_bwd_states_kernel
 
@@ -254,7 +254,7 @@ def _checks() -> dict:
     try:
         ref = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, **kw)
         n_ref = launches["states"]
-        for name, fkw in (("c16p", {}), ("c64", dict(variant="c64")), ("pipe64", dict(state_cfg={"pipe": 64})),
+        for name, fkw in (("walk", {}), ("pipe64", dict(state_cfg={"pipe": 64})),
                           ("pipe64_lpt", dict(state_cfg={"pipe": 64, "lpt": True})),
                           ("pipe48", dict(state_cfg={"pipe": 48}))):
             sv = of.FwdSave(64, torch.float32, torch.float32)
@@ -292,6 +292,10 @@ def _checks() -> dict:
         del os.environ["K3_KDA_TRITON_BWD"]
     else:
         os.environ["K3_KDA_TRITON_BWD"] = prev
+    # 8b. the same from Python (TritonKDAConfig through triton_config), no environment
+    with triton_config(bwd="torch"):
+        run("torch_fallback_cfg", 1, 50, H, 16, 16, gate=True, l2=True, h0=True, dht=True)
+    res["calls.during_fallback"] = float(calls["n"] - n0)
     # 9. an unknown backend name is refused with the known ones
     os.environ["K3_KDA_TRITON_BWD"] = "v9"
     try:
@@ -349,7 +353,7 @@ def test_fp32_gradients(results, case, grad):
     if case == "gate_bound10_l2" and grad in ("dg", "dA_log", "ddt_bias"):
         # the gate's gradients where most steps sit near lower_bound -10 (x ~ 10: dA_log sums x sigmoid'(x) terms
         # that cancel): 1.5e-4 to 3.6e-4 over three seeds (the fp32 torch path 2e-5 to 5e-5); everything through
-        # pmat's tiles (dq, dk, dv, dbeta, dh0) at the fp32 line (NaN with 32-row tiles there, dv 1.5e-3 with FACTOR)
+        # matrices's tiles (dq, dk, dv, dbeta, dh0) at the fp32 line (NaN with 32-row tiles there, dv 1.5e-3 with FACTOR)
         tol = TOL_FP32_GATE_BOUND10
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
 
@@ -365,12 +369,12 @@ def test_bf16_scratch_options(results, scr):
             assert results[f"{case}_{scr}.{grad}"] <= tol, (case, scr, grad, results[f"{case}_{scr}.{grad}"])
 
 
-def test_gi2_split_products_sharpen_the_gate_gradients(results):
-    """gi2 PREC "split_b" (the decayed q / k operands at ~22 bits): dg at the bound and the gate's parameter gradients
+def test_intra_split_products_sharpen_the_gate_gradients(results):
+    """intra PREC "split_b" (the decayed q / k operands at ~22 bits): dg at the bound and the gate's parameter gradients
     near the fp32 path's bf16 level (one-pass tf32: dg 2.2e-2 at the bound, ddt_bias ~8e-3 to 1.6e-2)."""
-    assert results["bf16_varlen_bound_gi2_split_b.dg"] <= 8e-3, results["bf16_varlen_bound_gi2_split_b.dg"]
-    assert results["bf16_gi2_split_b.ddt_bias"] <= 6e-3, results["bf16_gi2_split_b.ddt_bias"]
-    assert results["bf16_gi2_split_b.dA_log"] <= 6e-3, results["bf16_gi2_split_b.dA_log"]
+    assert results["bf16_varlen_bound_intra_split_b.dg"] <= 8e-3, results["bf16_varlen_bound_intra_split_b.dg"]
+    assert results["bf16_intra_split_b.ddt_bias"] <= 6e-3, results["bf16_intra_split_b.ddt_bias"]
+    assert results["bf16_intra_split_b.dA_log"] <= 6e-3, results["bf16_intra_split_b.dA_log"]
 
 
 @pytest.mark.parametrize("case,grad", [(c, g) for c in ("bf16", "bf16_K128") for g in GRADS]
@@ -394,7 +398,7 @@ def test_forward_saved_states(results):
     it then skips; the forward's output is unchanged by saving; where the forward cannot save (a time piece that is
     not a multiple of the backward's 64-token chunk) or saved for another chunk length, the states pass runs."""
     assert results["fwdsave.ref_states_passes"] == 1.0, results
-    for name in ("c16p", "c64", "pipe64", "pipe64_lpt", "pipe48"):
+    for name in ("walk", "pipe64", "pipe64_lpt", "pipe48"):
         assert results[f"fwdsave.{name}.o"] == 0.0, (name, results)
         assert results[f"fwdsave.{name}"] <= 1e-5, (name, results)
         want = name != "pipe48"
@@ -431,37 +435,37 @@ if __name__ == "__main__":
 def test_bad_launch_options_are_refused_by_name():
     """Checked before any kernel runs (no interpreter needed)."""
     import torch
-    from k3.ops.kda.triton import ops_bwd
+    from k3.ops.kda.triton import bwd as ops_bwd
     x = torch.randn(1, 20, 1, 16)
     args = (x, x, x, -torch.rand(1, 20, 1, 16), torch.rand(1, 20, 1), x, None, 0.25)
     with pytest.raises(ValueError, match="unknown kernel 'nope'"):
         ops_bwd.kda_chunk_bwd(*args, launch={"nope": {"BK": 16}})
-    with pytest.raises(ValueError, match=r"unknown launch parameter\(s\) \['BQ'\] for kernel 'pmat'"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"BQ": 16}})
-    with pytest.raises(ValueError, match=r"gi2 maxnreg=300: expected None or an int in \[24, 255\]"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"maxnreg": 300}})
-    with pytest.raises(ValueError, match="gi2 TPP=3 must divide the 4 row tiles"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 3}})
-    with pytest.raises(ValueError, match=r"launch parameter\(s\) \['BLK'\] of kernel 'gi2' take true / false"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"BLK": "false"}})
-    with pytest.raises(ValueError, match="gi2 FIN needs all 4 row tiles of a chunk per program, TPP=2"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"TPP": 2, "FIN": True}})
-    with pytest.raises(ValueError, match="gi2 RED .* and FIN .* exclude each other"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"RED": True, "FIN": True, "TPP": 4}})
-    with pytest.raises(ValueError, match="gi2 PREC='tf32x3' must be 'tf32' or 'split_b'"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gi2": {"PREC": "tf32x3"}})
-    with pytest.raises(ValueError, match="pmat PTS=24 must be 16 or 32"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"pmat": {"PTS": 24}})
+    with pytest.raises(ValueError, match=r"unknown launch parameter\(s\) \['BQ'\] for kernel 'matrices'"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"matrices": {"BQ": 16}})
+    with pytest.raises(ValueError, match=r"intra maxnreg=300: expected None or an int in \[24, 255\]"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"maxnreg": 300}})
+    with pytest.raises(ValueError, match="intra TPP=3 must divide the 4 row tiles"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"TPP": 3}})
+    with pytest.raises(ValueError, match=r"launch parameter\(s\) \['BLK'\] of kernel 'intra' take true / false"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"BLK": "false"}})
+    with pytest.raises(ValueError, match="intra FIN needs all 4 row tiles of a chunk per program, TPP=2"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"TPP": 2, "FIN": True}})
+    with pytest.raises(ValueError, match="intra RED .* and FIN .* exclude each other"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"RED": True, "FIN": True, "TPP": 4}})
+    with pytest.raises(ValueError, match="intra PREC='tf32x3' must be 'tf32' or 'split_b'"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"PREC": "tf32x3"}})
+    with pytest.raises(ValueError, match="matrices PTS=24 must be 16 or 32"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"matrices": {"PTS": 24}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
         ops_bwd.kda_chunk_bwd(*args, launch={"scratch": {"DTYPE": "bf16"}})
     for flag in ({"scratch": {"FWD": "no"}}, {"dstates": {"ORDERED": 1}}):
         with pytest.raises(ValueError, match="take true / false"):
             ops_bwd.kda_chunk_bwd(*args, launch=flag)
-    with pytest.raises(ValueError, match="gv PRE_F32 .* needs gv PRE"):
-        ops_bwd.kda_chunk_bwd(*args, launch={"gv": {"PRE": False, "PRE_F32": True}})
+    with pytest.raises(ValueError, match="value PRE_F32 .* needs value PRE"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"value": {"PRE": False, "PRE_F32": True}})
     lowp = tuple(a.bfloat16() if a is not None and a.dtype == torch.float32 else a for a in args[:7]) + args[7:]
-    with pytest.raises(ValueError, match="gv BK=64 with the bf16 scratch is refused"):
-        ops_bwd.kda_chunk_bwd(*lowp, launch={"scratch": {"DTYPE": "input"}, "gv": {"BK": 64}})
+    with pytest.raises(ValueError, match="value BK=64 with the bf16 scratch is refused"):
+        ops_bwd.kda_chunk_bwd(*lowp, launch={"scratch": {"DTYPE": "input"}, "value": {"BK": 64}})
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
@@ -469,7 +473,7 @@ def test_default_scratch_dtype():
     """The scratch and per-chunk states are bf16 at bf16 inputs (fla's choice; accuracy: the bf16 cases above) and fp32
     at fp16 (fp16's range) and fp32 inputs; SCRATCH_PTRS names the pointers each option makes input-dtype."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import SCRATCH, SCRATCH_PTRS, launch_config
+    from k3.ops.kda.triton.bwd_config import SCRATCH, SCRATCH_PTRS, launch_config
     for dtype, want in ((torch.bfloat16, "input"), (torch.float16, "fp32"), (torch.float32, "fp32")):
         assert launch_config(128, 128, 96, dtype)["scratch"]["DTYPE"] == want, dtype
     assert set(SCRATCH_PTRS) == set(SCRATCH) and SCRATCH_PTRS["fp32"] == ()
@@ -481,7 +485,7 @@ def test_dstates_block_follows_the_program_count():
     """dstates takes 128 value columns on 8 warps once BV 64 would leave a second partial wave (nprog > 66), at
     K <= 128 and V >= 128; otherwise the sequential passes' shared value block on 4 warps."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import launch_config
+    from k3.ops.kda.triton.bwd_config import launch_config
     for K, V, nprog, want in ((128, 128, 96, (128, 8)), (128, 256, 768, (128, 8)), (128, 128, 66, (64, 4)),
                               (128, 128, 8, (16, 4)), (256, 256, 96, (64, 4)), (64, 64, 96, (32, 4))):
         lc = launch_config(K, V, nprog, torch.bfloat16)
@@ -491,69 +495,76 @@ def test_dstates_block_follows_the_program_count():
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_register_caps():
-    """pwu and gi2 run under 168 / 96-register caps at bf16 / fp16 inputs with K <= 128 (the measured cases);
-    elsewhere and for every other kernel no cap; gi2's cap goes with its one-tile BLK default when more tiles per
+    """wy and intra run under 168 / 96-register caps at bf16 / fp16 inputs with K <= 128 (the measured cases);
+    elsewhere and for every other kernel no cap; intra's cap goes with its one-tile BLK default when more tiles per
     program are asked for (unless a cap is asked too)."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import apply_launch, launch_config
+    from k3.ops.kda.triton.bwd_config import apply_launch, launch_config
     lc = launch_config(128, 128, 96, torch.bfloat16)
-    assert lc["pwu"]["maxnreg"] == 168 and lc["gi2"]["maxnreg"] == 96
-    assert all(c["maxnreg"] is None for n, c in lc.items() if n not in ("pwu", "gi2", "scratch"))
+    assert lc["wy"]["maxnreg"] == 168 and lc["intra"]["maxnreg"] == 96
+    assert all(c["maxnreg"] is None for n, c in lc.items() if n not in ("wy", "intra", "scratch"))
     for K, dt in ((128, torch.float32), (256, torch.bfloat16)):
-        assert launch_config(K, K, 96, dt)["pwu"]["maxnreg"] is None
-        assert launch_config(K, K, 96, dt)["gi2"]["maxnreg"] is None
-    assert apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"gi2": {"TPP": 4}})["gi2"]["maxnreg"] is None
-    both = apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"gi2": {"TPP": 2, "maxnreg": 128}})["gi2"]
+        assert launch_config(K, K, 96, dt)["wy"]["maxnreg"] is None
+        assert launch_config(K, K, 96, dt)["intra"]["maxnreg"] is None
+    assert apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"intra": {"TPP": 4}})["intra"]["maxnreg"] is None
+    both = apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"intra": {"TPP": 2, "maxnreg": 128}})["intra"]
     assert both["maxnreg"] == 128 and not both["BLK"]
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_no_atomics_under_deterministic_algorithms():
-    """gw adds its dN / dbeta parts with fp32 atomics (run-to-run last bits) by default, not under
-    torch.use_deterministic_algorithms; gi2 then runs one row tile per program either way. gi2's RED atomics stay:
-    one add per element onto gw's stored value, whose result does not depend on any order. FIN (gi2 finishing the
+    """inter adds its dN / dbeta parts with fp32 atomics (run-to-run last bits) by default, not under
+    torch.use_deterministic_algorithms; intra then runs one row tile per program either way. intra's RED atomics stay:
+    one add per element onto inter's stored value, whose result does not depend on any order. FIN (intra finishing the
     columns) turns the default RED off."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import apply_launch, launch_config
-    assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["ATOMIC"] is True
+    from k3.ops.kda.triton.bwd_config import apply_launch, launch_config
+    assert launch_config(128, 128, 96, torch.bfloat16)["inter"]["ATOMIC"] is True
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["ATOMIC"] is False
-        assert launch_config(128, 128, 96, torch.bfloat16)["gi2"]["RED"] is True
+        assert launch_config(128, 128, 96, torch.bfloat16)["inter"]["ATOMIC"] is False
+        assert launch_config(128, 128, 96, torch.bfloat16)["intra"]["RED"] is True
     finally:
         torch.use_deterministic_algorithms(prev)
-    assert launch_config(128, 128, 96, torch.bfloat16)["gi2"]["TPP"] == 1
-    lc = apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"gi2": {"FIN": True, "TPP": 4}})
-    assert lc["gi2"]["RED"] is False
+    assert launch_config(128, 128, 96, torch.bfloat16)["intra"]["TPP"] == 1
+    lc = apply_launch(launch_config(128, 128, 96, torch.bfloat16), {"intra": {"FIN": True, "TPP": 4}})
+    assert lc["intra"]["RED"] is False
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
-def test_gw_pipeline_depth():
-    """gw's value loop runs 3 stages deep at bf16 / fp16 inputs with K <= 128 (the measured case), else 2."""
+def test_inter_pipeline_depth():
+    """inter's value loop runs 3 stages deep at bf16 / fp16 inputs with K <= 128 (the measured case), else 2."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import launch_config
-    assert launch_config(128, 128, 96, torch.bfloat16)["gw"]["num_stages"] == 3
-    assert launch_config(64, 64, 8, torch.float16)["gw"]["num_stages"] == 3
-    assert launch_config(128, 128, 96, torch.float32)["gw"]["num_stages"] == 2
-    assert launch_config(256, 256, 96, torch.bfloat16)["gw"]["num_stages"] == 2
+    from k3.ops.kda.triton.bwd_config import launch_config
+    assert launch_config(128, 128, 96, torch.bfloat16)["inter"]["num_stages"] == 3
+    assert launch_config(64, 64, 8, torch.float16)["inter"]["num_stages"] == 3
+    assert launch_config(128, 128, 96, torch.float32)["inter"]["num_stages"] == 2
+    assert launch_config(256, 256, 96, torch.bfloat16)["inter"]["num_stages"] == 2
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
 def test_env_launch_overrides(monkeypatch):
     """$K3_KDA_BWD_LAUNCH: parsed, applied under a call's own launch argument, bad values refused by name."""
     import torch
-    from k3.ops.kda.triton import ops_bwd
-    monkeypatch.setenv("K3_KDA_BWD_LAUNCH", '{"pmat": {"INV_PREC": "tf32x3"}, "gv": {"BV": 16}}')
+    from k3.ops.kda.triton import bwd as ops_bwd
+    monkeypatch.setenv("K3_KDA_BWD_LAUNCH", '{"matrices": {"INV_PREC": "tf32x3"}, "value": {"BV": 16}}')
     lc = ops_bwd.apply_launch(ops_bwd.launch_config(128, 128, 96, torch.bfloat16), ops_bwd.env_launch(),
-                              {"gv": {"BV": 64}})
+                              {"value": {"BV": 64}})
     default = ops_bwd.launch_config(128, 128, 96, torch.bfloat16)
-    assert lc["pmat"]["INV_PREC"] == "tf32x3" and lc["pmat"]["BK"] == default["pmat"]["BK"]
-    assert lc["gv"]["BV"] == 64  # the call's own override wins
-    for bad, msg in (("{nope", "not valid JSON"), ('["pmat"]', "must be a JSON object"),
-                     ('{"pmat": 3}', "must be a JSON object")):
+    assert lc["matrices"]["INV_PREC"] == "tf32x3" and lc["matrices"]["BK"] == default["matrices"]["BK"]
+    assert lc["value"]["BV"] == 64  # the call's own override wins
+    for bad, msg in (("{nope", "not valid JSON"), ('["matrices"]', "must be a JSON object"),
+                     ('{"matrices": 3}', "must be a JSON object")):
         monkeypatch.setenv("K3_KDA_BWD_LAUNCH", bad)
         with pytest.raises(ValueError, match=msg):
             ops_bwd.env_launch()
+    # the former kernel keys are aliases; one kernel under both names is refused
+    monkeypatch.setenv("K3_KDA_BWD_LAUNCH", '{"pmat": {"INV_PREC": "tf32x3"}, "gi2": {"PREC": "split_b"}}')
+    assert ops_bwd.env_launch() == {"matrices": {"INV_PREC": "tf32x3"}, "intra": {"PREC": "split_b"}}
+    lc = ops_bwd.apply_launch(ops_bwd.launch_config(128, 128, 96, torch.bfloat16), None, {"gv": {"BV": 16}})
+    assert lc["value"]["BV"] == 16
+    with pytest.raises(ValueError, match="names kernel 'intra' twice"):
+        ops_bwd.apply_launch(ops_bwd.launch_config(128, 128, 96, torch.bfloat16), {"gi2": {}, "intra": {}})
     monkeypatch.delenv("K3_KDA_BWD_LAUNCH")
     assert ops_bwd.env_launch() == {}

@@ -31,60 +31,71 @@ CONV_BWD = [f"conv_bwd {bt}x{bc}w{nw}{v}" for bt, bc, nw in
             for v in ("", " varlen")]
 
 
-def _bwd_cases(kb, cb, cg):
-    """The backward kernels at the block sizes, warps and stages of their real launch (ops_bwd.launch_config,
+def _bwd_cases(cb, cg):
+    """The backward kernels at the block sizes, warps and stages of their real launch (bwd_config.launch_config,
     bf16, K = V = 128, 8 x 96 (sequence, head) pairs)."""
     import torch
-    from k3.ops.kda.triton.ops_bwd import SCRATCH_PTRS, launch_config
+    from k3.ops.kda.triton.bwd import kernel_table
+    from k3.ops.kda.triton.bwd_config import SCRATCH_PTRS, launch_config
     lc = launch_config(128, 128, 8 * 96, torch.bfloat16)
     scratch = {n: "*bf16" for n in SCRATCH_PTRS[lc["scratch"]["DTYPE"]]}  # (pointers in the input dtype)
     gk = {n: c for n, c in cg.items() if n not in ("V", "USE_GATE", "L2NORM")}
     consts = {
-        # STORE_U / SF32 from gv's PRE / PRE_F32, as launched (the forms without: benchmarks/kda_bwd_static.py)
-        "states": dict(cb, HAS_H0=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
-        "dstates": dict(cb, HAS_DHT=True, STORE_U=lc["gv"]["PRE"], SF32=lc["gv"]["PRE_F32"]),
-        "gv": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
-        "gw": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "USE_GATE", "L2NORM")}, UPCAST=False,
-                   DNW=not lc["gv"]["DNU"], RED=lc["gi2"]["RED"], NSQ=4 if lc["gi2"]["RED"] else 0),
-        "pmat": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2, AQF=not lc["gv"]["PRE"]),
-        "pwu": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")},
-                    F32_W=not (lc["gv"]["PRE"] and lc["gv"]["DNU"]), F32_K=not lc["gv"]["PRE"]),
-        # (gw's per-K-block parts of dN / dbeta as stored without its atomics, gv's DNU aside: the largest form)
-        "gi2": dict(gk, NKW=2, USE_GATE=True, L2NORM=True, SQK=lc["gfin"]["ONEPASS"] and not lc["gi2"]["FIN"],
-                    NSQ=4 if lc["gi2"]["RED"] else 0),
-        "gfin": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, NDB=2, FUSED=False,
-                     NKI=4 if lc["gi2"]["RED"] else 2)}
+        # STORE_U / SF32 from value's PRE / PRE_F32, as launched (the forms without: benchmarks/kda_bwd_static.py)
+        "states": dict(cb, HAS_H0=True, STORE_U=lc["value"]["PRE"], SF32=lc["value"]["PRE_F32"]),
+        "dstates": dict(cb, HAS_DHT=True, STORE_U=lc["value"]["PRE"], SF32=lc["value"]["PRE_F32"]),
+        "value": dict(H=96, K=128, V=128, BT=64, IEEE=False, UPCAST=False),
+        "inter": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "USE_GATE", "L2NORM")}, UPCAST=False,
+                      DNW=not lc["value"]["DNU"], RED=lc["intra"]["RED"], NSQ=4 if lc["intra"]["RED"] else 0),
+        "matrices": dict({n: c for n, c in cg.items() if n != "V"}, LOG2_TS=4, LOG2_NB=2, AQF=not lc["value"]["PRE"]),
+        "wy": dict({n: c for n, c in cg.items() if n not in ("TS", "REF", "L2NORM", "USE_GATE")},
+                   F32_W=not (lc["value"]["PRE"] and lc["value"]["DNU"]), F32_K=not lc["value"]["PRE"]),
+        # (inter's per-K-block parts of dN / dbeta as stored without its atomics, value's DNU aside: the largest form)
+        "intra": dict(gk, NKW=2, USE_GATE=True, L2NORM=True,
+                      SQK=lc["gate_norm"]["ONEPASS"] and not lc["intra"]["FIN"], NSQ=4 if lc["intra"]["RED"] else 0),
+        "gate_norm": dict({n: c for n, c in cg.items() if n not in ("V", "TS", "REF", "IEEE")}, NKW=2, NDB=2,
+                          FUSED=False, NKI=4 if lc["intra"]["RED"] else 2)}
+    kernels = {name: kern for name, kern, _ in kernel_table()}
     out = {}
     for name, c in consts.items():
         launch = dict(lc[name])  # (lc["scratch"] is not a kernel)
-        launch.pop("PRE_F32", None)  # gv's entry for the sequential passes (their SF32)
+        launch.pop("PRE_F32", None)  # value's entry for the sequential passes (their SF32)
         opts = {o: launch.pop(o) for o in ("num_warps", "num_stages") if o in launch}
         if launch.pop("maxnreg", None) is not None:
             opts["maxnreg"] = lc[name]["maxnreg"]
         opts["types"] = scratch
-        out[f"kda_bwd_{name}"] = (getattr(kb, f"kda_bwd_{name}_kernel"), dict(c, **launch), opts)
+        out[f"kda_bwd {name}"] = (kernels[name], dict(c, **launch), opts)
     return out
+
+
+def _fwd_prep_case(varlen: bool):
+    """The forward's prep kernel at its default launch (fwd.PREP_DEFAULT, bf16, K = V = 128, H96)."""
+    from k3.ops.kda.triton.fwd import prep_config, prep_meta
+    from k3.ops.kda.triton.intra_fwd import kda_intra_wy_fwd_kernel
+    consts, launch = prep_meta(prep_config(), 96, 128, 128, varlen=varlen, USE_GATE=True, L2NORM=True)
+    types = dict(NC="i32", NP="i32", Tseq="i32", NCT="i32", T0="i32")
+    return kda_intra_wy_fwd_kernel, consts, dict(launch, types=types)
 
 
 def _cases():
     from k3.ops import activations_triton as at, conv_triton as ct, mla_decode_triton as md, moe_triton as mt
     from k3.train import optim_triton as ot
-    from k3.ops.kda.triton import kernels as kf, kernels_bwd as kb
+    from k3.ops.kda.triton.recurrent import kda_recurrent_fwd_kernel
+    from k3.ops.kda.triton.state_fwd import kda_state_output_fwd_kernel
     c = dict(H=96, K=128, V=128, BT=16, BV=64, HAS_H0=True, STORE_HT=True, SAVE=0)
     cb = dict(H=96, K=128, V=128, BT=64, BV=32, IEEE=False, UPCAST=False)
     cg = dict(H=96, K=128, V=128, BT=64, TS=16, REF=7, USE_GATE=True, L2NORM=True, IEEE=False)
     return {
-        "kda_prep_fwd c16": (kf.kda_prep_fwd_kernel, dict(H=96, K=128, V=128, BT=16, REF=7, USE_GATE=True,
-                                                          L2NORM=True)),
-        "kda_state_fwd c16": (kf.kda_state_fwd_kernel, dict(c, CU_STRIDE=1)),
-        "kda_state_fwd c64": (kf.kda_state_fwd_kernel, dict(c, BT=64, CU_STRIDE=1)),
-        "kda_state_fwd c16 pairs": (kf.kda_state_fwd_kernel, dict(c, CU_STRIDE=2), dict(num_stages=3)),
+        "kda_intra_wy_fwd": _fwd_prep_case(varlen=False),
+        "kda_intra_wy_fwd varlen": _fwd_prep_case(varlen=True),
+        "kda_state_output_fwd": (kda_state_output_fwd_kernel, dict(c, CU_STRIDE=1), dict(num_stages=3)),
+        "kda_state_output_fwd pairs": (kda_state_output_fwd_kernel, dict(c, CU_STRIDE=2), dict(num_stages=3)),
         # a training forward saving the backward's chunk states and u' (bf16), at B1 T8K H96's launch
-        "kda_state_fwd c16 save": (kf.kda_state_fwd_kernel, dict(c, BV=32, CU_STRIDE=1, SAVE=4),
-                                   dict(num_stages=3, maxnreg=168, types=dict(states="*bf16", uns="*bf16"))),
-        "kda_recurrent_fwd": (kf.kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
-                                                                L2NORM=True, HAS_H0=True, STORE_HT=True)),
-        **_bwd_cases(kb, cb, cg),
+        "kda_state_output_fwd save": (kda_state_output_fwd_kernel, dict(c, BV=32, CU_STRIDE=1, SAVE=4),
+                                      dict(num_stages=3, maxnreg=168, types=dict(states="*bf16", uns="*bf16"))),
+        "kda_recurrent_fwd": (kda_recurrent_fwd_kernel, dict(H=96, K=128, V=128, BV=32, USE_GATE=True,
+                                                             L2NORM=True, HAS_H0=True, STORE_HT=True)),
+        **_bwd_cases(cb, cg),
         "situ_fwd": (at._situ_fwd_kernel, dict(BR=2, BC=512)),
         "situ_bwd": (at._situ_bwd_kernel, dict(BR=2, BC=512)),
         "situ_fwd approx": (at._situ_fwd_kernel, dict(BR=2, BC=512, APPROX=True)),
@@ -107,11 +118,10 @@ def _cases():
     }
 
 
-@pytest.mark.parametrize("name", ["kda_prep_fwd c16", "kda_state_fwd c16", "kda_state_fwd c64",
-                                  "kda_state_fwd c16 pairs", "kda_state_fwd c16 save", "kda_recurrent_fwd",
-                                  "kda_bwd_states", "kda_bwd_dstates", "kda_bwd_gv", "kda_bwd_gw",
-                                  "kda_bwd_gi2", "kda_bwd_gfin",
-                                  "kda_bwd_pmat", "kda_bwd_pwu",
+@pytest.mark.parametrize("name", ["kda_intra_wy_fwd", "kda_intra_wy_fwd varlen", "kda_state_output_fwd",
+                                  "kda_state_output_fwd pairs", "kda_state_output_fwd save", "kda_recurrent_fwd",
+                                  "kda_bwd matrices", "kda_bwd wy", "kda_bwd states", "kda_bwd dstates",
+                                  "kda_bwd value", "kda_bwd inter", "kda_bwd intra", "kda_bwd gate_norm",
                                   "situ_fwd", "situ_bwd", "situ_fwd approx", "situ_bwd approx",
                                   "mla_decode_partial C512 R64 H64", "mla_decode_combine",
                                   "conv_fwd varlen", *CONV_BWD, "moe_gather_sum k8",

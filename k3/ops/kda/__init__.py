@@ -1,12 +1,15 @@
 """Kimi Delta Attention ops: gate, token-by-token reference/decode, and the chunked prefill/training path.
 
-Notable: `chunk_kda` validates once, then dispatches through `k3.ops.dispatch` (op family "kda"); the pure-PyTorch
-"torch" backend is always registered. A fused-kernel module registers itself with
-`register_kda_backend("fla", fn, available, priority)`, where fn takes chunk_kda's keyword arguments
-(minus `backend`) and returns (o, final_state). `recurrent_kda` is the oracle every backend is tested against.
+Notable: `chunk_kda` validates once, then dispatches through `k3.ops.dispatch` (op family "kda"). This module
+registers the built-in backends: "torch" (pure PyTorch, always), "fla" (`fla_backend`) and "triton" (the `triton`
+package), the latter two through lazy imports, so the dependency points one way: backends never import this
+registry. Other code may add one with `register_kda_backend(name, fn, available, priority)`, where fn takes
+chunk_kda's keyword arguments (minus `backend`) and returns (o, final_state). `recurrent_kda` is the oracle every
+backend is tested against.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Optional
 
 import torch
@@ -90,10 +93,26 @@ def _forward_only_choice(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seq
     return "triton"
 
 
-# Fused-kernel backends register themselves here; each imports its kernels lazily (CPU-only installs are fine).
-from . import fla_backend as _fla_backend  # noqa: E402
+def _lazy(module: str, attr: str) -> Callable:
+    """A function that imports `module` (relative to this package) on its first call and calls its `attr`, looked
+    up at every call."""
+    mod = []
 
-_fla_backend.register()
-from .triton import register as _register_triton  # noqa: E402
+    def call(*args, **kw):
+        if not mod:
+            mod.append(importlib.import_module(module, __name__))
+        return getattr(mod[0], attr)(*args, **kw)
+    call.__name__ = attr
+    return call
 
-_register_triton()
+
+# Fused-kernel backends; each imports its kernels lazily (CPU-only installs are fine). Priority > 0 is auto-selected
+# on CUDA only: fla (10) for calls with gradients; triton (5) below it (our fwd+bwd measured 1.33-1.37x fla's in one
+# process at H96 D128 bf16 on the H200, seventeenth session, but the compiled `small` training step with it is even
+# with fla's: host-bound), and for calls without gradients FORWARD_ONLY_TRITON_MIN_TOKENS above.
+FLA_PRIORITY = 10
+TRITON_PRIORITY = 5
+register_kda_backend("fla", _lazy(".fla_backend", "chunk_kda_fla"), _lazy(".fla_backend", "available"),
+                     priority=FLA_PRIORITY)
+register_kda_backend("triton", _lazy(".triton", "chunk_kda_triton"), _lazy(".triton", "available"),
+                     priority=TRITON_PRIORITY)

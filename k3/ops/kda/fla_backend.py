@@ -110,8 +110,3 @@ def chunk_kda_fla(q, k, v, g, beta, scale: Optional[float] = None, initial_state
                          safe_gate=safe, lower_bound=lb, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
                          chunk_size=64 if chunk_size not in (32, 64) else chunk_size, **gate_kw)
     return o.to(dtype), (S.float() if (output_final_state and S is not None) else None)
-
-
-def register() -> None:
-    from . import register_kda_backend
-    register_kda_backend("fla", chunk_kda_fla, available, priority=10)
