@@ -153,7 +153,7 @@ for stage in "$@"; do case $stage in
   profk3) step profk3 260 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params --optimizer k3 ;;
   profc) step profc 200 python3 benchmarks/gpu_model.py --profile --profile-compile modules --batch 8 --seq 4096 --bf16-params ;;
   longest) step longest 90 python3 benchmarks/gpu_model.py --longest-train --longest-prefill --long-budget 40 --long-start 65536 ;;
-  kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.bwd import gpu_selfcheck as g
+  kdabwd) step kdabwd 240 python3 -c "from k3.ops.kda.triton.selfcheck import gpu_selfcheck as g
 print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   kdafwd) step kdafwd $(( ${KDAFWD_BUDGET:-500} + 60 )) python3 benchmarks/kda_triton.py --json "$OUT/kda_triton.json" \
       --budget-s ${KDAFWD_BUDGET:-500} ;;

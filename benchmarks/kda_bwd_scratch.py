@@ -1,4 +1,4 @@
-"""Accuracy of the KDA Triton backward's scratch options on a GPU: `bwd.gpu_selfcheck` (bf16 inputs, T = 1000,
+"""Accuracy of the KDA Triton backward's scratch options on a GPU: `selfcheck.gpu_selfcheck` (bf16 inputs, T = 1000,
 H = 8, D = 128, plain and varlen batches, against the fp32 torch chunk path) once per `scratch` DTYPE.
 
     python benchmarks/kda_bwd_scratch.py [--options fp32,input] [--json PATH]
@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--T", type=int, default=1000)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bwd_scratch.json"))
     args = ap.parse_args()
-    from k3.ops.kda.triton.bwd import gpu_selfcheck
+    from k3.ops.kda.triton.selfcheck import gpu_selfcheck
     from k3.ops.kda.triton.bwd_config import ENV_LAUNCH
     rows = {}
     for opt in args.options.split(","):

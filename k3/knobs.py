@@ -177,24 +177,20 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _knob("K3_MLA_DECODE", "`torch`, `triton`", None, "`triton` on CUDA, else `torch`",
           "Kernel of the static (CUDA-graph) decoder's MLA step: the Triton decode kernel or the torch path.",
           _choice("torch", "triton", lower=False), ["k3/generation/static.py"], "`StaticDecoder(mla_kernel=)`"),
-    _knob("K3_KDA_TRITON_FWD", "`c16`, `c64`, `c64s`, `c64f`, `c16p`", None, "`c16p` (measured fastest, H200)",
-          "Forward variant of the Triton KDA chunk kernels: speed per shape.",
-          _choice("c16", "c64", "c64s", "c64f", "c16p"), ["k3/ops/kda/triton/ops.py"],
-          "the `variant` argument of the Triton KDA forward", kind="experiment"),
     _knob("K3_KDA_TRITON_BWD", "`triton`, `torch`", None, "`triton`",
           "Backward of the Triton KDA backend: its Triton kernels, or a recompute through the torch path and "
           "autograd (slower, more memory; a fallback to compare against).",
-          _choice("triton", "torch"), ["k3/ops/kda/triton/__init__.py"], "none yet (only the environment)",
+          _choice("triton", "torch"), ["k3/ops/kda/triton/chunk.py"], "`TritonKDAConfig(bwd=)` / `triton_config(bwd=)`",
           kind="experiment"),
     _knob("K3_KDA_STATE_CFG", "JSON object of `state_cfg` keys", None, "none (the measured defaults)",
           "Launch configuration of the Triton KDA forward's sequential pass for every call (a call's own "
           "`state_cfg` wins): kernel tuning.",
-          _json_object("state_cfg keys"), ["k3/ops/kda/triton/ops.py"], "the `state_cfg` argument",
+          _json_object("state_cfg keys"), ["k3/ops/kda/triton/fwd.py"], "`TritonKDAConfig(state_cfg=)`",
           kind="experiment"),
     _knob("K3_KDA_BWD_LAUNCH", "JSON `{kernel: {param: value}}`", None, "none (the measured defaults)",
           "Launch overrides of the Triton KDA backward kernels (under a call's own `launch`): kernel tuning.",
-          _json_object("{kernel: {param: value}}", nested=True), ["k3/ops/kda/triton/ops_bwd.py"],
-          "the `launch` argument", kind="experiment"),
+          _json_object("{kernel: {param: value}}", nested=True), ["k3/ops/kda/triton/bwd_config.py"],
+          "`TritonKDAConfig(bwd_launch=)`", kind="experiment"),
     _knob("K3_CONV_BWD", "`auto`, `tiles`, `roll`", "auto", "`auto`",
           "Launch options the short-conv Triton backward's autotune picks from: all (`auto`), only tiled or only "
           "rolling ones (to time each kind). Read when k3.ops.conv_triton is imported.",
@@ -214,13 +210,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
           "Bearer key `k3 serve` requires from clients (`--api-key` wins).",
           _text(), ["k3/serve/cli.py"], "`ServeConfig(api_key=)`, `--api-key`", strip=False),
     # -- debugging and other tools' variables
-    _knob("K3_KDA_BWD_CHECK", "`0`, `1` (any value but 0 is on)", False, "`0`",
-          "Prints the non-finite element count of each Triton KDA backward intermediate (slow; debugging).",
-          _on_unless_zero(), ["k3/ops/kda/triton/ops_bwd.py"], "none besides knobs.set", kind="debug"),
     _knob("TRITON_INTERPRET", "`0`, `1` (any value but 0 is on)", False, "`0`",
           "Triton's own variable: kernels run on CPU through its interpreter (the CPU tests). It must be set "
           "before triton is imported, so it cannot be set from Python here.",
-          _on_unless_zero(), ["k3/ops/dispatch.py", "k3/ops/kda/triton/ops_bwd.py", "k3/ops/triton_interp.py"],
+          _on_unless_zero(), ["k3/ops/dispatch.py"],
           "none", kind="external", settable=False),
 )}
 

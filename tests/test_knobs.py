@@ -11,12 +11,7 @@ from k3.errors import K3ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# TODO(issue 27): the Triton KDA modules are converted to k3.knobs by their owner; drop them from the list then
-ENV_READERS_NOT_YET_CONVERTED = {
-    "k3/ops/kda/triton/__init__.py",    # K3_KDA_TRITON_BWD
-    "k3/ops/kda/triton/ops.py",         # K3_KDA_STATE_CFG, K3_KDA_TRITON_FWD
-    "k3/ops/kda/triton/ops_bwd.py",     # K3_KDA_BWD_LAUNCH / _CHECK, TRITON_INTERPRET; writes K3_KDA_TRITON_BWD
-}
+ENV_READERS_NOT_YET_CONVERTED: set = set()   # every module reads the environment through k3.knobs
 
 
 @pytest.fixture(autouse=True)
@@ -71,10 +66,8 @@ def test_every_knob_is_documented_and_read_where_it_says():
 
 def test_allowed_values_match_the_modules():
     from k3.ops import conv_triton
-    from k3.ops.kda.triton import BWD_IMPLS
-    from k3.ops.kda.triton.ops import FWD_VARIANTS
+    from k3.ops.kda.triton.chunk import BWD_IMPLS
     assert set(knobs.KNOBS["K3_CONV_BWD"].values.replace("`", "").split(", ")) == set(conv_triton.BWD_KINDS)
-    assert set(knobs.KNOBS["K3_KDA_TRITON_FWD"].values.replace("`", "").split(", ")) == set(FWD_VARIANTS)
     assert set(knobs.KNOBS["K3_KDA_TRITON_BWD"].values.replace("`", "").split(", ")) == set(BWD_IMPLS)
 
 

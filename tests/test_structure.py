@@ -17,12 +17,7 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LINES = 700
 
-# TODO(issue 27): k3/ops/kda/triton is being split by stage (one file per stage of the chunk algorithm); drop these
-# entries then
-TOO_LONG_ALLOWED = {
-    "k3/ops/kda/triton/kernels.py",
-    "k3/ops/kda/triton/kernels_bwd.py",
-}
+TOO_LONG_ALLOWED: set = set()
 
 
 # lazy imports from a lower layer into a higher one, kept on purpose: (importer, imported) -> why
@@ -30,9 +25,7 @@ UPWARD_IMPORTS = {
     ("k3.model", "k3.checkpoint"): "K3ForCausalLM.from_pretrained / save_pretrained: the delegates users expect "
                                    "(k3.checkpoint builds and saves models; the methods import it when called)",
 }
-# TODO(issue 27): the KDA backends register themselves from below (k3.ops.kda.fla_backend, k3.ops.kda.triton import
-# k3.ops.kda lazily); its owner is restructuring k3/ops/kda: drop this exemption then
-LAYERING_EXEMPT_PACKAGES = ("k3.ops.kda",)
+LAYERING_EXEMPT_PACKAGES: tuple = ()
 
 
 def k3_modules() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""`k3 sweep` (k3/sweep.py): grid expansion, keys and values refused before any run, a real 2 x 2 micro sweep with
+"""`k3 sweep` (k3/sweep/): grid expansion, keys and values refused before any run, a real 2 x 2 micro sweep with
 its files, and resuming (finished points are not re-run; a point without a row continues from its checkpoint)."""
 import csv
 import json

@@ -402,7 +402,7 @@ def test_mla_decode_triton_vs_fp64_reference(H, C, R):
 
 
 def test_kda_triton_backward_selfcheck(monkeypatch):
-    from k3.ops.kda.triton.ops_bwd import gpu_selfcheck
+    from k3.ops.kda.triton.selfcheck import gpu_selfcheck
     monkeypatch.delenv("K3_KDA_TRITON_BWD", raising=False)
     res = gpu_selfcheck(T=1000, H=8, D=128, dtypes=("bf16",))  # fp32: minutes of first compile
     errs = {k: v for k, v in res.items() if ".ms." not in k}
@@ -418,7 +418,7 @@ def test_kda_triton_backward_finite_with_saturated_gates():
     """Every gradient finite at H96 D128 bf16 with gates that saturate (exp(A_log) up to 16, no dht): the regime
     where an earlier form of the backward (u' / du' kept by the sequential passes) gave non-finite states and
     gradients on the H200 while the selfcheck above passed (2026-11-30, benchmarks/kda_bwd_nan.py)."""
-    from k3.ops.kda.triton import ops_bwd
+    from k3.ops.kda.triton import bwd as ops_bwd
     gen = torch.Generator(device=DEV).manual_seed(0)
     r = lambda *s: torch.randn(*s, device=DEV, generator=gen)
     T, H, D = 2048, 96, 128
@@ -437,7 +437,7 @@ def test_kda_triton_backward_from_the_forwards_saved_states():
     at H96 D128 bf16, varlen with an initial state and sequences past one 8K time piece (the pipelined forward saves
     piece by piece): every gradient within the bf16 lines of each other (both are bf16 roundings of the same
     arithmetic; a wrong chunk index would put whole chunks' states out of place)."""
-    from k3.ops.kda.triton import ops as fops, ops_bwd
+    from k3.ops.kda.triton import bwd as ops_bwd, fwd as fops
     gen = torch.Generator(device=DEV).manual_seed(3)
     r = lambda *s: torch.randn(*s, device=DEV, generator=gen)
     H, D, cu = 96, 128, [0, 1, 9000, 9000, 20000]
@@ -472,12 +472,10 @@ def _fp32_ref(q, k, v, f, beta, A_log, dt_bias, h0=None, cu=None):
                          backend="torch")
 
 
-@pytest.mark.parametrize("variant", ["c16p", "c16"])
-def test_kda_triton_forward_full_shape(variant, monkeypatch):
+def test_kda_triton_forward_full_shape():
     """Our Triton forward at K3 head shapes (H96 D128, bf16, varlen with an initial state) vs the fp32 torch chunk
     path on the GPU: fla's test tolerances (relative RMSE <= 5e-3 for outputs and final states)."""
     from k3.ops.kda import chunk_kda
-    monkeypatch.setenv("K3_KDA_TRITON_FWD", variant)
     H, D = 96, 128
     q, k, v, f, beta, A_log, dt_bias = kda_inputs(1, 2000, H, D, D, seed=11)
     cu = torch.tensor([0, 1, 700, 1333, 2000])
@@ -490,7 +488,7 @@ def test_kda_triton_forward_full_shape(variant, monkeypatch):
                          dt_bias=dt_bias.to(DEV), lower_bound=-5.0, backend="triton")
     rr = lambda a, b: float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
     errs = dict(o=rr(o, o_ref), S=rr(S, S_ref))
-    report(f"kda triton {variant} H96 D128 varlen+h0", **errs)
+    report("kda triton H96 D128 varlen+h0", **errs)
     assert errs["o"] <= 5e-3 and errs["S"] <= 5e-3, errs
 
 
@@ -499,7 +497,7 @@ def test_kda_triton_pipelined_forward_full_shape():
     at H96 D128 bf16, varlen with an initial state, against the unpiped forward on the same inputs (same kernels on
     the same chunks: equal to rounding) and the fp32 torch path (fla's tolerance); run twice in a row and after
     unrelated work on the current stream, so a missing stream wait would show as a difference."""
-    from k3.ops.kda.triton import ops
+    from k3.ops.kda.triton import fwd as ops
     H, D = 96, 128
     q, k, v, f, beta, A_log, dt_bias = kda_inputs(1, 6000, H, D, D, seed=21)
     cu = torch.tensor([0, 1, 2100, 2100, 4500, 6000])
@@ -510,21 +508,21 @@ def test_kda_triton_pipelined_forward_full_shape():
               use_gate_in_kernel=True, A_log=A_log.to(DEV), dt_bias=dt_bias.to(DEV), lower_bound=-5.0)
     rr = lambda a, b: float((a.double() - b.double()).pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt())
     with torch.no_grad():
-        o0, S0 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=0), **kw)
+        o0, S0 = ops.kda_chunk_fwd(*args, D ** -0.5, state_cfg=dict(pipe=0), **kw)
         errs = {}
         for piece in (512, 1024, 2048):
             for rep in range(2):
                 torch.cuda._sleep(1_000_000)  # keep the current stream busy: the side stream must wait for it
-                o1, S1 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=piece), **kw)
+                o1, S1 = ops.kda_chunk_fwd(*args, D ** -0.5, state_cfg=dict(pipe=piece), **kw)
                 errs[f"p{piece}_{rep}_vs_unpiped"] = max(rr(o1, o0), rr(S1, S0))
         errs.update(o_ref=rr(o1, o_ref), S_ref=rr(S1, S_ref))
-        o2, S2 = ops.kda_chunk_fwd(*args, D ** -0.5, variant="c16p", state_cfg=dict(pipe=1024, lpt=True), **kw)
+        o2, S2 = ops.kda_chunk_fwd(*args, D ** -0.5, state_cfg=dict(pipe=1024, lpt=True), **kw)
         errs["lpt_p1024_vs_unpiped"] = max(rr(o2, o0), rr(S2, S0))
         # equal-length rows (no cu_seqlens; T not a multiple of the piece or the chunk): the prep's table-free path
         xs = [t[:, :4004].reshape(2, 2002, *t.shape[2:]).contiguous() for t in args]
         kw2 = dict(kw, cu_seqlens=None, initial_state=kw["initial_state"][:2])
-        o0, S0 = ops.kda_chunk_fwd(*xs, D ** -0.5, variant="c16p", state_cfg=dict(pipe=0), **kw2)
-        o1, S1 = ops.kda_chunk_fwd(*xs, D ** -0.5, variant="c16p", state_cfg=dict(pipe=512), **kw2)
+        o0, S0 = ops.kda_chunk_fwd(*xs, D ** -0.5, state_cfg=dict(pipe=0), **kw2)
+        o1, S1 = ops.kda_chunk_fwd(*xs, D ** -0.5, state_cfg=dict(pipe=512), **kw2)
         errs["rows_p512_vs_unpiped"] = max(rr(o1, o0), rr(S1, S0))
     report("kda triton pipelined H96 D128 varlen+h0", **errs)
     assert all(e <= 1e-6 for n, e in errs.items() if n.endswith("unpiped")), errs

@@ -15,11 +15,11 @@ The former short keys (pmat, pwu, gv, gw, gi2, gfin) are accepted as aliases in 
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Optional
 
 import torch
+
+from k3 import knobs
 
 BT = 64   # chunk length of the backward (one stored state per BT tokens) ...
 BT_WIDE = 32  # ... and for K > 128: the grad kernels' [BT, K] fp32 tile operands must fit sm_90 shared memory
@@ -136,16 +136,8 @@ def _canonical(over: Optional[dict]) -> dict:
 def env_launch() -> dict:
     """Launch overrides from $K3_KDA_BWD_LAUNCH: JSON {kernel key: {param: value}} (e.g. '{"intra": {"PREC":
     "split_b"}}'), applied under a call's own `launch` argument; {} when unset."""
-    raw = os.environ.get(ENV_LAUNCH, "").strip()
-    if not raw:
-        return {}
-    try:
-        val = json.loads(raw)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"${ENV_LAUNCH} is not valid JSON ({e}): {raw!r}") from None
-    if not isinstance(val, dict) or not all(isinstance(v, dict) for v in val.values()):
-        raise ValueError(f"${ENV_LAUNCH} must be a JSON object {{kernel: {{param: value}}}}, got {raw!r}")
-    return _canonical(val)
+    val = knobs.get(ENV_LAUNCH)          # parsed and checked ({kernel: {param: value}}) by k3.knobs
+    return _canonical(val) if val else {}
 
 
 def apply_launch(lc: dict, *overrides) -> dict:

@@ -8,12 +8,12 @@ import dataclasses
 import functools
 import importlib.util
 import logging
-import os
 from typing import Optional
 
 import torch
 
 from k3.ops.dispatch import triton_interpreting as _interpret
+from k3 import knobs
 
 log = logging.getLogger("k3")
 _FALLBACK_LOGGED: set = set()
@@ -42,7 +42,7 @@ class TritonKDAConfig:
         if self.bwd is not None:
             mode, what = str(self.bwd).lower(), "TritonKDAConfig.bwd"
         else:
-            mode, what = os.environ.get(ENV_BWD, "").strip().lower() or DEFAULT_BWD, ENV_BWD
+            mode, what = knobs.get(ENV_BWD) or DEFAULT_BWD, ENV_BWD
         if mode not in BWD_IMPLS:
             raise ValueError(f"{what}={mode!r}: known values are {', '.join(BWD_IMPLS)}")
         return mode

@@ -10,11 +10,11 @@ head) pairs run in time pieces, the walk of piece p on a high-priority stream ne
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 from typing import Optional
 
 import torch
+
+from k3 import knobs
 
 from .intra_fwd import kda_intra_wy_fwd_kernel
 from .recurrent import kda_recurrent_fwd_kernel
@@ -120,15 +120,9 @@ def prep_meta(pcfg: dict, H: int, K: int, V: int, varlen: bool, USE_GATE: bool, 
 
 def env_state_cfg() -> dict:
     """The state_cfg keys of $K3_KDA_STATE_CFG (JSON object), {} when unset."""
-    env = os.environ.get(ENV_STATE_CFG, "").strip()
-    if not env:
+    env_cfg = knobs.get(ENV_STATE_CFG)   # parsed and checked (a JSON object) by k3.knobs
+    if not env_cfg:
         return {}
-    try:
-        env_cfg = json.loads(env)
-    except ValueError as e:
-        raise ValueError(f"{ENV_STATE_CFG}: not JSON ({e}): {env!r}") from None
-    if not isinstance(env_cfg, dict):
-        raise ValueError(f"{ENV_STATE_CFG}: expected a JSON object of state_cfg keys, got {env!r}")
     _merged(ENV_STATE_CFG, STATE_CFG_DEFAULT, env_cfg)
     return env_cfg
 

@@ -46,269 +46,31 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
-import dataclasses
-import hashlib
-import itertools
 import json
 import logging
 import math
 import os
-import re
 import subprocess
 import sys
 import time
-import typing
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from k3 import knobs
 from k3.errors import K3ConfigError
+
+from .keys import (_SWEEP_OWNED, Axis, KeySpec, Point, _train_parser, expand_grid, parse_set,  # noqa: F401
+                   resolve_key)
+from .report import _read_metrics, _smooth, plot_results, summarize, summary_markdown  # noqa: F401
 
 log = logging.getLogger("k3.sweep")
 
 __all__ = ["Axis", "Point", "Sweep", "parse_set", "expand_grid", "resolve_key", "summarize", "add_parser",
            "RESULT_COLUMNS"]
 
-# training settings a sweep owns (or that belong to one invocation): not sweepable, not accepted after `--`
-_SWEEP_OWNED = {"out_dir": "--out", "resume": "--resume", "overwrite": "--overwrite", "seed": "--seeds"}
 # metric columns of a result row, in results.csv order (after the swept keys and the seed)
 RESULT_COLUMNS = ["status", "steps", "val_loss", "train_loss", "train_loss_last", "val_loss_before", "tokens_per_s",
                   "maxvio", "maxvio_max", "peak_mem_mb", "wall_s", "train_time_s", "num_params", "device", "point",
                   "run_dir", "error"]
-_SUMMARY_METRICS = [("val_loss", "val loss", "{:.4f}"), ("train_loss", "train loss", "{:.4f}"),
-                    ("tokens_per_s", "tokens/s", "{:.0f}"), ("maxvio", "MaxVio", "{:.3f}"),
-                    ("peak_mem_mb", "peak MB", "{:.0f}"), ("wall_s", "wall s", "{:.1f}")]
-
-
-# ----------------------------------------------------------------------------------------------- keys and values
-
-@dataclass(frozen=True)
-class KeySpec:
-    """Where a swept key goes and how its text becomes a value."""
-    key: str                       # the canonical key: `linear_attn_config.gate_lower_bound`, `train.lr`
-    target: str                    # "model" (a K3Config dotted path) or "train" (a TrainConfig field)
-    field: str                     # the dotted model path or the TrainConfig field name
-    cast: Callable[[str], Any]     # text -> value; raises ValueError(what was expected)
-
-
-def _is_optional(tp) -> tuple[bool, Any]:
-    if typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1 and len(typing.get_args(tp)) == 2:
-            return True, args[0]
-    return False, tp
-
-
-def _caster(tp) -> Callable[[str], Any]:
-    """The parser of one value's text for a dataclass field annotated `tp`."""
-    optional, tp = _is_optional(tp)
-    origin = typing.get_origin(tp) or tp
-
-    def cast(text: str):
-        t = text.strip()
-        if optional and t.lower() in ("none", "null"):
-            return None
-        if origin is bool:
-            low = t.lower()
-            if low in ("true", "1", "yes", "on"):
-                return True
-            if low in ("false", "0", "no", "off"):
-                return False
-            raise ValueError("expected true or false")
-        if origin is int:
-            try:
-                return int(t)
-            except ValueError:
-                raise ValueError("expected an integer") from None
-        if origin is float:
-            try:
-                v = float(t)
-            except ValueError:
-                raise ValueError("expected a number") from None
-            if not math.isfinite(v):
-                raise ValueError("expected a finite number")
-            return v
-        if origin in (list, dict):
-            try:
-                v = json.loads(t)
-            except ValueError:
-                raise ValueError(f"expected a JSON {origin.__name__}, e.g. {'[4, 8]' if origin is list else '{}'}") from None
-            if not isinstance(v, origin):
-                raise ValueError(f"expected a JSON {origin.__name__}")
-            return v
-        if origin is str:
-            return t
-        raise ValueError(f"expected a value of a type the sweep cannot parse ({tp!r})")
-    return cast
-
-
-def _model_fields(cls) -> dict:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in ("extra", "container")}
-
-
-def _train_parser() -> argparse.ArgumentParser:
-    """A stand-alone parser holding `k3 train`'s flags (for the flags after `--` and the flag types)."""
-    from k3.train import cli as train_cli
-    p = argparse.ArgumentParser(prog="k3 sweep ... --")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    train_cli.add_parser(sub)
-    return sub.choices["train"]
-
-
-def _train_key(name: str) -> KeySpec:
-    from k3.train import cli as train_cli
-    from k3.train.config import TrainConfig
-    fields = _model_fields(TrainConfig)
-    dest = name.replace("-", "_")
-    fld = train_cli._FIELDS.get(dest, dest)
-    if fld in _SWEEP_OWNED or dest in ("stop_at", "json"):
-        raise K3ConfigError(f"--set train.{name}: not a sweepable training setting (the sweep sets it: "
-                            f"{_SWEEP_OWNED.get(fld, '--' + dest.replace('_', '-'))})")
-    if fld == "model_overrides":
-        raise K3ConfigError(f"--set train.{name}: give model keys directly, e.g. --set hidden_size=64,128")
-    if fld not in fields:
-        known = sorted(set(train_cli._FIELDS) | set(fields) - set(_SWEEP_OWNED) - {"model_overrides"})
-        raise K3ConfigError(f"--set train.{name}: unknown training setting; known: {', '.join(known)}")
-    action = None
-    if dest in train_cli._FIELDS or fld in train_cli._FIELDS.values():
-        flag_dest = dest if dest in train_cli._FIELDS else next(d for d, f in train_cli._FIELDS.items() if f == fld)
-        action = next((a for a in _train_parser()._actions if a.dest == flag_dest), None)
-    base = _caster(fields[fld])
-    if typing.get_origin(_is_optional(fields[fld])[1]) is list or _is_optional(fields[fld])[1] is list:
-        json_list = base
-
-        def base(text, _j=json_list):  # noqa: F811 - a list setting (--data): a JSON list or one plain item
-            return _j(text) if text.strip()[:1] == "[" or text.strip().lower() in ("none", "null") else [text.strip()]
-    if fld == "stages":
-        def base(text):  # noqa: F811 - stages take the --stages syntax
-            from k3.train.config import parse_stages
-            return [list(s) for s in parse_stages(text)]
-    elif action is not None and action.type is not None and dest not in train_cli._NEGATED:
-        flag_type = action.type
-
-        def base(text, _t=flag_type):  # noqa: F811 - the flag's own type (its range checks)
-            try:
-                return _t(text.strip())
-            except (argparse.ArgumentTypeError, ValueError) as e:
-                raise ValueError(str(e)) from None
-    choices = action.choices if action is not None else None
-    negated = dest in train_cli._NEGATED
-
-    def cast(text):
-        v = base(text)
-        if choices is not None and v not in choices:
-            raise ValueError(f"expected one of {', '.join(map(str, choices))}")
-        return (not v) if negated else v
-    return KeySpec(f"train.{fld}", "train", fld, cast)
-
-
-def resolve_key(key: str) -> KeySpec:
-    """`--set` key -> KeySpec; an unknown key raises K3ConfigError naming it and the known keys at that level."""
-    from k3.config import K3Config
-    key = key.strip()
-    if not key:
-        raise K3ConfigError("--set: empty key (expected KEY=V1,V2,...)")
-    if key.startswith("train."):
-        return _train_key(key[len("train."):])
-    path = key[len("model."):] if key.startswith("model.") else key
-    cls, parts = K3Config, path.split(".")
-    for i, part in enumerate(parts):
-        fields = _model_fields(cls)
-        if part not in fields:
-            where = ".".join(parts[:i]) or "K3Config"
-            hint = " (training settings take the prefix `train.`, e.g. train.lr)" if i == 0 else ""
-            raise K3ConfigError(f"--set {key}: unknown config key `{part}` in {where}{hint}; known: "
-                                f"{', '.join(sorted(fields))}")
-        tp = fields[part]
-        if dataclasses.is_dataclass(tp):
-            if i == len(parts) - 1:
-                raise K3ConfigError(f"--set {key}: `{path}` is a group of keys; sweep one of them: "
-                                    f"{', '.join(f'{path}.{k}' for k in sorted(_model_fields(tp)))}")
-            cls = tp
-            continue
-        if i != len(parts) - 1:
-            raise K3ConfigError(f"--set {key}: `{'.'.join(parts[:i + 1])}` is not a group of keys")
-        if len(parts) > 2:  # pragma: no cover - K3Config nests one level
-            raise K3ConfigError(f"--set {key}: only one level of nesting is supported")
-        return KeySpec(path, "model", path, _caster(tp))
-    raise K3ConfigError(f"--set {key}: unknown key")  # pragma: no cover
-
-
-@dataclass
-class Axis:
-    key: str                 # canonical key
-    spec: KeySpec
-    values: list
-    texts: list              # the values as given (labels, directory names)
-
-
-def _split_values(text: str) -> list[str]:
-    sep = ";" if ";" in text else ","
-    if sep == "," and text.strip()[:1] in "[{" and text.strip():
-        # a single JSON list/dict with commas: one value
-        try:
-            json.loads(text)
-            return [text]
-        except ValueError:
-            pass
-    return [v for v in (p.strip() for p in text.split(sep)) if v != ""]
-
-
-def parse_set(text: str) -> Axis:
-    """`KEY=V1,V2,...` -> Axis with typed values (K3ConfigError naming the key on a bad key or value)."""
-    key, eq, vals = text.partition("=")
-    if not eq:
-        raise K3ConfigError(f"--set {text!r}: expected KEY=V1,V2,... (e.g. linear_attn_config.gate_lower_bound=-5,-4)")
-    spec = resolve_key(key)
-    texts = _split_values(vals)
-    if not texts:
-        raise K3ConfigError(f"--set {spec.key}: no value given")
-    values = []
-    for t in texts:
-        try:
-            values.append(spec.cast(t))
-        except ValueError as e:
-            raise K3ConfigError(f"--set {spec.key}: bad value {t!r}: {e}") from None
-    if len({json.dumps(v, sort_keys=True) for v in values}) != len(values):
-        raise K3ConfigError(f"--set {spec.key}: a value is given twice ({', '.join(texts)})")
-    return Axis(spec.key, spec, values, texts)
-
-
-@dataclass
-class Point:
-    """One grid point: {key: value} over the axes, and its label / directory name."""
-    values: dict
-    texts: dict
-
-    @property
-    def id(self) -> str:
-        return json.dumps(self.values, sort_keys=True)
-
-    @property
-    def label(self) -> str:
-        return ", ".join(f"{k.split('.')[-1]}={t}" for k, t in self.texts.items()) or "base"
-
-    @property
-    def dirname(self) -> str:
-        if not self.values:
-            return "base"
-        slug = "__".join(f"{k.split('.')[-1]}={t}" for k, t in self.texts.items())
-        slug = re.sub(r"[^A-Za-z0-9_.=+-]+", "_", slug)[:80]
-        return f"{slug}-{hashlib.sha1(self.id.encode()).hexdigest()[:6]}"
-
-
-def expand_grid(axes: Sequence[Axis]) -> list[Point]:
-    """The cartesian product of the axes (the first axis varies slowest); a duplicate key is refused."""
-    seen = set()
-    for a in axes:
-        if a.key in seen:
-            raise K3ConfigError(f"--set {a.key}: the key is given twice (put all its values in one --set)")
-        seen.add(a.key)
-    pts = []
-    for combo in itertools.product(*[list(zip(a.values, a.texts)) for a in axes]):
-        pts.append(Point({a.key: v for a, (v, _) in zip(axes, combo)}, {a.key: t for a, (_, t) in zip(axes, combo)}))
-    return pts
 
 
 # ----------------------------------------------------------------------------------------------- one run
@@ -335,12 +97,6 @@ def _peak_rss_mb() -> Optional[float]:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     except Exception:  # pragma: no cover
         return None
-
-
-def _read_metrics(run_dir: str) -> tuple[list, list]:
-    from k3.train.report import read_metrics
-    p = os.path.join(run_dir, "metrics.jsonl")
-    return read_metrics(p) if os.path.isfile(p) else ([], [])
 
 
 def _tail_mean(xs: list) -> Optional[float]:
@@ -721,143 +477,6 @@ class Sweep:
                 plot_results(rows, keys, self.out_dir)
             except Exception as e:  # a plot never loses results
                 log.warning("sweep plots failed: %s", e)
-
-
-# ----------------------------------------------------------------------------------------------- summary / plots
-
-def _mean_std(xs: list) -> tuple[Optional[float], Optional[float], int]:
-    xs = [float(x) for x in xs if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)]
-    if not xs:
-        return None, None, 0
-    m = sum(xs) / len(xs)
-    if len(xs) < 2:
-        return m, None, 1
-    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)), len(xs)
-
-
-def summarize(rows: list[dict]) -> list[dict]:
-    """Per point (in first-seen order): {"point", "label", "values", "n", metric: (mean, std)} over its seeds."""
-    groups: dict = {}
-    for r in rows:
-        groups.setdefault(r.get("point"), []).append(r)
-    out = []
-    for pid, rs in groups.items():
-        g = {"point": pid, "label": rs[0].get("label"), "values": json.loads(pid) if pid else {},
-             "n": len(rs), "failed": sum(1 for r in rs if r.get("status") != "completed")}
-        for m, _, _ in _SUMMARY_METRICS:
-            mean, std, _n = _mean_std([r.get(m) for r in rs if r.get("status") == "completed"])
-            g[m] = (mean, std)
-        out.append(g)
-    return out
-
-
-def _fmt_ms(ms, fmt) -> str:
-    mean, std = ms
-    if mean is None:
-        return "-"
-    return fmt.format(mean) + (f" ± {fmt.format(std)}" if std is not None else "")
-
-
-def summary_markdown(rows: list[dict], keys: Sequence[str]) -> str:
-    groups = summarize(rows)
-    lines = ["# k3 sweep summary", "",
-             f"{len(rows)} run(s), {len(groups)} point(s). Mean ± sample std over seeds (completed runs); "
-             "train loss = mean of the last 10% of steps; MaxVio = mean over the last 10% of steps.", ""]
-    head = list(keys) + ["seeds"] + [name for _, name, _ in _SUMMARY_METRICS]
-    lines.append("| " + " | ".join(head) + " |")
-    lines.append("|" + "---|" * len(head))
-    for g in groups:
-        vals = [json.dumps(g["values"].get(k)) if isinstance(g["values"].get(k), (list, dict))
-                else str(g["values"].get(k)) for k in keys]
-        n = f"{g['n'] - g['failed']}" + (f" (+{g['failed']} failed)" if g["failed"] else "")
-        lines.append("| " + " | ".join(vals + [n] + [_fmt_ms(g[m], f) for m, _, f in _SUMMARY_METRICS]) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def _smooth(xs: list, alpha: float = 0.3) -> list:
-    out, s = [], None
-    for x in xs:
-        if x is None or not math.isfinite(x):
-            out.append(float("nan"))
-            continue
-        s = x if s is None else alpha * x + (1 - alpha) * s
-        out.append(s)
-    return out
-
-
-def plot_results(rows: list[dict], keys: Sequence[str], out_dir: str) -> list[str]:
-    """loss_curves.png (train loss per step, mean over seeds, one line per point) and final_loss.png (final val
-    loss vs the first key's value, std error bars, one line per combination of the other keys)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    written = []
-    groups = summarize(rows)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for g in groups:
-        curves = []
-        for r in rows:
-            if r.get("point") != g["point"] or not r.get("run_dir"):
-                continue
-            train, _ = _read_metrics(os.path.join(out_dir, r["run_dir"]))
-            curves.append({t["step"]: t.get("loss") for t in train})
-        steps = sorted(set().union(*[c.keys() for c in curves])) if curves else []
-        if not steps:
-            continue
-        mean = []
-        for s in steps:
-            xs = [c[s] for c in curves if s in c and c[s] is not None and math.isfinite(c[s])]
-            mean.append(sum(xs) / len(xs) if xs else float("nan"))
-        ax.plot(steps, _smooth(mean), label=f"{g['label']} (n={len(curves)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (EMA, mean over seeds)")
-    ax.grid(alpha=0.3)
-    if groups:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "loss_curves.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
-
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    first = keys[0] if keys else None
-    lines: dict = {}
-    for g in groups:
-        rest = ", ".join(f"{k.split('.')[-1]}={g['values'].get(k)}" for k in keys[1:])
-        lines.setdefault(rest, []).append(g)
-    xs_all = [g["values"].get(first) for g in groups] if first else []
-    numeric = bool(xs_all) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in xs_all)
-    cats = []
-    for x in xs_all:
-        if json.dumps(x) not in cats:
-            cats.append(json.dumps(x))
-    for rest, gs in lines.items():
-        xs, ys, es = [], [], []
-        for g in gs:
-            mean, std = g["val_loss"]
-            if mean is None:
-                continue
-            x = g["values"].get(first) if first else 0
-            xs.append(x if numeric else cats.index(json.dumps(x)))
-            ys.append(mean)
-            es.append(std or 0.0)
-        if xs:
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=4, label=rest or None, linestyle="-" if numeric else "none")
-    if not numeric and cats:
-        ax.set_xticks(range(len(cats)))
-        ax.set_xticklabels([c.strip('"') for c in cats], rotation=20, fontsize=8)
-    ax.set_xlabel(first or "point")
-    ax.set_ylabel("final val loss (mean ± std over seeds)")
-    ax.grid(alpha=0.3)
-    if any(lines) and len(lines) > 1:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "final_loss.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
-    return written
 
 
 # ----------------------------------------------------------------------------------------------- CLI
