@@ -32,7 +32,7 @@ from k3.checkpoint.mxfp4 import GROUP_SIZE, mxfp4_decode, mxfp4_encode
 __all__ = [
     "PREFIX", "FP32_KEY_PATTERNS", "IGNORED_PREFIXES", "is_fp32_key", "torch_dtype",
     "model_key_shapes", "released_key_shapes", "to_released", "from_released", "released_plan",
-    "ReleasedAssembler", "ReleasedEntry", "default_quantization_config", "format_key_report",
+    "ReleasedAssembler", "ReleasedEntry", "default_quantization_config", "format_key_report", "model_key_of",
 ]
 
 log = logging.getLogger("k3.checkpoint")
@@ -73,6 +73,16 @@ def torch_dtype(d) -> torch.dtype:
 
 def _strip(key: str, prefix: str) -> str:
     return key[len(prefix):] if prefix and key.startswith(prefix) else key
+
+
+def model_key_of(released_key: str, prefix: str = PREFIX) -> str:
+    """The in-memory name a released tensor lands in: the prefix stripped, per-expert ``experts.{e}.w1|w3`` ->
+    ``experts.gate_up_proj`` and ``experts.{e}.w2`` -> ``experts.down_proj`` (dense or MXFP4 parts alike)."""
+    k = _strip(released_key, prefix)
+    m = _EXPERT_RE.match(k)
+    if m:
+        return f"{m.group('base')}.{'down_proj' if m.group('w') == 'w2' else 'gate_up_proj'}"
+    return k
 
 
 def format_key_report(title: str, items: list, limit: int = 20) -> str:
@@ -343,8 +353,11 @@ class ReleasedAssembler:
     """
 
     def __init__(self, config, targets: Optional[dict] = None, dtype=None, strict: bool = True,
-                 expected: Optional[dict] = None):
+                 expected: Optional[dict] = None, experts: Optional[tuple] = None):
         self.config = config
+        # routed experts kept (start, stop): expert e lands at index e - start of the stacked tensors; experts
+        # outside the range are skipped (an expert-parallel rank loads its own slice)
+        self.expert_range = tuple(experts) if experts is not None else None
         self.targets = targets
         self.dtype = torch_dtype(dtype) if dtype is not None else None
         self.strict = strict
@@ -381,6 +394,8 @@ class ReleasedAssembler:
         if self.targets is not None:
             return None
         E, l, M = self.config.num_experts, self.config.routed_expert_hidden_size, self.config.moe_intermediate_size
+        if self.expert_range is not None:
+            E = self.expert_range[1] - self.expert_range[0]
         shape = (E, l, 2 * M) if which == "gate_up_proj" else (E, M, l)
         dt = self.dtype if self.dtype is not None else torch_dtype(self.config.dtype)
         t = torch.zeros(shape, dtype=dt)
@@ -452,6 +467,10 @@ class ReleasedAssembler:
 
     def _add_expert(self, key: str, m: re.Match, tensor: torch.Tensor) -> None:
         base, e, w, kind = m.group("base"), int(m.group("e")), m.group("w"), m.group("kind")
+        if self.expert_range is not None:
+            if not (self.expert_range[0] <= e < self.expert_range[1]):
+                return  # another rank's expert
+            e -= self.expert_range[0]
         if kind != "weight":
             slot = self.pending.setdefault((base, e, w), {})
             slot[kind] = (key, tensor)

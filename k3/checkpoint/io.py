@@ -319,14 +319,29 @@ def _shard_layout(directory: str) -> dict:
                           f"(contents: {present[:20]})")
 
 
-def iter_checkpoint_tensors(directory: str) -> Iterator[tuple]:
-    """Yield ``(released_key, tensor, file_path)`` shard by shard (one tensor in memory at a time)."""
+def _key_filter(keys):
+    """None -> None; a callable passes through; a collection -> membership test."""
+    if keys is None or callable(keys):
+        return keys
+    wanted = frozenset(keys)
+    return wanted.__contains__
+
+
+def iter_checkpoint_tensors(directory: str, keys=None) -> Iterator[tuple]:
+    """Yield ``(released_key, tensor, file_path)`` shard by shard, one tensor in memory at a time: shards are
+    opened with ``safetensors.safe_open`` (memory-mapped) and only the tensors passing ``keys`` (a predicate on
+    the *released* key, or a collection of released keys) are read at all; shards holding none are not opened."""
+    want = _key_filter(keys)
     for path, keys in _shard_layout(directory).items():
+        if want is not None and keys is not None:
+            keys = [k for k in keys if want(k)]
+            if not keys:
+                continue
         try:
             with safetensors.safe_open(path, framework="pt", device="cpu") as f:
                 present = set(f.keys())
                 if keys is None:
-                    keys = list(f.keys())
+                    keys = [k for k in f.keys() if want is None or want(k)]
                 for k in keys:
                     if k not in present:
                         raise CheckpointError(f"checkpoint index maps {k} to {path}, but that file does not "
@@ -340,15 +355,35 @@ def iter_checkpoint_tensors(directory: str) -> Iterator[tuple]:
 
 
 def load_state_dict(directory: str, config=None, dtype=None, strict: bool = False,
-                    return_extras: bool = False):
+                    return_extras: bool = False, keys=None, experts=None):
     """In-memory state dict (docs/CONTRACTS.md names) from a checkpoint directory. ``config`` defaults to the
-    directory's ``config.json``. See :func:`k3.checkpoint.adapter.from_released` for the mapping rules."""
-    from k3.checkpoint.adapter import model_key_shapes
+    directory's ``config.json``. See :func:`k3.checkpoint.adapter.from_released` for the mapping rules.
+
+    Partial loads (a distributed rank's share): ``keys`` is a predicate on (or a collection of) *in-memory* names
+    (per-expert tensors count under their stacked name ``...experts.gate_up_proj`` / ``down_proj``); only the
+    matching tensors are read from the memory-mapped shards. ``experts=(start, stop)`` keeps routed experts
+    ``start..stop-1`` (stacked tensors then have ``stop - start`` rows). ``strict`` checks the selected subset."""
+    from k3.checkpoint.adapter import model_key_of, model_key_shapes
     if config is None:
         config = load_config(directory)
-    asm = ReleasedAssembler(config, targets=None, dtype=dtype, strict=strict,
-                            expected=model_key_shapes(config) if strict else None)
-    for k, t, path in iter_checkpoint_tensors(directory):
+    want = _key_filter(keys)
+    if experts is not None:
+        e0, e1 = (int(x) for x in experts)
+        if not (0 <= e0 < e1 <= config.num_experts):
+            raise CheckpointError(f"experts={experts!r}: need 0 <= start < stop <= num_experts ({config.num_experts})")
+        experts = (e0, e1)
+    expected = None
+    if strict:
+        expected = {}
+        for k, (shape, dt) in model_key_shapes(config).items():
+            if want is not None and not want(k):
+                continue
+            if experts is not None and k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                shape = (experts[1] - experts[0],) + tuple(shape[1:])
+            expected[k] = (shape, dt)
+    asm = ReleasedAssembler(config, targets=None, dtype=dtype, strict=strict, expected=expected, experts=experts)
+    rfilter = None if want is None else (lambda rk: want(model_key_of(rk)))
+    for k, t, path in iter_checkpoint_tensors(directory, keys=rfilter):
         asm.add(k, t, source=os.path.basename(path))
     sd = asm.finish(f"checkpoint {directory}")
     return (sd, dict(asm.ignored)) if return_extras else sd
@@ -455,9 +490,14 @@ def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = Tru
 
     targets = model.state_dict(keep_vars=False)
     asm = ReleasedAssembler(config, targets=targets, strict=strict)
+    a_log_sizes = set()
     for k, t, path in iter_checkpoint_tensors(directory):
+        if k.endswith(".A_log") and t.dim() == 1:
+            a_log_sizes.add(int(t.shape[0]))
         asm.add(k, t, source=os.path.basename(path))
     asm.finish(f"checkpoint {directory}")
+    if len(a_log_sizes) == 1:  # keep the file's A_log storage padding, so a re-save reproduces the layout
+        config.a_log_storage_size = a_log_sizes.pop()
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         raise CheckpointError(f"checkpoint {directory}: some model tensors were left on the meta device")  # pragma: no cover
     model.eval()

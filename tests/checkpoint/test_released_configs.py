@@ -111,3 +111,15 @@ def test_subset_load_of_a_sharded_released_checkpoint(tmp_path):
                        and ".experts." not in k} | {f"model.layers.1.block_sparse_moe.experts.{n}"
                                                     for n in ("gate_up_proj", "down_proj")}
     assert torch.equal(sd["model.embed_tokens.weight"], t["language_model.model.embed_tokens.weight"])
+
+
+def test_expert_slice_load_for_an_expert_parallel_rank(tmp_path):
+    c, t, path = _make(tmp_path, "hd64_mxfp4")
+    full = load_state_dict(path, strict=True)
+    k = "model.layers.1.block_sparse_moe.experts.gate_up_proj"
+    part = load_state_dict(path, keys=lambda n: ".layers.1.block_sparse_moe." in n, experts=(1, 3), strict=True)
+    assert part[k].shape[0] == 2 and torch.equal(part[k], full[k][1:3])
+    assert torch.equal(part[k.replace("gate_up", "down")], full[k.replace("gate_up", "down")][1:3])
+    assert "model.layers.1.block_sparse_moe.gate.weight" in part and "model.embed_tokens.weight" not in part
+    with pytest.raises(Exception, match="experts="):
+        load_state_dict(path, experts=(3, 9))
