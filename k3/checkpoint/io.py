@@ -455,14 +455,29 @@ def _has_non_persistent_buffers(model: torch.nn.Module) -> bool:
     return any(m._non_persistent_buffers_set for m in model.modules())
 
 
-def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = True, config=None):
+def _swap_packed_experts(model) -> None:
+    from k3.nn.moe import LatentMoE, PackedMXFP4Experts
+    for m in model.modules():
+        if isinstance(m, LatentMoE):
+            E, l, M2 = m.experts.gate_up_proj.shape
+            dev = m.experts.gate_up_proj.device
+            with torch.device(dev):
+                m.experts = PackedMXFP4Experts(E, l, M2 // 2)
+
+
+def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = True, config=None,
+                    packed_experts: bool = False):
     """Build ``K3ForCausalLM`` from a checkpoint directory (released layout, dense or MXFP4 experts).
 
     ``dtype`` (default: ``config.dtype``) applies to floating parameters other than the fp32-kept ones. With
     ``strict=True`` the model is built on the meta device and filled in place (no random init, no second copy);
     any missing / unexpected / mis-shaped key raises CheckpointError listing them. With ``strict=False`` the model
     is built normally so missing tensors keep their initial values (a warning lists them). Returns the model in
-    eval mode."""
+    eval mode.
+
+    ``packed_experts=True`` (inference): routed experts stay MXFP4-packed in memory (``PackedMXFP4Experts``,
+    4.25 bits per weight, dequantised inside the expert matmul); an MXFP4 checkpoint's bytes are copied in without
+    decoding, a dense one is encoded on load."""
     from k3.model import K3ForCausalLM  # lazy: the model module is heavy
 
     if config is None:
@@ -482,11 +497,15 @@ def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = Tru
             log.debug("model has non-persistent buffers; building on %s instead of meta", device)
             model = None
         if model is not None:
+            if packed_experts:
+                _swap_packed_experts(model)
             _materialize(model, device, td)
     if model is None:
         with torch.device(device):
             model = K3ForCausalLM(config)
         _cast_model(model, td, device)
+        if packed_experts:
+            _swap_packed_experts(model)
 
     targets = model.state_dict(keep_vars=False)
     asm = ReleasedAssembler(config, targets=targets, strict=strict)
