@@ -55,7 +55,10 @@ def mxfp4_decode(packed_u8: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.d
                          f"expected {tuple(packed_u8.shape[:-1]) + (groups,)}")
     lead = tuple(packed_u8.shape[:-1])
     device = packed_u8.device
-    lut = _BYTE_LUT.to(device)
+    # fp32 and bf16 hold every product exactly (2 significant bits times a power of two, bf16 has fp32's
+    # exponent range): decode straight into them; other dtypes go through fp32
+    cdt = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    lut = _lut(device, cdt)
     p2 = packed_u8.reshape(-1, half)
     s2 = scale_u8.reshape(-1, groups)
     rows = p2.shape[0]
@@ -63,12 +66,24 @@ def mxfp4_decode(packed_u8: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.d
     step = max(1, _CHUNK // max(n_in, 1))
     for r0 in range(0, rows, step):  # loop over row chunks only (memory bound), never over elements
         p = p2[r0:r0 + step]
-        # [r*in/2, 2]: (low, high) nibble values -> consecutive columns (index_select: far faster than lut[idx])
-        vals = lut.index_select(0, p.reshape(-1).long())
-        vals = vals.reshape(p.shape[0], groups, GROUP_SIZE)
-        vals = vals * _scale_multiplier(s2[r0:r0 + step]).unsqueeze(-1)
-        out[r0:r0 + step] = vals.reshape(p.shape[0], n_in).to(dtype)
+        # [r*in/2, 2]: (low, high) nibble values -> consecutive columns (an embedding lookup with int32 ids:
+        # faster than index_select with int64 ids or lut[idx])
+        vals = torch.nn.functional.embedding(p.reshape(-1).to(torch.int32), lut)
+        vals = vals.view(p.shape[0], groups, GROUP_SIZE)
+        vals = vals * _scale_multiplier(s2[r0:r0 + step]).to(cdt).unsqueeze(-1)
+        out[r0:r0 + step] = vals.view(p.shape[0], n_in)
     return out.reshape(lead + (n_in,))
+
+
+_LUTS: dict = {}
+
+
+def _lut(device, dtype) -> torch.Tensor:
+    key = (str(device), dtype)
+    t = _LUTS.get(key)
+    if t is None:
+        t = _LUTS[key] = _BYTE_LUT.to(device=device, dtype=dtype)
+    return t
 
 
 def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
