@@ -150,7 +150,9 @@ def _looks_like_checkpoint(path: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ save
 def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_experts: bool = False,
-                    tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None) -> str:
+                    tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None,
+                    extra_tensors: Optional[Mapping] = None, single_file_if_fits: bool = False,
+                    config_dict: Optional[dict] = None) -> str:
     """Write ``model`` (a ``K3ForCausalLM``, or an in-memory state dict together with ``config=``) to
     ``save_directory`` in the released layout and return the directory path.
 
@@ -159,7 +161,9 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
     larger than that gets its own shard) and ``model.safetensors.index.json``. ``tokenizer.save(dir)`` (or
     ``save_pretrained``) is called into the same directory; ``extra_files`` maps relative names to str / bytes /
     JSON-able dict|list / ``pathlib.Path`` (copied). ``dtype`` optionally casts floating tensors (fp32-kept
-    tensors stay fp32).
+    tensors stay fp32). ``single_file_if_fits``: one ``model.safetensors`` and no index when everything fits in
+    one shard. ``extra_tensors`` (e.g. ``vision_tower.*``) are written verbatim, without the ``language_model.``
+    prefix; ``config_dict`` replaces the ``config.json`` content (export writes the container it builds).
 
     Atomic: written into ``.<name>.tmp-*`` next to the target, then renamed into place; an existing checkpoint
     at the target is renamed aside first and deleted once the new one is in place. An existing non-empty
@@ -194,6 +198,9 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
     os.makedirs(parent, exist_ok=True)
 
     plan = released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
+    from k3.checkpoint.adapter import ReleasedEntry
+    for k, t in (extra_tensors or {}).items():
+        plan.append(ReleasedEntry(k, tuple(t.shape), t.dtype, lambda t=t: t.detach().to("cpu").contiguous()))
     shards: list = []
     cur, cur_size = [], 0
     for e in plan:
@@ -207,11 +214,15 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
 
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
-        save_cfg.save_json(os.path.join(tmp, CONFIG_NAME))
+        if config_dict is not None:
+            _write_extra(tmp, CONFIG_NAME, config_dict)
+        else:
+            save_cfg.save_json(os.path.join(tmp, CONFIG_NAME))
         weight_map, total = {}, 0
         n = len(shards)
+        single = single_file_if_fits and n == 1
         for i, entries in enumerate(shards, 1):
-            fname = _SHARD_FMT.format(i, n)
+            fname = SINGLE_NAME if single else _SHARD_FMT.format(i, n)
             tensors, seen = {}, set()
             for e in entries:
                 t = e.make()
@@ -224,10 +235,11 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
             _st.save_file(tensors, path, metadata={"format": "pt"})
             del tensors
             _fsync_path(path)
-        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": total, "format": "k3-released"},
-                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            f.write("\n")
+        if not single:
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump({"metadata": {"total_size": total, "format": "k3-released"},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+                f.write("\n")
         if tokenizer is not None:
             if hasattr(tokenizer, "save") and callable(tokenizer.save):
                 tokenizer.save(tmp)
@@ -237,8 +249,9 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
                 raise CheckpointError(f"tokenizer of type {type(tokenizer).__name__} has no save(dir) method")
         for fname, content in (extra_files or {}).items():
             _write_extra(tmp, fname, content)
-        for f in (CONFIG_NAME, INDEX_NAME):
-            _fsync_path(os.path.join(tmp, f))
+        for f in (CONFIG_NAME, INDEX_NAME, SINGLE_NAME):
+            if os.path.exists(os.path.join(tmp, f)):
+                _fsync_path(os.path.join(tmp, f))
         apply_umask_modes(tmp)  # mkdtemp made it 0700; the checkpoint gets ordinary modes (0755 / 0644 by umask)
         _fsync_path(tmp)
         _swap_into_place(tmp, target, parent, name)
