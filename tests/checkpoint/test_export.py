@@ -5,7 +5,6 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from k3.checkpoint import from_pretrained, save_pretrained
 from k3.checkpoint.io import iter_checkpoint_tensors

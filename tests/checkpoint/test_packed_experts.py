@@ -1,7 +1,6 @@
 """MXFP4 routed experts kept packed in memory, dequantised inside the expert matmul (issue #29 item 2)."""
 import pytest
 import torch
-from safetensors import safe_open
 
 from k3.checkpoint import from_pretrained, save_pretrained
 from k3.checkpoint.io import iter_checkpoint_tensors
