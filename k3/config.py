@@ -61,7 +61,7 @@ class K3Config:
     num_hidden_layers: int = 93
     # --- MLA
     num_attention_heads: int = 96
-    num_key_value_heads: int = 96
+    num_key_value_heads: Optional[int] = None  # None (key absent) = num_attention_heads: MLA has no GQA
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -120,6 +120,8 @@ class K3Config:
     def __post_init__(self):
         if isinstance(self.linear_attn_config, dict):
             self.linear_attn_config = LinearAttnConfig.from_dict(self.linear_attn_config)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
         if self.kda_gate_low_rank is None:
             self.kda_gate_low_rank = self.linear_attn_config.head_dim
         self.validate()

@@ -474,8 +474,11 @@ def _swap_packed_experts(model) -> None:
         if isinstance(m, LatentMoE):
             E, l, M2 = m.experts.gate_up_proj.shape
             dev = m.experts.gate_up_proj.device
-            with torch.device(dev):
-                m.experts = PackedMXFP4Experts(E, l, M2 // 2)
+            try:
+                with torch.device(dev):
+                    m.experts = PackedMXFP4Experts(E, l, M2 // 2)
+            except ValueError as e:
+                raise CheckpointError(f"packed_experts=True: {e}") from None
 
 
 def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = True, config=None,

@@ -123,3 +123,10 @@ def test_expert_slice_load_for_an_expert_parallel_rank(tmp_path):
     assert "model.layers.1.block_sparse_moe.gate.weight" in part and "model.embed_tokens.weight" not in part
     with pytest.raises(Exception, match="experts="):
         load_state_dict(path, experts=(3, 9))
+
+
+def test_absent_keys_follow_the_files_other_keys():
+    c = text_config(num_attention_heads=3, lac_head_dim=8)
+    del c["num_key_value_heads"]
+    cfg = K3Config.from_dict(c)
+    assert cfg.num_key_value_heads == 3 and cfg.kda_gate_low_rank == 8
