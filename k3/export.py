@@ -23,7 +23,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from typing import Optional
+
+import torch
 
 from k3.errors import CheckpointError
 
@@ -80,6 +83,107 @@ def release_config_dict(config, *, quantize: Optional[str] = None, dtype: str = 
     return dict(sorted(out.items()))
 
 
+_ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "U8": "uint8",
+              "I8": "int8", "I32": "int32", "I64": "int64", "BOOL": "bool"}
+
+
+class _SourceShards:
+    """Memory-mapped handles on the source checkpoint's shards, opened once; tensors are read on demand."""
+
+    def __init__(self, ckpt):
+        import safetensors
+        from k3.checkpoint.io import _shard_layout
+        self.where, self.meta, self._handles = {}, {}, {}
+        for path, keys in _shard_layout(ckpt).items():
+            try:
+                h = safetensors.safe_open(path, framework="pt", device="cpu")
+            except Exception as e:
+                raise CheckpointError(f"cannot read safetensors file {path}: {type(e).__name__}: {e}") from e
+            self._handles[path] = h
+            present = set(h.keys())
+            for k in (keys if keys is not None else sorted(present)):
+                if k not in present:
+                    raise CheckpointError(f"checkpoint index maps {k} to {path}, but that file does not contain it")
+                sl = h.get_slice(k)
+                dt = sl.get_dtype()
+                self.where[k] = path
+                self.meta[k] = (tuple(sl.get_shape()), getattr(torch, _ST_DTYPES.get(dt, dt.lower())))
+
+    def get(self, key):
+        return self._handles[self.where[key]].get_tensor(key)
+
+
+def _stream_plan(src: "_SourceShards", cfg, quantize: bool, tdt) -> list:
+    """Released entries made lazily from the source checkpoint's tensors (a k3 checkpoint is already in the
+    released naming): floating tensors cast to ``tdt`` (fp32-kept ones stay fp32), routed experts re-encoded to
+    MXFP4 / decoded to ``tdt`` as needed, one tensor at a time. Nothing is materialised up front."""
+    from k3.checkpoint.adapter import ReleasedEntry, is_fp32_key
+    from k3.checkpoint.mxfp4 import GROUP_SIZE, mxfp4_decode, mxfp4_encode
+    ex_re = re.compile(r"^(?P<base>.*\.experts\.\d+\.w[123])\.(?P<kind>weight|weight_packed|weight_scale)$")
+    plan, done = [], set()
+    for k, (shape, dt) in src.meta.items():
+        m = ex_re.match(k)
+        if m is None:
+            out_dt = torch.float32 if is_fp32_key(k) else (tdt if dt.is_floating_point else dt)
+            plan.append(ReleasedEntry(k, shape, out_dt, lambda k=k, d=out_dt: src.get(k).to(d).contiguous()))
+            continue
+        base = m.group("base")
+        if base in done:
+            continue
+        done.add(base)
+        if f"{base}.weight" in src.meta:                      # dense expert weight in the source
+            o, i = src.meta[f"{base}.weight"][0]
+            if quantize:
+                if i % GROUP_SIZE:
+                    raise CheckpointError(f"{base}: MXFP4 needs the input dim ({i}) to be a multiple of 32")
+                cache: dict = {}
+
+                def q(part, base=base, cache=cache):
+                    if part not in cache:
+                        cache["p"], cache["s"] = mxfp4_encode(src.get(f"{base}.weight"))
+                    return cache.pop(part)
+                plan.append(ReleasedEntry(base + ".weight_packed", (o, i // 2), torch.uint8, lambda q=q: q("p")))
+                plan.append(ReleasedEntry(base + ".weight_scale", (o, i // GROUP_SIZE), torch.uint8,
+                                          lambda q=q: q("s")))
+            else:
+                plan.append(ReleasedEntry(base + ".weight", (o, i), tdt,
+                                          lambda b=base: src.get(f"{b}.weight").to(tdt).contiguous()))
+        else:                                                 # MXFP4 expert in the source
+            pk, sc = f"{base}.weight_packed", f"{base}.weight_scale"
+            if pk not in src.meta or sc not in src.meta:
+                raise CheckpointError(f"{base}: MXFP4 expert needs both weight_packed and weight_scale")
+            (o, h) = src.meta[pk][0]
+            if quantize:
+                plan.append(ReleasedEntry(pk, (o, h), torch.uint8, lambda pk=pk: src.get(pk)))
+                plan.append(ReleasedEntry(sc, src.meta[sc][0], torch.uint8, lambda sc=sc: src.get(sc)))
+            else:
+                plan.append(ReleasedEntry(base + ".weight", (o, 2 * h), tdt,
+                                          lambda pk=pk, sc=sc: mxfp4_decode(src.get(pk), src.get(sc), tdt)))
+    return plan
+
+
+def _check_plan(plan, cfg, quantize: bool, ckpt: str) -> None:
+    """Names and shapes of the text tensors = what the released format implies for ``cfg`` (A_log: >= H)."""
+    from k3.checkpoint.adapter import PREFIX, format_key_report, released_key_shapes
+    want = released_key_shapes(cfg, quantize_experts=quantize)
+    have = {e.key: e.shape for e in plan if e.key.startswith(PREFIX)}
+    missing = sorted(set(want) - set(have))
+    unexpected = sorted(set(have) - set(want))
+    bad = []
+    for k in set(want) & set(have):
+        ws, hs = tuple(want[k][0]), tuple(have[k])
+        if k.endswith(".A_log"):
+            if len(hs) != 1 or hs[0] < cfg.lac.num_heads:
+                bad.append(f"{k}: {hs}, need [>= {cfg.lac.num_heads}]")
+        elif ws != hs:
+            bad.append(f"{k}: checkpoint {hs} vs config {ws}")
+    if missing or unexpected or bad:
+        parts = [format_key_report("missing", missing), format_key_report("unexpected", unexpected),
+                 format_key_report("mis-shaped", bad)]
+        raise CheckpointError(f"export: checkpoint {ckpt} does not match its config.json:\n"
+                              + "\n".join(p for p in parts if p))
+
+
 class _ReleaseTokenizerWriter:
     """`save(dir)` hook for save_pretrained: writes the tokenizer in K3's released format."""
 
@@ -97,9 +201,12 @@ def export_release(ckpt: str, out: str, *, quantize: Optional[str] = None, dtype
 
     ``quantize``: None (bf16 / ``dtype`` experts) or ``"mxfp4"``; ``dtype``: of the non-fp32-kept tensors
     (release: bfloat16); ``tokenizer``: a k3 tokenizer or a path (default: the one in ``ckpt``). Writes
-    atomically (like save_pretrained) and returns ``out``."""
+    atomically (like save_pretrained) and returns ``out``.
+
+    Streaming: tensors are read one at a time from the memory-mapped source shards and written shard by shard
+    (peak memory ~ one output shard), after the names and shapes were checked against ``config.json``."""
     from k3.checkpoint.adapter import torch_dtype
-    from k3.checkpoint.io import load_config, load_state_dict, save_pretrained
+    from k3.checkpoint.io import load_config, save_pretrained
     from k3.tokenizer import check_tokenizer_matches, load_tokenizer
 
     if quantize not in (None, "mxfp4"):
@@ -119,7 +226,8 @@ def export_release(ckpt: str, out: str, *, quantize: Optional[str] = None, dtype
         tok = tokenizer
     check_tokenizer_matches(tok, cfg)
 
-    sd, extras = load_state_dict(ckpt, strict=True, return_extras=True)
+    src = _SourceShards(ckpt)
+    extras = {k for k in src.meta if k.startswith(("vision_tower.", "mm_projector."))}
     vision_config = None
     if extras:
         vc = (cfg.container or {}).get("vision_config")
@@ -130,7 +238,6 @@ def export_release(ckpt: str, out: str, *, quantize: Optional[str] = None, dtype
     elif (cfg.container or {}).get("vision_config"):
         log.warning("export: config.json has a vision_config but the checkpoint holds no vision tensors; the "
                     "export is text-only")
-    extras = {k: (t.to(tdt) if t.is_floating_point() else t) for k, t in extras.items()}
 
     media_pad = tok.special_tokens.get("<|media_pad|>")
     auto_map = None
@@ -157,8 +264,10 @@ def export_release(ckpt: str, out: str, *, quantize: Optional[str] = None, dtype
 
     qcfg = cdict["text_config"].get("quantization_config")
     save_cfg = cfg.replace(quantization_config=qcfg, dtype=dtype_name)
-    path = save_pretrained(sd, out, max_shard_size=max_shard_size, quantize_experts=(quantize == "mxfp4"),
+    plan = _stream_plan(src, save_cfg, quantize == "mxfp4", tdt)
+    _check_plan(plan, save_cfg, quantize == "mxfp4", ckpt)
+    path = save_pretrained(plan, out, max_shard_size=max_shard_size, quantize_experts=(quantize == "mxfp4"),
                            tokenizer=_ReleaseTokenizerWriter(tok, tok_extra), extra_files=files, config=save_cfg,
-                           dtype=tdt, extra_tensors=extras, single_file_if_fits=True, config_dict=cdict)
+                           dtype=tdt, single_file_if_fits=True, config_dict=cdict)
     log.info("exported %s -> %s (%s%s)", ckpt, path, dtype_name, ", MXFP4 experts" if quantize else "")
     return path

@@ -153,7 +153,8 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
                     tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None,
                     extra_tensors: Optional[Mapping] = None, single_file_if_fits: bool = False,
                     config_dict: Optional[dict] = None) -> str:
-    """Write ``model`` (a ``K3ForCausalLM``, or an in-memory state dict together with ``config=``) to
+    """Write ``model`` (a ``K3ForCausalLM``, an in-memory state dict together with ``config=``, or a prebuilt
+    list of ``ReleasedEntry`` together with ``config=``) to
     ``save_directory`` in the released layout and return the directory path.
 
     Files: ``config.json`` (``quantization_config`` set to the MXFP4 one when ``quantize_experts``, removed
@@ -173,7 +174,10 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
         config = getattr(model, "config", None)
         if config is None:
             raise CheckpointError("save_pretrained: the model has no `.config`; pass config=")
-    if isinstance(model, Mapping):
+    prebuilt = None
+    if isinstance(model, list):  # a released plan (list of ReleasedEntry), e.g. k3.export's streaming one
+        prebuilt, state_dict = model, None
+    elif isinstance(model, Mapping):
         state_dict = model
     elif hasattr(model, "state_dict"):
         state_dict = model.state_dict()
@@ -197,7 +201,8 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
                                   f"(no {CONFIG_NAME} / safetensors); refusing to replace it")
     os.makedirs(parent, exist_ok=True)
 
-    plan = released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
+    plan = list(prebuilt) if prebuilt is not None else \
+        released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
     from k3.checkpoint.adapter import ReleasedEntry
     for k, t in (extra_tensors or {}).items():
         plan.append(ReleasedEntry(k, tuple(t.shape), t.dtype, lambda t=t: t.detach().to("cpu").contiguous()))

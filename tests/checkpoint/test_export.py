@@ -223,3 +223,27 @@ def test_hf_training_tokenizer_exports_as_tiktoken(tmp_path):
     for text in docs[:5] + ["Ünïcödé 中文 🙂 <|open|> x"]:
         assert out.encode(text[:2000]) == hf.encode(text[:2000])
     assert out.special_tokens == hf.special_tokens
+
+
+def test_export_streams_and_checks_names_against_the_config(tiny_ckpt, tmp_path, monkeypatch):
+    """The export never builds the model or a whole state dict, and a checkpoint whose tensors disagree with its
+    config.json is refused before anything is written."""
+    import shutil
+    import k3.checkpoint.io as io
+    from k3.export import export_release
+    model, tok, ck = tiny_ckpt
+
+    def boom(*a, **k):
+        raise AssertionError("export materialised the model")
+    monkeypatch.setattr(io, "load_state_dict", boom)
+    monkeypatch.setattr(io, "from_pretrained", boom)
+    export_release(ck, str(tmp_path / "ok"), quantize="mxfp4")
+    monkeypatch.undo()
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    c = json.load(open(bad / "config.json"))
+    c["moe_intermediate_size"] = 64
+    json.dump(c, open(bad / "config.json", "w"))
+    with pytest.raises(CheckpointError, match="does not match its config.json"):
+        export_release(str(bad), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
