@@ -4,7 +4,8 @@ Writes one random model as an MXFP4 checkpoint (released layout), then loads it 
 (`from_pretrained(dir)` = dequantise on load, `from_pretrained(dir, packed_experts=True)` = packed) and reports:
 peak RSS after load and after the forwards (VmHWM, the process's high-water mark; the import-only baseline is
 subtracted), the bytes of the routed-expert weights in memory, and the median ms per forward for a prefill of
---tokens tokens and a 1-token step (no cache: the forward of one token).
+--tokens tokens and a 1-token step (no cache: the forward of one token), for the whole model and for one
+LatentMoE layer alone (the only part that differs between the modes).
 
 CPU:  python benchmarks/mxfp4_experts.py --json mxfp4_cpu.json            (small config, ~1 min)
 CUDA: python benchmarks/mxfp4_experts.py --device cuda --preset small --dtype bfloat16 --json mxfp4_h200.json
@@ -80,6 +81,21 @@ def child(a) -> dict:
                 if i >= a.warmup:
                     times.append((time.perf_counter() - t) * 1e3)
         res[f"{name}_ms"] = round(statistics.median(times), 3)
+    # one LatentMoE layer alone (the part that differs), same input in both modes
+    moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
+    d = model.config.hidden_size
+    for name, T in (("moe_layer_prefill", a.tokens), ("moe_layer_one_token", 1)):
+        x = torch.randn(1, T, d, generator=g).to(device=device, dtype=model.dtype)
+        times = []
+        with torch.no_grad():
+            for i in range(a.warmup + 3 * a.iters):
+                _sync(device)
+                t = time.perf_counter()
+                moe(x)
+                _sync(device)
+                if i >= a.warmup:
+                    times.append((time.perf_counter() - t) * 1e3)
+        res[f"{name}_ms"] = round(statistics.median(times), 3)
     out = {"mode": a.child, "load_s": round(load_s, 3), "baseline_rss_mb": round(base, 1),
            "peak_rss_after_load_mb": round(after_load - base, 1), "peak_rss_total_mb": round(_rss_mb() - base, 1),
            "expert_weight_mb": round(expert_bytes / 2**20, 2), **res}
@@ -129,10 +145,11 @@ def main(argv=None):
                "bits_per_expert_param_packed": round(pk["expert_weight_mb"] * 2**20 * 8 / n_routed, 3),
                "results": rows}
     print(f"{'mode':8} {'load s':>7} {'RSS load MB':>12} {'RSS peak MB':>12} {'experts MB':>11} "
-          f"{'prefill ms':>11} {'1-tok ms':>9}")
+          f"{'prefill ms':>11} {'1-tok ms':>9} {'MoE pre ms':>11} {'MoE 1 ms':>9}")
     for r in rows:
         print(f"{r['mode']:8} {r['load_s']:7.2f} {r['peak_rss_after_load_mb']:12.1f} {r['peak_rss_total_mb']:12.1f} "
-              f"{r['expert_weight_mb']:11.2f} {r['prefill_ms']:11.2f} {r['one_token_ms']:9.2f}")
+              f"{r['expert_weight_mb']:11.2f} {r['prefill_ms']:11.2f} {r['one_token_ms']:9.2f} "
+              f"{r['moe_layer_prefill_ms']:11.2f} {r['moe_layer_one_token_ms']:9.2f}")
     print(f"packed routed experts: {summary['bits_per_expert_param_packed']} bits/param")
     if a.json:
         with open(a.json, "w") as f:

@@ -244,15 +244,19 @@ def packed_experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w
     per_expert = (M2 * l + l * (M2 // 2)) * torch.empty((), dtype=dt).element_size()
     step = max(1, block_bytes // max(per_expert, 1))
     y_Al = x_Al.new_empty(x_Al.shape[0], l)
+    nb = min(step, len(active))
+    buf1 = x_Al.new_empty(nb, M2, l)       # decode scratch, reused by every block of this call
+    buf2 = x_Al.new_empty(nb, l, M2 // 2)
     for b0 in range(0, len(active), step):
         blk = active[b0:b0 + step]
         sel = torch.tensor(blk, device=x_Nl.device)
-        W1 = mxfp4_decode(gate_up_packed.index_select(0, sel), gate_up_scale.index_select(0, sel), dtype=dt)
-        W2 = mxfp4_decode(down_packed.index_select(0, sel), down_scale.index_select(0, sel), dtype=dt)
+        W1 = mxfp4_decode(gate_up_packed.index_select(0, sel), gate_up_scale.index_select(0, sel), dtype=dt,
+                          out=buf1[:len(blk)])
+        W2 = mxfp4_decode(down_packed.index_select(0, sel), down_scale.index_select(0, sel), dtype=dt,
+                          out=buf2[:len(blk)])
         for j, e in enumerate(blk):
             s, n = starts[e], counts[e]
             h = x_Al[s:s + n] @ W1[j].t()                                            # [n, 2M]
             g, u = h.chunk(2, dim=-1)
             y_Al[s:s + n] = glu(g, u) @ W2[j].t()                                    # [n, l]
-        del W1, W2
     return combine_tokens(y_Al, plan, topk_w_Nk).to(dt)

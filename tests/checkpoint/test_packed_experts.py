@@ -96,3 +96,18 @@ def test_pack_experts_of_a_dense_model():
         rr.experts.down_proj.data.copy_(dn)
     with torch.no_grad():
         torch.testing.assert_close(m(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_mxfp4_decode_into_a_buffer():
+    from k3.checkpoint.mxfp4 import mxfp4_decode
+    from tests.checkpoint.released_fixture import mxfp4_reference_decode
+    g = torch.Generator().manual_seed(1)
+    p = torch.randint(0, 256, (3, 40, 48), generator=g, dtype=torch.uint8)
+    s = torch.randint(100, 140, (3, 40, 3), generator=g, dtype=torch.uint8)
+    ref = torch.stack([mxfp4_reference_decode(p[i], s[i]) for i in range(3)])
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        buf = torch.full((3, 40, 96), 7.0, dtype=dt)
+        assert mxfp4_decode(p, s, dt, out=buf) is buf
+        assert torch.equal(buf, ref.to(dt)) and torch.equal(mxfp4_decode(p, s, dt), ref.to(dt))
+    with pytest.raises(ValueError, match="out must be"):
+        mxfp4_decode(p, s, torch.float32, out=torch.empty(3, 40, 95))
