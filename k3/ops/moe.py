@@ -254,9 +254,12 @@ def packed_experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w
                           out=buf1[:len(blk)])
         W2 = mxfp4_decode(down_packed.index_select(0, sel), down_scale.index_select(0, sel), dtype=dt,
                           out=buf2[:len(blk)])
-        for j, e in enumerate(blk):
-            s, n = starts[e], counts[e]
-            h = x_Al[s:s + n] @ W1[j].t()                                            # [n, 2M]
-            g, u = h.chunk(2, dim=-1)
-            y_Al[s:s + n] = glu(g, u) @ W2[j].t()                                    # [n, l]
+        # the block's experts are consecutive in expert order, so their rows are one contiguous range: one
+        # padded batched GEMM per projection over the block (as compute_experts' "padded_bmm")
+        r0, r1 = starts[blk[0]], starts[blk[-1]] + counts[blk[-1]]
+        cnt = torch.tensor([counts[e] for e in blk], device=x_Nl.device)
+        offs = torch.cumsum(cnt, 0).to(torch.int32)
+        h = _gmm(x_Al[r0:r1], W1.transpose(1, 2), offs, cnt, "padded_bmm")       # [rows, 2M]
+        g, u = h.chunk(2, dim=-1)
+        y_Al[r0:r1] = _gmm(glu(g, u).contiguous(), W2.transpose(1, 2), offs, cnt, "padded_bmm")  # [rows, l]
     return combine_tokens(y_Al, plan, topk_w_Nk).to(dt)
