@@ -13,7 +13,7 @@ from k3.errors import CheckpointError
 from k3.model import K3ForCausalLM
 from k3.tokenizer import K3TiktokenTokenizer, build_toy_tokenizer, load_tokenizer
 
-from tests.checkpoint.released_fixture import mxfp4_reference_decode, released_tensors
+from .released_fixture import mxfp4_reference_decode, released_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -190,7 +190,7 @@ def test_export_keeps_a_vision_tower(tmp_path):
     vision_config and a preprocessor_config.json."""
     from k3.export import export_release
     from k3.vision import VisionConfig, VisionModel
-    from tests.checkpoint.released_fixture import text_config, write_released
+    from .released_fixture import text_config, write_released
     tokdir = tmp_path / "tok"
     tok = build_toy_tokenizer(str(tokdir))
     n = tok.num_base_tokens

@@ -6,7 +6,7 @@ from k3.checkpoint import from_pretrained, save_pretrained
 from k3.checkpoint.io import iter_checkpoint_tensors
 from k3.nn.moe import LatentMoE, PackedMXFP4Experts, StackedExperts, pack_experts_
 
-from tests.checkpoint.released_fixture import quantization_config, released_tensors, text_config, write_released
+from .released_fixture import quantization_config, released_tensors, text_config, write_released
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,7 +100,7 @@ def test_pack_experts_of_a_dense_model():
 
 def test_mxfp4_decode_into_a_buffer():
     from k3.checkpoint.mxfp4 import mxfp4_decode
-    from tests.checkpoint.released_fixture import mxfp4_reference_decode
+    from .released_fixture import mxfp4_reference_decode
     g = torch.Generator().manual_seed(1)
     p = torch.randint(0, 256, (3, 40, 48), generator=g, dtype=torch.uint8)
     s = torch.randint(100, 140, (3, 40, 3), generator=g, dtype=torch.uint8)

@@ -7,7 +7,7 @@ import torch
 from k3.checkpoint import from_pretrained, load_config, load_state_dict
 from k3.config import K3Config
 
-from tests.checkpoint.released_fixture import (mxfp4_reference_decode, quantization_config, released_tensors,
+from .released_fixture import (mxfp4_reference_decode, quantization_config, released_tensors,
                                                text_config, write_released)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -6,7 +6,7 @@ transformers = pytest.importorskip("transformers")
 
 from k3.export import export_release  # noqa: E402
 
-from tests.checkpoint.test_export import tiny_ckpt  # noqa: E402,F401  (module-scoped fixture)
+from .test_export import tiny_ckpt  # noqa: E402,F401  (module-scoped fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
