@@ -70,6 +70,15 @@ def _cmd_smoke(a) -> int:
     return 0
 
 
+def _cmd_export(a) -> int:
+    from k3.export import export_release
+    path = export_release(a.ckpt, a.out, quantize=a.quantize, dtype=a.dtype, max_shard_size=a.max_shard_size,
+                          tokenizer=a.tokenizer, hf_shims=not a.no_hf_shims)
+    print(f"exported {a.ckpt} -> {path} (released layout, {a.dtype}"
+          f"{', MXFP4 routed experts' if a.quantize else ''})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="Kimi K3 models: build, train, run")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -81,6 +90,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="tiny")
     s.add_argument("--seq-len", type=int_at_least(1), default=256)
     s.set_defaults(fn=_cmd_smoke)
+    s = sub.add_parser("export", help="write a checkpoint in the released K3 layout (vLLM / transformers load it)")
+    s.add_argument("--format", choices=("release",), default="release",
+                   help="release: container config.json, language_model.* + per-expert w1/w2/w3, tiktoken files")
+    s.add_argument("--ckpt", required=True, help="k3 checkpoint directory (e.g. RUN/final)")
+    s.add_argument("--out", required=True, help="output directory (written atomically)")
+    s.add_argument("--quantize", choices=("mxfp4",), default=None,
+                   help="routed experts as MXFP4 compressed-tensors (as released); default: --dtype")
+    s.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                   help="dtype of the tensors the release stores in bf16 (fp32-kept ones stay fp32)")
+    s.add_argument("--max-shard-size", default="5GB", help="shard size (one model.safetensors when it fits)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer file/dir (default: the one in --ckpt)")
+    s.add_argument("--no-hf-shims", action="store_true",
+                   help="do not write the transformers trust_remote_code shims (configuration_k3.py, ...)")
+    s.set_defaults(fn=_cmd_export)
     for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)

@@ -45,8 +45,12 @@ class LinearAttnConfig:
         return d
 
 
-# Fields of K3Config that are *not* released keys: written only when they differ from the default.
-_K3_ONLY_DEFAULTS = {"kda_gate_low_rank": 128, "a_log_storage_size": 128, "mla_latent_norm_eps": 1e-6}
+# Fields of K3Config that are *not* released keys: written only when they differ from what the released format
+# implies (so a config that matches the release is written with released keys only). `kda_gate_low_rank` is
+# implicit in the release: it equals `linear_attn_config.head_dim` (f_a_proj [head_dim, d], f_b_proj [P, head_dim]).
+_K3_ONLY_DEFAULTS = {"a_log_storage_size": 128, "mla_latent_norm_eps": 1e-6}
+# Released-format aliases read on load: older HF configs spell `dtype` as `torch_dtype`.
+_ALIASES = {"torch_dtype": "dtype"}
 
 
 @dataclass
@@ -57,7 +61,7 @@ class K3Config:
     num_hidden_layers: int = 93
     # --- MLA
     num_attention_heads: int = 96
-    num_key_value_heads: int = 96
+    num_key_value_heads: Optional[int] = None  # None (key absent) = num_attention_heads: MLA has no GQA
     q_lora_rank: int = 1536
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -104,7 +108,9 @@ class K3Config:
     architectures: list = field(default_factory=lambda: ["KimiLinearForCausalLM"])
     quantization_config: Optional[dict] = None
     # --- k3-only (not in the release; implicit there)
-    kda_gate_low_rank: int = 128
+    # rank of the KDA decay gate (f_a_proj rows / f_b_proj columns). None = the released rule, i.e.
+    # linear_attn_config.head_dim (resolved in __post_init__; written to config.json only when it differs)
+    kda_gate_low_rank: Optional[int] = None
     a_log_storage_size: int = 128
     mla_latent_norm_eps: float = 1e-6
     # --- round-trip storage
@@ -114,7 +120,24 @@ class K3Config:
     def __post_init__(self):
         if isinstance(self.linear_attn_config, dict):
             self.linear_attn_config = LinearAttnConfig.from_dict(self.linear_attn_config)
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.kda_gate_low_rank is None:
+            self.kda_gate_low_rank = self.linear_attn_config.head_dim
         self.validate()
+
+    @property
+    def release_compatible_problems(self) -> list[str]:
+        """Why a checkpoint of this config cannot be written in the released layout so that other tools (vLLM,
+        HF remote code) rebuild the same model from `config.json` alone: k3-only fields that differ from what the
+        released format implies. Empty = representable."""
+        out = []
+        if self.kda_gate_low_rank != self.lac.head_dim:
+            out.append(f"kda_gate_low_rank = {self.kda_gate_low_rank} differs from linear_attn_config.head_dim = "
+                       f"{self.lac.head_dim} (the released format derives the KDA decay rank from head_dim)")
+        if self.mla_latent_norm_eps != _K3_ONLY_DEFAULTS["mla_latent_norm_eps"]:
+            out.append(f"mla_latent_norm_eps = {self.mla_latent_norm_eps} (the released format implies 1e-6)")
+        return out
 
     # ------------------------------------------------------------------ derived
     @property
@@ -234,6 +257,9 @@ class K3Config:
             d = d["text_config"]
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "container"}
         kw = {k: copy.deepcopy(v) for k, v in d.items() if k in names}
+        for alias, name in _ALIASES.items():  # `torch_dtype` (older HF spelling) when `dtype` is absent
+            if name not in kw and isinstance(d.get(alias), str):
+                kw[name] = d[alias].replace("torch.", "")
         extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in names}
         if "linear_attn_config" in kw:
             kw["linear_attn_config"] = LinearAttnConfig.from_dict(kw["linear_attn_config"])
@@ -252,6 +278,8 @@ class K3Config:
             v = getattr(self, f.name)
             if f.name in _K3_ONLY_DEFAULTS and v == _K3_ONLY_DEFAULTS[f.name]:
                 continue
+            if f.name == "kda_gate_low_rank" and v == self.lac.head_dim:
+                continue  # the released rule: implied by head_dim
             if f.name == "quantization_config" and v is None:
                 continue
             d[f.name] = v.to_dict() if isinstance(v, LinearAttnConfig) else copy.deepcopy(v)

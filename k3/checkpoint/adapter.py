@@ -32,7 +32,7 @@ from k3.checkpoint.mxfp4 import GROUP_SIZE, mxfp4_decode, mxfp4_encode
 __all__ = [
     "PREFIX", "FP32_KEY_PATTERNS", "IGNORED_PREFIXES", "is_fp32_key", "torch_dtype",
     "model_key_shapes", "released_key_shapes", "to_released", "from_released", "released_plan",
-    "ReleasedAssembler", "ReleasedEntry", "default_quantization_config", "format_key_report",
+    "ReleasedAssembler", "ReleasedEntry", "default_quantization_config", "format_key_report", "model_key_of",
 ]
 
 log = logging.getLogger("k3.checkpoint")
@@ -49,6 +49,7 @@ FP32_KEY_PATTERNS = (
 )
 _STACKED_RE = re.compile(r"^(?P<base>.*\.experts)\.(?P<which>gate_up_proj|down_proj)$")
 _EXPERT_RE = re.compile(r"^(?P<base>.*\.experts)\.(?P<e>\d+)\.(?P<w>w1|w2|w3)\.(?P<kind>weight|weight_packed|weight_scale)$")
+_PACKED_RE = re.compile(r"^(?P<base>.*\.experts)\.(?P<which>gate_up|down)_(?P<part>packed|scale)$")
 _A_LOG_RE = re.compile(r"(^|\.)A_log$")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -73,6 +74,16 @@ def torch_dtype(d) -> torch.dtype:
 
 def _strip(key: str, prefix: str) -> str:
     return key[len(prefix):] if prefix and key.startswith(prefix) else key
+
+
+def model_key_of(released_key: str, prefix: str = PREFIX) -> str:
+    """The in-memory name a released tensor lands in: the prefix stripped, per-expert ``experts.{e}.w1|w3`` ->
+    ``experts.gate_up_proj`` and ``experts.{e}.w2`` -> ``experts.down_proj`` (dense or MXFP4 parts alike)."""
+    k = _strip(released_key, prefix)
+    m = _EXPERT_RE.match(k)
+    if m:
+        return f"{m.group('base')}.{'down_proj' if m.group('w') == 'w2' else 'gate_up_proj'}"
+    return k
 
 
 def format_key_report(title: str, items: list, limit: int = 20) -> str:
@@ -255,6 +266,15 @@ def released_plan(state_dict: Mapping[str, torch.Tensor], config, quantize_exper
         if m:
             plan.extend(_expert_entries(k, m, t, config, quantize_experts, prefix, dtype))
             continue
+        pm = _PACKED_RE.match(k)
+        if pm:
+            if pm.group("part") == "packed":
+                scale = state_dict.get(f"{pm.group('base')}.{pm.group('which')}_scale")
+                if scale is None:
+                    raise CheckpointError(f"{k}: packed experts without their `{pm.group('which')}_scale`")
+                plan.extend(_packed_entries(pm, t, scale, quantize_experts, prefix,
+                                            dtype or torch_dtype(config.dtype)))
+            continue
         shape, out_dtype = tuple(t.shape), (torch.float32 if is_fp32_key(k) else
                                             (dtype if (dtype is not None and t.is_floating_point()) else t.dtype))
         if _A_LOG_RE.search(k):
@@ -318,6 +338,28 @@ def _expert_entries(k, m, t, config, quantize, prefix, dtype):
     return entries
 
 
+def _packed_entries(pm, packed, scale, quantize, prefix, dtype):
+    """Per-expert released entries of PackedMXFP4Experts buffers: the bytes as they are (MXFP4 export) or decoded."""
+    E, rows, _ = packed.shape
+    parts = (("w2", slice(None)),) if pm.group("which") == "down" else \
+        (("w1", slice(0, rows // 2)), ("w3", slice(rows // 2, rows)))
+    out = []
+    for e in range(E):
+        for w, sl in parts:
+            base = f"{prefix}{pm.group('base')}.{e}.{w}"
+            p, s = packed[e, sl], scale[e, sl]
+            if quantize:
+                out.append(ReleasedEntry(base + ".weight_packed", tuple(p.shape), torch.uint8,
+                                         lambda p=p: p.to("cpu").contiguous()))
+                out.append(ReleasedEntry(base + ".weight_scale", tuple(s.shape), torch.uint8,
+                                         lambda s=s: s.to("cpu").contiguous()))
+            else:
+                o, i = p.shape[0], p.shape[1] * 2
+                out.append(ReleasedEntry(base + ".weight", (o, i), dtype,
+                                         lambda p=p, s=s: mxfp4_decode(p.to("cpu"), s.to("cpu"), dtype)))
+    return out
+
+
 def to_released(state_dict: Mapping[str, torch.Tensor], config, quantize_experts: bool = False,
                 prefix: str = PREFIX, dtype=None) -> dict:
     """In-memory state dict -> released tensors (``{name: tensor}``, CPU, contiguous).
@@ -343,8 +385,11 @@ class ReleasedAssembler:
     """
 
     def __init__(self, config, targets: Optional[dict] = None, dtype=None, strict: bool = True,
-                 expected: Optional[dict] = None):
+                 expected: Optional[dict] = None, experts: Optional[tuple] = None):
         self.config = config
+        # routed experts kept (start, stop): expert e lands at index e - start of the stacked tensors; experts
+        # outside the range are skipped (an expert-parallel rank loads its own slice)
+        self.expert_range = tuple(experts) if experts is not None else None
         self.targets = targets
         self.dtype = torch_dtype(dtype) if dtype is not None else None
         self.strict = strict
@@ -381,6 +426,8 @@ class ReleasedAssembler:
         if self.targets is not None:
             return None
         E, l, M = self.config.num_experts, self.config.routed_expert_hidden_size, self.config.moe_intermediate_size
+        if self.expert_range is not None:
+            E = self.expert_range[1] - self.expert_range[0]
         shape = (E, l, 2 * M) if which == "gate_up_proj" else (E, M, l)
         dt = self.dtype if self.dtype is not None else torch_dtype(self.config.dtype)
         t = torch.zeros(shape, dtype=dt)
@@ -452,6 +499,14 @@ class ReleasedAssembler:
 
     def _add_expert(self, key: str, m: re.Match, tensor: torch.Tensor) -> None:
         base, e, w, kind = m.group("base"), int(m.group("e")), m.group("w"), m.group("kind")
+        if self.expert_range is not None:
+            if not (self.expert_range[0] <= e < self.expert_range[1]):
+                return  # another rank's expert
+            e -= self.expert_range[0]
+        which = "down" if w == "w2" else "gate_up"
+        if self.targets is not None and f"{base}.{which}_packed" in self.targets:
+            self._add_packed_expert(key, base, e, w, kind, tensor)
+            return
         if kind != "weight":
             slot = self.pending.setdefault((base, e, w), {})
             slot[kind] = (key, tensor)
@@ -467,6 +522,48 @@ class ReleasedAssembler:
                 return
             key = pkey
         self._place_expert(key, base, e, w, tensor)
+
+    def _add_packed_expert(self, key: str, base: str, e: int, w: str, kind: str, tensor: torch.Tensor) -> None:
+        """Into a model with PackedMXFP4Experts: MXFP4 pairs are copied as bytes (no decode); a dense expert
+        weight is MXFP4-encoded (lossy unless it lies on the grid)."""
+        if kind == "weight":
+            try:
+                packed, scale = mxfp4_encode(tensor)
+            except ValueError as ex:
+                self.misshaped.append(f"{key}{self._where(key)}: cannot MXFP4-encode for packed experts: {ex}")
+                return
+            if not getattr(self, "_warned_encode", False):
+                log.info("packed experts: MXFP4-encoding dense expert weights of the checkpoint (%s, ...)", key)
+                self._warned_encode = True
+        else:
+            slot = self.pending.setdefault((base, e, w), {})
+            slot[kind] = (key, tensor)
+            if len(slot) < 2:
+                return
+            del self.pending[(base, e, w)]
+            (key, packed), (_, scale) = slot["weight_packed"], slot["weight_scale"]
+        which = "down" if w == "w2" else "gate_up"
+        tp, ts = self.targets[f"{base}.{which}_packed"], self.targets.get(f"{base}.{which}_scale")
+        skey = f"{base}.{which}_proj"
+        E, rows, _ = tp.shape
+        if not (0 <= e < E):
+            self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+            return
+        sl = slice(None) if which == "down" else (slice(0, rows // 2) if w == "w1" else slice(rows // 2, rows))
+        want_p, want_s = tuple(tp[e, sl].shape), tuple(ts[e, sl].shape)
+        if tuple(packed.shape) != want_p or tuple(scale.shape) != want_s:
+            self.misshaped.append(f"{key}{self._where(key)}: packed {tuple(packed.shape)} / scale "
+                                  f"{tuple(scale.shape)} vs model {want_p} / {want_s}")
+            self.bad.add((skey, e, w))
+            return
+        done = self.expert_filled.setdefault(skey, set())
+        if (e, w) in done:
+            self.errors.append(f"expert {e} {w} of {skey} given twice (dense and MXFP4?){self._where(key)}")
+            return
+        with torch.no_grad():
+            tp[e, sl].copy_(packed)
+            ts[e, sl].copy_(scale)
+        done.add((e, w))
 
     def _place_expert(self, key: str, base: str, e: int, w: str, W: torch.Tensor) -> None:
         which = "down_proj" if w == "w2" else "gate_up_proj"
@@ -510,6 +607,18 @@ class ReleasedAssembler:
             keys = list(self.expert_filled.keys())
         miss = []
         for k in keys:
+            pm = _PACKED_RE.match(k)
+            if pm:  # PackedMXFP4Experts buffers: complete when every expert's parts were copied in
+                if pm.group("part") == "scale":
+                    continue
+                skey = f"{pm.group('base')}.{pm.group('which')}_proj"
+                have = self.expert_filled.get(skey, set())
+                ws = ("w1", "w3") if pm.group("which") == "gate_up" else ("w2",)
+                for e in range(self.out[k].shape[0]):
+                    for w in ws:
+                        if (e, w) not in have and (skey, e, w) not in self.bad:
+                            miss.append(f"{prefix}{pm.group('base')}.{e}.{w}.weight_packed/.weight_scale")
+                continue
             m = _STACKED_RE.match(k)
             if m:
                 if k in self.filled:  # given already stacked

@@ -150,8 +150,11 @@ def _looks_like_checkpoint(path: str) -> bool:
 
 # ------------------------------------------------------------------------------------------------ save
 def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_experts: bool = False,
-                    tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None) -> str:
-    """Write ``model`` (a ``K3ForCausalLM``, or an in-memory state dict together with ``config=``) to
+                    tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None,
+                    extra_tensors: Optional[Mapping] = None, single_file_if_fits: bool = False,
+                    config_dict: Optional[dict] = None) -> str:
+    """Write ``model`` (a ``K3ForCausalLM``, an in-memory state dict together with ``config=``, or a prebuilt
+    list of ``ReleasedEntry`` together with ``config=``) to
     ``save_directory`` in the released layout and return the directory path.
 
     Files: ``config.json`` (``quantization_config`` set to the MXFP4 one when ``quantize_experts``, removed
@@ -159,7 +162,9 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
     larger than that gets its own shard) and ``model.safetensors.index.json``. ``tokenizer.save(dir)`` (or
     ``save_pretrained``) is called into the same directory; ``extra_files`` maps relative names to str / bytes /
     JSON-able dict|list / ``pathlib.Path`` (copied). ``dtype`` optionally casts floating tensors (fp32-kept
-    tensors stay fp32).
+    tensors stay fp32). ``single_file_if_fits``: one ``model.safetensors`` and no index when everything fits in
+    one shard. ``extra_tensors`` (e.g. ``vision_tower.*``) are written verbatim, without the ``language_model.``
+    prefix; ``config_dict`` replaces the ``config.json`` content (export writes the container it builds).
 
     Atomic: written into ``.<name>.tmp-*`` next to the target, then renamed into place; an existing checkpoint
     at the target is renamed aside first and deleted once the new one is in place. An existing non-empty
@@ -169,7 +174,10 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
         config = getattr(model, "config", None)
         if config is None:
             raise CheckpointError("save_pretrained: the model has no `.config`; pass config=")
-    if isinstance(model, Mapping):
+    prebuilt = None
+    if isinstance(model, list):  # a released plan (list of ReleasedEntry), e.g. k3.export's streaming one
+        prebuilt, state_dict = model, None
+    elif isinstance(model, Mapping):
         state_dict = model
     elif hasattr(model, "state_dict"):
         state_dict = model.state_dict()
@@ -193,7 +201,11 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
                                   f"(no {CONFIG_NAME} / safetensors); refusing to replace it")
     os.makedirs(parent, exist_ok=True)
 
-    plan = released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
+    plan = list(prebuilt) if prebuilt is not None else \
+        released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
+    from k3.checkpoint.adapter import ReleasedEntry
+    for k, t in (extra_tensors or {}).items():
+        plan.append(ReleasedEntry(k, tuple(t.shape), t.dtype, lambda t=t: t.detach().to("cpu").contiguous()))
     shards: list = []
     cur, cur_size = [], 0
     for e in plan:
@@ -207,11 +219,15 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
 
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
-        save_cfg.save_json(os.path.join(tmp, CONFIG_NAME))
+        if config_dict is not None:
+            _write_extra(tmp, CONFIG_NAME, config_dict)
+        else:
+            save_cfg.save_json(os.path.join(tmp, CONFIG_NAME))
         weight_map, total = {}, 0
         n = len(shards)
+        single = single_file_if_fits and n == 1
         for i, entries in enumerate(shards, 1):
-            fname = _SHARD_FMT.format(i, n)
+            fname = SINGLE_NAME if single else _SHARD_FMT.format(i, n)
             tensors, seen = {}, set()
             for e in entries:
                 t = e.make()
@@ -224,10 +240,11 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
             _st.save_file(tensors, path, metadata={"format": "pt"})
             del tensors
             _fsync_path(path)
-        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": total, "format": "k3-released"},
-                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            f.write("\n")
+        if not single:
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump({"metadata": {"total_size": total, "format": "k3-released"},
+                           "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
+                f.write("\n")
         if tokenizer is not None:
             if hasattr(tokenizer, "save") and callable(tokenizer.save):
                 tokenizer.save(tmp)
@@ -237,8 +254,9 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
                 raise CheckpointError(f"tokenizer of type {type(tokenizer).__name__} has no save(dir) method")
         for fname, content in (extra_files or {}).items():
             _write_extra(tmp, fname, content)
-        for f in (CONFIG_NAME, INDEX_NAME):
-            _fsync_path(os.path.join(tmp, f))
+        for f in (CONFIG_NAME, INDEX_NAME, SINGLE_NAME):
+            if os.path.exists(os.path.join(tmp, f)):
+                _fsync_path(os.path.join(tmp, f))
         apply_umask_modes(tmp)  # mkdtemp made it 0700; the checkpoint gets ordinary modes (0755 / 0644 by umask)
         _fsync_path(tmp)
         _swap_into_place(tmp, target, parent, name)
@@ -319,14 +337,29 @@ def _shard_layout(directory: str) -> dict:
                           f"(contents: {present[:20]})")
 
 
-def iter_checkpoint_tensors(directory: str) -> Iterator[tuple]:
-    """Yield ``(released_key, tensor, file_path)`` shard by shard (one tensor in memory at a time)."""
+def _key_filter(keys):
+    """None -> None; a callable passes through; a collection -> membership test."""
+    if keys is None or callable(keys):
+        return keys
+    wanted = frozenset(keys)
+    return wanted.__contains__
+
+
+def iter_checkpoint_tensors(directory: str, keys=None) -> Iterator[tuple]:
+    """Yield ``(released_key, tensor, file_path)`` shard by shard, one tensor in memory at a time: shards are
+    opened with ``safetensors.safe_open`` (memory-mapped) and only the tensors passing ``keys`` (a predicate on
+    the *released* key, or a collection of released keys) are read at all; shards holding none are not opened."""
+    want = _key_filter(keys)
     for path, keys in _shard_layout(directory).items():
+        if want is not None and keys is not None:
+            keys = [k for k in keys if want(k)]
+            if not keys:
+                continue
         try:
             with safetensors.safe_open(path, framework="pt", device="cpu") as f:
                 present = set(f.keys())
                 if keys is None:
-                    keys = list(f.keys())
+                    keys = [k for k in f.keys() if want is None or want(k)]
                 for k in keys:
                     if k not in present:
                         raise CheckpointError(f"checkpoint index maps {k} to {path}, but that file does not "
@@ -340,15 +373,35 @@ def iter_checkpoint_tensors(directory: str) -> Iterator[tuple]:
 
 
 def load_state_dict(directory: str, config=None, dtype=None, strict: bool = False,
-                    return_extras: bool = False):
+                    return_extras: bool = False, keys=None, experts=None):
     """In-memory state dict (docs/CONTRACTS.md names) from a checkpoint directory. ``config`` defaults to the
-    directory's ``config.json``. See :func:`k3.checkpoint.adapter.from_released` for the mapping rules."""
-    from k3.checkpoint.adapter import model_key_shapes
+    directory's ``config.json``. See :func:`k3.checkpoint.adapter.from_released` for the mapping rules.
+
+    Partial loads (a distributed rank's share): ``keys`` is a predicate on (or a collection of) *in-memory* names
+    (per-expert tensors count under their stacked name ``...experts.gate_up_proj`` / ``down_proj``); only the
+    matching tensors are read from the memory-mapped shards. ``experts=(start, stop)`` keeps routed experts
+    ``start..stop-1`` (stacked tensors then have ``stop - start`` rows). ``strict`` checks the selected subset."""
+    from k3.checkpoint.adapter import model_key_of, model_key_shapes
     if config is None:
         config = load_config(directory)
-    asm = ReleasedAssembler(config, targets=None, dtype=dtype, strict=strict,
-                            expected=model_key_shapes(config) if strict else None)
-    for k, t, path in iter_checkpoint_tensors(directory):
+    want = _key_filter(keys)
+    if experts is not None:
+        e0, e1 = (int(x) for x in experts)
+        if not (0 <= e0 < e1 <= config.num_experts):
+            raise CheckpointError(f"experts={experts!r}: need 0 <= start < stop <= num_experts ({config.num_experts})")
+        experts = (e0, e1)
+    expected = None
+    if strict:
+        expected = {}
+        for k, (shape, dt) in model_key_shapes(config).items():
+            if want is not None and not want(k):
+                continue
+            if experts is not None and k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                shape = (experts[1] - experts[0],) + tuple(shape[1:])
+            expected[k] = (shape, dt)
+    asm = ReleasedAssembler(config, targets=None, dtype=dtype, strict=strict, expected=expected, experts=experts)
+    rfilter = None if want is None else (lambda rk: want(model_key_of(rk)))
+    for k, t, path in iter_checkpoint_tensors(directory, keys=rfilter):
         asm.add(k, t, source=os.path.basename(path))
     sd = asm.finish(f"checkpoint {directory}")
     return (sd, dict(asm.ignored)) if return_extras else sd
@@ -420,14 +473,32 @@ def _has_non_persistent_buffers(model: torch.nn.Module) -> bool:
     return any(m._non_persistent_buffers_set for m in model.modules())
 
 
-def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = True, config=None):
+def _swap_packed_experts(model) -> None:
+    from k3.nn.moe import LatentMoE, PackedMXFP4Experts
+    for m in model.modules():
+        if isinstance(m, LatentMoE):
+            E, l, M2 = m.experts.gate_up_proj.shape
+            dev = m.experts.gate_up_proj.device
+            try:
+                with torch.device(dev):
+                    m.experts = PackedMXFP4Experts(E, l, M2 // 2)
+            except ValueError as e:
+                raise CheckpointError(f"packed_experts=True: {e}") from None
+
+
+def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = True, config=None,
+                    packed_experts: bool = False):
     """Build ``K3ForCausalLM`` from a checkpoint directory (released layout, dense or MXFP4 experts).
 
     ``dtype`` (default: ``config.dtype``) applies to floating parameters other than the fp32-kept ones. With
     ``strict=True`` the model is built on the meta device and filled in place (no random init, no second copy);
     any missing / unexpected / mis-shaped key raises CheckpointError listing them. With ``strict=False`` the model
     is built normally so missing tensors keep their initial values (a warning lists them). Returns the model in
-    eval mode."""
+    eval mode.
+
+    ``packed_experts=True`` (inference): routed experts stay MXFP4-packed in memory (``PackedMXFP4Experts``,
+    4.25 bits per weight, dequantised inside the expert matmul); an MXFP4 checkpoint's bytes are copied in without
+    decoding, a dense one is encoded on load."""
     from k3.model import K3ForCausalLM  # lazy: the model module is heavy
 
     if config is None:
@@ -447,17 +518,26 @@ def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = Tru
             log.debug("model has non-persistent buffers; building on %s instead of meta", device)
             model = None
         if model is not None:
+            if packed_experts:
+                _swap_packed_experts(model)
             _materialize(model, device, td)
     if model is None:
         with torch.device(device):
             model = K3ForCausalLM(config)
         _cast_model(model, td, device)
+        if packed_experts:
+            _swap_packed_experts(model)
 
     targets = model.state_dict(keep_vars=False)
     asm = ReleasedAssembler(config, targets=targets, strict=strict)
+    a_log_sizes = set()
     for k, t, path in iter_checkpoint_tensors(directory):
+        if k.endswith(".A_log") and t.dim() == 1:
+            a_log_sizes.add(int(t.shape[0]))
         asm.add(k, t, source=os.path.basename(path))
     asm.finish(f"checkpoint {directory}")
+    if len(a_log_sizes) == 1:  # keep the file's A_log storage padding, so a re-save reproduces the layout
+        config.a_log_storage_size = a_log_sizes.pop()
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         raise CheckpointError(f"checkpoint {directory}: some model tensors were left on the meta device")  # pragma: no cover
     model.eval()

@@ -37,11 +37,13 @@ def _scale_multiplier(scale_u8: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def mxfp4_decode(packed_u8: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def mxfp4_decode(packed_u8: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                 out: torch.Tensor = None) -> torch.Tensor:
     """``packed [..., out, in/2]`` + ``scale [..., out, in/32]`` (uint8) -> ``W [..., out, in]`` in ``dtype``.
 
     The product is formed exactly in fp32 (E2M1 values have 2 significant bits, the scale is a power of two), so
-    decoding to bf16/fp32 is exact.
+    decoding to bf16/fp32 is exact. ``out`` (optional, contiguous, ``W``'s shape and dtype): written in place, so
+    a caller decoding repeatedly (packed expert matmuls) reuses one buffer instead of faulting in fresh pages.
     """
     if packed_u8.dtype != torch.uint8 or scale_u8.dtype != torch.uint8:
         raise ValueError(f"mxfp4_decode expects uint8 tensors, got packed {packed_u8.dtype}, scale {scale_u8.dtype}")
@@ -55,20 +57,49 @@ def mxfp4_decode(packed_u8: torch.Tensor, scale_u8: torch.Tensor, dtype: torch.d
                          f"expected {tuple(packed_u8.shape[:-1]) + (groups,)}")
     lead = tuple(packed_u8.shape[:-1])
     device = packed_u8.device
-    lut = _BYTE_LUT.to(device)
+    if out is not None:
+        if tuple(out.shape) != lead + (n_in,) or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(f"mxfp4_decode: out must be a contiguous {dtype} tensor of shape {lead + (n_in,)}, "
+                             f"got {out.dtype} {tuple(out.shape)}")
+    # fp32 and bf16 hold every product exactly (2 significant bits times a power of two, bf16 has fp32's
+    # exponent range): decode straight into them; other dtypes go through fp32
+    cdt = dtype if dtype in (torch.float32, torch.bfloat16) else torch.float32
+    lut = _lut(device, cdt)
     p2 = packed_u8.reshape(-1, half)
     s2 = scale_u8.reshape(-1, groups)
     rows = p2.shape[0]
-    out = torch.empty(rows, n_in, dtype=dtype, device=device)
+    if out is None:
+        out = torch.empty(lead + (n_in,), dtype=dtype, device=device)
+    o2 = out.view(rows, n_in)
     step = max(1, _CHUNK // max(n_in, 1))
     for r0 in range(0, rows, step):  # loop over row chunks only (memory bound), never over elements
         p = p2[r0:r0 + step]
-        # [r*in/2, 2]: (low, high) nibble values -> consecutive columns (index_select: far faster than lut[idx])
-        vals = lut.index_select(0, p.reshape(-1).long())
-        vals = vals.reshape(p.shape[0], groups, GROUP_SIZE)
-        vals = vals * _scale_multiplier(s2[r0:r0 + step]).unsqueeze(-1)
-        out[r0:r0 + step] = vals.reshape(p.shape[0], n_in).to(dtype)
-    return out.reshape(lead + (n_in,))
+        r = p.shape[0]
+        ids = p.reshape(-1).to(torch.int32)
+        # (low, high) nibble values -> consecutive columns: a 1-D gather from the 256-entry byte table whose
+        # entries hold both values bit-cast into one int64 (fp32 pair) / int32 (bf16 pair) -- ~10x faster than
+        # gathering 2-wide rows -- written in place (no temporaries beyond the int32 ids); then the per-group
+        # scale, in place
+        tgt = o2[r0:r0 + r] if cdt == dtype else torch.empty(r, n_in, dtype=cdt, device=device)
+        torch.index_select(lut, 0, ids, out=tgt.view(-1).view(lut.dtype))
+        tgt.view(r, groups, GROUP_SIZE).mul_(_scale_multiplier(s2[r0:r0 + r]).to(cdt).unsqueeze(-1))
+        if tgt is not o2[r0:r0 + r] and cdt != dtype:
+            o2[r0:r0 + r].copy_(tgt)
+    return out
+
+
+_LUTS: dict = {}
+
+
+def _lut(device, dtype) -> torch.Tensor:
+    """The byte table for ``dtype`` (fp32 / bf16) as 256 integers, each the bit pattern of the (low, high)
+    nibble values side by side (int64 for fp32, int32 for bf16)."""
+    key = (str(device), dtype)
+    t = _LUTS.get(key)
+    if t is None:
+        pair = _BYTE_LUT.to(dtype=dtype).contiguous()  # [256, 2]
+        t = _LUTS[key] = pair.view(torch.int64 if dtype == torch.float32 else torch.int32).reshape(256).to(device)
+    return t
 
 
 def mxfp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from k3.nn.mlp import GLUMLP, cat_weights
 from k3.nn.norm import RMSNorm
 from k3.ops.activations import get_glu, situ_glu, situ_glu_packed
 from k3.ops import f32
-from k3.ops.moe import experts_forward, route
+from k3.ops.moe import experts_forward, packed_experts_forward, route
 from k3.ops.router import expert_weights, select_experts
 
 
@@ -39,6 +39,60 @@ class StackedExperts(nn.Module):
     def extra_repr(self):
         E, l, M2 = self.gate_up_proj.shape
         return f"experts={E}, latent={l}, inter={M2 // 2}"
+
+
+class PackedMXFP4Experts(nn.Module):
+    """Routed experts kept MXFP4-packed in memory (inference): 4.25 bits per weight (a 4-bit code + one 8-bit
+    scale per 32), dequantised inside the expert matmul (k3.ops.moe.packed_experts_forward). Buffers, not
+    parameters: no gradients. Layout = the released per-expert tensors stacked ([out, in] rows):
+    gate_up_packed [E, 2M, l/2] + gate_up_scale [E, 2M, l/32] (w1 rows then w3 rows), down_packed [E, l, M/2] +
+    down_scale [E, l, M/32] (w2). Built by `from_pretrained(..., packed_experts=True)` (the checkpoint's packed
+    bytes are copied in, no decode) or `pack_experts_(model)` (encodes a dense model)."""
+
+    def __init__(self, num_experts: int, latent: int, inter: int):
+        super().__init__()
+        if latent % 32 or inter % 32:
+            raise ValueError(f"MXFP4 experts need latent ({latent}) and expert width ({inter}) multiples of 32")
+        E, l, M = num_experts, latent, inter
+        self.register_buffer("gate_up_packed", torch.zeros(E, 2 * M, l // 2, dtype=torch.uint8))
+        self.register_buffer("gate_up_scale", torch.zeros(E, 2 * M, l // 32, dtype=torch.uint8))
+        self.register_buffer("down_packed", torch.zeros(E, l, M // 2, dtype=torch.uint8))
+        self.register_buffer("down_scale", torch.zeros(E, l, M // 32, dtype=torch.uint8))
+
+    @classmethod
+    @torch.no_grad()
+    def from_dense(cls, experts: "StackedExperts") -> "PackedMXFP4Experts":
+        """Encode stacked dense experts (lossy unless the weights lie on the MXFP4 grid, e.g. a decoded release)."""
+        from k3.checkpoint.mxfp4 import mxfp4_encode
+        E, l, M2 = experts.gate_up_proj.shape
+        new = cls(E, l, M2 // 2).to(experts.gate_up_proj.device)
+        new.gate_up_packed, new.gate_up_scale = mxfp4_encode(experts.gate_up_proj.detach().transpose(1, 2))
+        new.down_packed, new.down_scale = mxfp4_encode(experts.down_proj.detach().transpose(1, 2))
+        return new
+
+    @torch.no_grad()
+    def dense(self, dtype=torch.float32) -> tuple:
+        """(gate_up_proj [E, l, 2M], down_proj [E, M, l]) decoded (the whole stack; for tests / conversion)."""
+        from k3.checkpoint.mxfp4 import mxfp4_decode
+        return (mxfp4_decode(self.gate_up_packed, self.gate_up_scale, dtype).transpose(1, 2).contiguous(),
+                mxfp4_decode(self.down_packed, self.down_scale, dtype).transpose(1, 2).contiguous())
+
+    def forward(self, x_Nl, topk_idx_Nk, topk_w_Nk, glu):
+        return packed_experts_forward(x_Nl, topk_idx_Nk, topk_w_Nk, self.gate_up_packed, self.gate_up_scale,
+                                      self.down_packed, self.down_scale, glu)
+
+    def extra_repr(self):
+        E, M2, _ = self.gate_up_packed.shape
+        return f"experts={E}, latent={self.down_packed.shape[1]}, inter={M2 // 2}, mxfp4"
+
+
+def pack_experts_(model: nn.Module) -> nn.Module:
+    """Replace every LatentMoE's dense `StackedExperts` by `PackedMXFP4Experts` (MXFP4-encoding them), in place.
+    Returns the model."""
+    for m in model.modules():
+        if isinstance(m, LatentMoE) and isinstance(m.experts, StackedExperts):
+            m.experts = PackedMXFP4Experts.from_dense(m.experts)
+    return model
 
 
 class MoEDecodeState:
@@ -77,9 +131,12 @@ class LatentMoE(nn.Module):
         x_Nd = x_BTd.reshape(-1, shape[-1])
         topk_idx_Nk, topk_w_Nk, _ = self.gate(x_Nd)
         x_Nl = self.routed_expert_down_proj(x_Nd)
-        u_Nl = experts_forward(x_Nl, topk_idx_Nk, topk_w_Nk, self.experts.gate_up_proj, self.experts.down_proj,
-                               self.glu, backend=self.expert_backend,
-                               glu_packed=self.glu_packed if self._glu is situ_glu else None)
+        if isinstance(self.experts, PackedMXFP4Experts):
+            u_Nl = self.experts(x_Nl, topk_idx_Nk, topk_w_Nk, self.glu)
+        else:
+            u_Nl = experts_forward(x_Nl, topk_idx_Nk, topk_w_Nk, self.experts.gate_up_proj, self.experts.down_proj,
+                                   self.glu, backend=self.expert_backend,
+                                   glu_packed=self.glu_packed if self._glu is situ_glu else None)
         out = self.routed_expert_up_proj(self.routed_expert_norm(u_Nl))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x_Nd)
@@ -89,13 +146,14 @@ class LatentMoE(nn.Module):
         """Fused weights for `decode_step` (one matmul for the latent down-projection + the shared gate/up, the
         router weight transposed in fp32, the stacked experts in `dtype`). Rebuild after changing weights."""
         m, sh = self, self.shared_experts
+        packed = isinstance(m.experts, PackedMXFP4Experts)  # decode_step then dequantises the selected experts
         lins = [m.routed_expert_down_proj] + ([sh.gate_proj, sh.up_proj] if sh is not None else [])
         return MoEDecodeState(
             W_r=f32(m.gate.weight.detach()).t().contiguous(),                       # [d, E] fp32
             bias=f32(m.gate.e_score_correction_bias.detach()),
             W_in=cat_weights(*lins), l=m.routed_expert_down_proj.weight.shape[0],
-            gate_up=m.experts.gate_up_proj.detach().to(dtype),                      # [E, l, 2M]
-            down=m.experts.down_proj.detach().to(dtype),                            # [E, M, l]
+            gate_up=None if packed else m.experts.gate_up_proj.detach().to(dtype),  # [E, l, 2M]
+            down=None if packed else m.experts.down_proj.detach().to(dtype),        # [E, M, l]
             norm=m.routed_expert_norm.prepare_decode(dtype) if isinstance(m.routed_expert_norm, RMSNorm) else None,
             W_up=m.routed_expert_up_proj.weight.detach().t().contiguous(),
             shared=sh.prepare_decode(dtype, input_proj=False) if sh is not None else None)
@@ -111,7 +169,9 @@ class LatentMoE(nn.Module):
         idx, w = select_experts(scores, st.bias, k, g.renormalize, g.scaling, g.num_expert_group, g.topk_group)
         proj = x_Nd @ st.W_in
         x_l = proj[:, :st.l]
-        if N * k <= E:   # gather the selected experts' weights: one bmm per projection
+        if st.gate_up is None:  # packed MXFP4 experts (host-side loop over the selected experts: not graph-safe)
+            out = f32(self.experts(x_l, idx, w, self.glu))
+        elif N * k <= E:   # gather the selected experts' weights: one bmm per projection
             gu = st.gate_up.index_select(0, idx.reshape(-1))                        # [N*k, l, 2M]
             x_k = x_l.unsqueeze(1).expand(N, k, st.l).reshape(N * k, 1, st.l)
             h = torch.bmm(x_k, gu)                                                  # [N*k, 1, 2M]

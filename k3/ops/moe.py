@@ -8,6 +8,7 @@ all-to-all can go between them without touching the math:
 - compute_experts: one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a
   padded batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts;
 - combine_tokens: each expert output (in the activation dtype) times its fp32 weight, summed in fp32, cast back.
+packed_experts_forward: the same with MXFP4-packed expert weights (inference), dequantised per block of experts.
 Permute and unpermute are row gathers whose backward is the gather by the inverse permutation (`_DispatchRows`,
 `_PermuteRows`): no index_add / atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
 """
@@ -214,3 +215,51 @@ def experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_E
             acc = acc + f32(y) * f32(topk_w_Nk[n, j])
         rows.append(acc)
     return torch.stack(rows).to(x_Nl.dtype) if rows else out.to(x_Nl.dtype)
+
+
+# ------------------------------------------------------------------------------------------ packed MXFP4 experts
+def packed_experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
+                           gate_up_packed: torch.Tensor, gate_up_scale: torch.Tensor,
+                           down_packed: torch.Tensor, down_scale: torch.Tensor, glu: Callable,
+                           block_bytes: int = 32 << 20) -> torch.Tensor:
+    """The routed experts with MXFP4 weights kept packed (inference): same math as `experts_forward` on the
+    dequantised weights, which are decoded on the fly, one block of *selected* experts at a time, into a scratch
+    buffer of at most ~`block_bytes` (docs/architecture.md §4.3; decoding is exact, so results equal the
+    dequantise-on-load model's up to GEMM blocking).
+
+    gate_up_packed [E, 2M, l/2] / gate_up_scale [E, 2M, l/32]: W1 (rows 0..M-1) and W3 (rows M..2M-1) as
+    [out, in]; down_packed [E, l, M/2] / down_scale [E, l, M/32]: W2. Output [N, l] in x's dtype. No autograd
+    through the weights (they are not parameters)."""
+    from k3.checkpoint.mxfp4 import mxfp4_decode
+    E, M2, _ = gate_up_packed.shape
+    l = x_Nl.shape[1]
+    dt = x_Nl.dtype
+    x_Al, plan = dispatch_tokens(x_Nl, topk_idx_Nk, E)
+    counts = plan.counts.tolist()  # host copy: the loop below walks only the experts that got tokens
+    starts = [0] * E
+    acc = 0
+    for e in range(E):
+        starts[e], acc = acc, acc + counts[e]
+    active = [e for e in range(E) if counts[e]]
+    per_expert = (M2 * l + l * (M2 // 2)) * torch.empty((), dtype=dt).element_size()
+    step = max(1, block_bytes // max(per_expert, 1))
+    y_Al = x_Al.new_empty(x_Al.shape[0], l)
+    nb = min(step, len(active))
+    buf1 = x_Al.new_empty(nb, M2, l)       # decode scratch, reused by every block of this call
+    buf2 = x_Al.new_empty(nb, l, M2 // 2)
+    for b0 in range(0, len(active), step):
+        blk = active[b0:b0 + step]
+        sel = torch.tensor(blk, device=x_Nl.device)
+        W1 = mxfp4_decode(gate_up_packed.index_select(0, sel), gate_up_scale.index_select(0, sel), dtype=dt,
+                          out=buf1[:len(blk)])
+        W2 = mxfp4_decode(down_packed.index_select(0, sel), down_scale.index_select(0, sel), dtype=dt,
+                          out=buf2[:len(blk)])
+        # the block's experts are consecutive in expert order, so their rows are one contiguous range: one
+        # padded batched GEMM per projection over the block (as compute_experts' "padded_bmm")
+        r0, r1 = starts[blk[0]], starts[blk[-1]] + counts[blk[-1]]
+        cnt = torch.tensor([counts[e] for e in blk], device=x_Nl.device)
+        offs = torch.cumsum(cnt, 0).to(torch.int32)
+        h = _gmm(x_Al[r0:r1], W1.transpose(1, 2), offs, cnt, "padded_bmm")       # [rows, 2M]
+        g, u = h.chunk(2, dim=-1)
+        y_Al[r0:r1] = _gmm(glu(g, u).contiguous(), W2.transpose(1, 2), offs, cnt, "padded_bmm")  # [rows, l]
+    return combine_tokens(y_Al, plan, topk_w_Nk).to(dt)
