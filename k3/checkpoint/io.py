@@ -26,8 +26,9 @@ import safetensors
 import safetensors.torch as _st
 
 from k3.errors import CheckpointError, K3ConfigError
-from k3.checkpoint.adapter import (PREFIX, ReleasedAssembler, default_quantization_config, is_fp32_key,
+from k3.checkpoint.adapter import (PREFIX, default_quantization_config, is_fp32_key,
                                    released_plan, torch_dtype)
+from k3.checkpoint.assemble import ReleasedAssembler
 
 __all__ = ["save_pretrained", "load_state_dict", "from_pretrained", "load_config", "iter_checkpoint_tensors",
            "parse_size", "apply_umask_modes", "CONFIG_NAME", "INDEX_NAME", "SINGLE_NAME"]
@@ -375,7 +376,7 @@ def iter_checkpoint_tensors(directory: str, keys=None) -> Iterator[tuple]:
 def load_state_dict(directory: str, config=None, dtype=None, strict: bool = False,
                     return_extras: bool = False, keys=None, experts=None):
     """In-memory state dict (docs/CONTRACTS.md names) from a checkpoint directory. ``config`` defaults to the
-    directory's ``config.json``. See :func:`k3.checkpoint.adapter.from_released` for the mapping rules.
+    directory's ``config.json``. See :func:`k3.checkpoint.assemble.from_released` for the mapping rules.
 
     Partial loads (a distributed rank's share): ``keys`` is a predicate on (or a collection of) *in-memory* names
     (per-expert tensors count under their stacked name ``...experts.gate_up_proj`` / ``down_proj``); only the
