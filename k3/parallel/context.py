@@ -198,7 +198,9 @@ class _GatherCP(torch.autograd.Function):
 
 
 def all_gather_cp(x: torch.Tensor, group) -> torch.Tensor:
-    """Autograd all-gather over the cp group: [size, *x.shape]."""
+    """Autograd all-gather over the cp group: [size, *x.shape] (no process group at all: [1, *x.shape])."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return x.unsqueeze(0)
     return _GatherCP.apply(x, group)
 
 
@@ -338,12 +340,16 @@ def _conv_with_halo(x_BTC, weight, halo, sl: CPSlice):
 # ---------------------------------------------------------------------------------------------- the wrapper
 
 class ContextParallel:
-    """The cp process group of this rank and the slice of the batch being run (set by `shard`)."""
+    """The cp process group of this rank and the slice of the batch being run (set by `shard`). `group` None:
+    the default group, or -- where no process group is initialised -- a single rank (cp = 1, for tests)."""
 
     def __init__(self, group=None):
         self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.size, self.rank = 1, 0
+        else:
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
         self.current: Optional[CPSlice] = None
 
     @classmethod

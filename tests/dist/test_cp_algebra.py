@@ -117,3 +117,39 @@ def test_composition_over_simulated_ranks_equals_the_recurrence(size, cu):
     if any(sl.cont):
         bad = torch.cat([o for o, _, _ in runs], 1)[:, :T]
         assert (bad - o_ref).abs().max() > 1e-3
+
+
+def _micro():
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cases import micro_config, reference_model
+    return micro_config(), reference_model
+
+
+def test_single_rank_cp_path_equals_the_model_and_misuse_errors():
+    """cp = 1 (no process group) through the CP forwards = the plain model; misuse is a K3ConfigError."""
+    from k3.parallel.context import ContextParallel, apply_context_parallel
+    cfg, reference_model = _micro()
+    ref, model = reference_model(cfg), reference_model(cfg)
+    cp = ContextParallel()
+    assert (cp.rank, cp.size) == (0, 1)
+    changed = apply_context_parallel(model, cp)
+    assert len(changed) == cfg.num_hidden_layers
+    ids = torch.randint(0, cfg.vocab_size, (1, 20))
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    with pytest.raises(K3ConfigError, match="no current slice"):
+        model(ids, cu_seqlens=cu)
+    b = cp.shard(ids, None, cu)
+    with torch.no_grad():
+        h = model(b.input_ids, cu_seqlens=b.cu_seqlens).hidden_states
+        h_ref = ref(ids, cu_seqlens=cu).hidden_states
+    torch.testing.assert_close(h, h_ref, atol=1e-6, rtol=1e-5)
+    with pytest.raises(K3ConfigError, match=r"is not this rank's slice \[1, 20\]"):
+        model(ids[:, :10])
+    with pytest.raises(K3ConfigError, match="cu_seqlens has 2 entries, the current slice has 3"):
+        model(ids)
+    with pytest.raises(K3ConfigError, match="already applied"):
+        apply_context_parallel(model, cp)
+    with pytest.raises(K3ConfigError, match="generation with a cache"):
+        model.model.layers[0].self_attn(torch.zeros(1, 20, cfg.hidden_size), cu_seqlens=cu, cache=object())
