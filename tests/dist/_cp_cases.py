@@ -85,12 +85,14 @@ def layer_case(kind: str, T: int, cu: list, cp, seed: int = 0):
             "cont": sl.cont}
 
 
-def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0, sub: bool = False):
+def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0, sub: bool = False,
+               fsdp: bool = False):
     """The whole micro model under dp_shard = world / cp x cp (x ep, folded into the dp x cp ranks): dp rank d
     runs packed sequence seqs[d] = (T, cu_seqlens), cut into cp slices. The loss over the global token count and
     every gradient (experts gathered over ep) = one process on all the sequences (rank 0 only returns them).
     `sub`: CP alone over the first cp ranks of the world (a process subgroup; the other ranks only join its
-    creation), one sequence, no mesh."""
+    creation), one sequence, no mesh. `fsdp`: FSDP2 (+EP) by parallelize_model over the dp_shard x cp ranks
+    (until parallelize_model applies CP itself, it is handed the same mesh views under cp=1 dims)."""
     if sub:
         return _model_case_sub(cp, seqs, seed)
     from k3.parallel import ParallelDims, build_mesh
@@ -107,12 +109,18 @@ def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0
         data.append((ids, labels, torch.tensor(cu, dtype=torch.int32)))
     model = reference_model(cfg, seed)
     pm = build_mesh(dims, "cpu")
-    if ep > 1:
-        apply_expert_parallel(model, pm.ep)
     cpar = ContextParallel.from_mesh(pm)
     apply_context_parallel(model, cpar)
-    if ac:
-        model.set_gradient_checkpointing(True)
+    if fsdp:
+        import dataclasses
+        from k3.parallel.parallelize import parallelize_model
+        flat = ParallelDims(dp_shard=-1, cp=1, ep=ep, world_size=world, num_experts=cfg.num_experts)
+        parallelize_model(model, dataclasses.replace(pm, dims=flat), activation_checkpointing=ac)
+    else:
+        if ep > 1:
+            apply_expert_parallel(model, pm.ep)
+        if ac:
+            model.set_gradient_checkpointing(True)
     ids, labels, cu_t = data[rank // cp]          # (dp_replicate, dp_shard, cp): cp ranks are consecutive
     b = cpar.shard(ids, labels, cu_t, pad_id=cfg.pad_token_id)
     out = model(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens)
@@ -123,7 +131,10 @@ def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0
     h = cpar.gather(out.hidden_states.detach())
     refresh_ep_flags(model)
     grads = {}
-    for name, p in model.named_parameters():
+    if fsdp:
+        from k3.parallel.parallelize import full_state_dict
+        grads = {k: v for k, v in full_state_dict(model, grads=True).items() if v is not None}
+    for name, p in ([] if fsdp else model.named_parameters()):
         if p.grad is None:
             continue
         gr = p.grad.clone()
@@ -145,7 +156,7 @@ def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0
         n += int(o.num_tokens)
     (tot / n).backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    return {"case": f"model cp={cp} dp={dims.dp_shard} ep={ep} ac={ac} seqs={seqs}", "loss": float(lsum),
+    return {"case": f"model cp={cp} dp={dims.dp_shard} ep={ep} ac={ac} fsdp={fsdp} seqs={seqs}", "loss": float(lsum),
             "ref_loss": float(tot / n), "h": float((h - h_ref).abs().max()), "grads": _diff(grads, ref_grads),
             "gscale": max(float(v.abs().max()) for v in ref_grads.values()), "cont": b.slice.cont}
 
@@ -197,7 +208,7 @@ def _cp_groups(cp: int):
     return ContextParallel.from_mesh(pm), dist.get_rank() // cp
 
 
-def suite(layers: dict, models: list):
+def suite(layers: dict, models: list, balance: bool = False):
     """Everything in one launch (process start-up dominates on a loaded CPU). `layers`: cp -> [per dp group: list
     of layer_case kwargs]: the dp groups of one cp degree run different cases at the same time. `models`: list of
     model_case kwargs. Returns {"layers": [results of this rank], "models": [...]} (None where not rank 0)."""
@@ -208,4 +219,41 @@ def suite(layers: dict, models: list):
             out["layers"].append(layer_case(cp=cpar, **kw))
     for kw in models:
         out["models"].append(model_case(**kw))
+    if balance:
+        out["balance"] = balance_case()
+    return out
+
+
+def balance_case(names=("qb", "sign"), seqs=((24, [0, 5, 17, 24]), (16, [0, 16])), cp: int = 2,
+                 distributed: bool = True, seed: int = 0):
+    """Each balancer's router biases after one step whose batch is the packed sequences `seqs`: under
+    dp = len(seqs) x cp (every rank a slice; k3.balance reduces over the default group = all dp x cp ranks), or
+    with distributed=False one process running the sequences whole (run it where no process group exists).
+    Lengths divisible by cp (padding tokens would also be routed)."""
+    from k3.balance import make_balancer
+    cfg = micro_config()
+    out = {}
+    data = []
+    for i, (T, cu) in enumerate(seqs):
+        ids, _ = batch(seed + 21 + i, 1, T, cfg.vocab_size)
+        data.append((ids, torch.tensor(cu, dtype=torch.int32)))
+    for name in names:
+        model = reference_model(cfg, seed)
+        if distributed:
+            from k3.parallel import ParallelDims, build_mesh
+            from k3.parallel.context import ContextParallel, apply_context_parallel
+            pm = build_mesh(ParallelDims(dp_shard=-1, cp=cp, world_size=dist.get_world_size()), "cpu")
+            cpar = ContextParallel.from_mesh(pm)
+            apply_context_parallel(model, cpar)
+        bal = make_balancer(name).attach(model)
+        with torch.no_grad():
+            if distributed:
+                ids, cu_t = data[dist.get_rank() // cp]
+                b = cpar.shard(ids, None, cu_t)
+                model(b.input_ids, cu_seqlens=b.cu_seqlens)
+            else:
+                for ids, cu_t in data:
+                    model(ids, cu_seqlens=cu_t)
+        bal.step()
+        out[name] = {r.name: r.bias.detach().clone() for r in bal.routers}
     return out
