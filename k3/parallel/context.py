@@ -180,7 +180,12 @@ class _GatherCP(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        n = dist.get_world_size(group)
+        if dist.get_backend(group) == "nccl":
+            out = x.new_empty((n,) + tuple(x.shape))
+            dist.all_gather_into_tensor(out, x, group=group)
+            return out
+        parts = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(parts, x, group=group)
         return torch.stack(parts)
 
@@ -283,6 +288,7 @@ def kda_correct(o: torch.Tensor, w: torch.Tensor, S_in: torch.Tensor) -> torch.T
     return torch.cat([o1, o[:, n1:]], 1) if n1 < o.shape[1] else o1
 
 
+@torch.compiler.disable
 def kda_context_parallel(q, k, v, g, beta, sl: CPSlice, group, **kw):
     """chunk_kda over the whole (sliced) sequence: this rank's outputs [1, L, H, V] equal the corresponding rows
     of one process's chunk_kda on the full sequence with the global cu_seqlens (see the module doc)."""
@@ -297,6 +303,7 @@ def kda_context_parallel(q, k, v, g, beta, sl: CPSlice, group, **kw):
 
 # ---------------------------------------------------------------------------------------------- conv halo
 
+@torch.compiler.disable
 def conv_halo(x_LC: torch.Tensor, sl: CPSlice, width: int, group) -> torch.Tensor:
     """The `width` pre-activation rows before this rank's slice ([width, C]; zeros before its document's start or
     the sequence start), gathered from the earlier ranks (each contributes its last min(L, width) rows)."""
@@ -321,6 +328,7 @@ def conv_halo(x_LC: torch.Tensor, sl: CPSlice, width: int, group) -> torch.Tenso
     return torch.where(keep_t, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 
+@torch.compiler.disable
 def _conv_with_halo(x_BTC, weight, halo, sl: CPSlice):
     """causal_conv1d (SiLU) over this slice with the halo prepended to the first document piece."""
     from k3.ops.conv import causal_conv1d
@@ -374,6 +382,7 @@ class ContextParallel:
             _bad("no current slice: call ContextParallel.shard(input_ids, labels, cu_seqlens) before the forward")
         return self.current
 
+    @torch.compiler.disable
     def check(self, x_BTd: torch.Tensor, cu_seqlens, cache, what: str) -> CPSlice:
         sl = self._slice()
         if cache is not None:
@@ -414,20 +423,17 @@ def _cp_kda_forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor
     return self.o_proj(y)
 
 
-def _cp_mla_forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache=None):
-    """MLAAttention.forward (training path) with the compressed latent all-gathered over the cp ranks."""
+@torch.compiler.disable
+def _mla_cp_attention(self, q, c, k_pe, sl: CPSlice, group):
+    """(o [1, L, H, v], max logit or None): this rank's queries over the gathered latents of their documents."""
     from k3.ops.attention import causal_attention
-    cp: ContextParallel = self._k3_cp
-    sl = cp.check(x_BTd, cu_seqlens, cache, f"MLA layer {self.layer_idx}")
     r, L = sl.rank, sl.slice_len
-    q = self.project_q(x_BTd)
-    c, k_pe = self.project_latent(x_BTd)
     C = self.kv_lora_rank
     lat = torch.cat([c, k_pe], -1)[0]                                      # [L, kv_lora + rope]
-    gathered = all_gather_cp(lat, cp.group)                                # [size, L, kv_lora + rope]
+    gathered = all_gather_cp(lat, group)                                # [size, L, kv_lora + rope]
     track = self.track_max_logit and self.training
     cu = sl.local_cu[r]
-    dev = x_BTd.device
+    dev = q.device
     if not sl.cont[r]:
         k, v = self.expand_kv(c, k_pe)
         o, ml = causal_attention(q, k, v, self.softmax_scale, cu_seqlens=torch.tensor(cu, device=dev),
@@ -447,6 +453,16 @@ def _cp_mla_forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor
             o = torch.cat([o, o2], 1)
             if ml is not None:
                 ml = torch.maximum(ml, ml2)
+    return o, ml
+
+
+def _cp_mla_forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, cache=None):
+    """MLAAttention.forward (training path) with the compressed latent all-gathered over the cp ranks."""
+    cp: ContextParallel = self._k3_cp
+    sl = cp.check(x_BTd, cu_seqlens, cache, f"MLA layer {self.layer_idx}")
+    q = self.project_q(x_BTd)
+    c, k_pe = self.project_latent(x_BTd)
+    o, ml = _mla_cp_attention(self, q, c, k_pe, sl, cp.group)
     if ml is not None:
         self.last_max_logit = ml
     return self.output(o, x_BTd)
