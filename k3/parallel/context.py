@@ -6,6 +6,9 @@
     out = model(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens)
     loss = global_mean_loss(out, pmesh)             # local CE sum / target tokens of all dp x cp ranks
 
+Feeding. Every rank of a cp group loads the same packed sequence (its data-parallel index,
+`ParallelMesh.dp_index()`; cp is the innermost mesh dim, so a cp group is consecutive ranks) and keeps its slice.
+
 Sharding. The (batch 1, packed) sequence of T tokens is cut into cp contiguous equal slices of L = ceil(T / cp)
 tokens (KDA needs causal order, so no load-balancing permutation). If cp does not divide T, the tail is padded
 with `pad_id` tokens that form a document of their own with ignored labels (they come after every real token, so
@@ -38,6 +41,11 @@ MLA: an all-gather of the compressed per-token latent [c_kv (normed) || k_pe] (k
 cp group; the first document piece attends over the gathered prefix from its document's start (causal
 `q_offset`, one document, so the flash path applies on GPU), the other pieces over their own local keys with
 local `cu_seqlens`. The gather's backward reduces the latent gradients back to their owners.
+
+Cost: the first piece's KDA call carries V + K value columns instead of V (the intra-chunk matrices do not depend
+on the width; the state recurrence and outputs cost ~(V + K) / V), one [H, K, V + K] fp32 all-gather per KDA
+layer, one [min(L, kernel - 1), 3 H K] all-gather per layer for the halos, and the MLA prefix is expanded through
+kv_b on every rank (an absorbed-form attention over the gathered latents would avoid that; not done here).
 
 Every rank calls every collective in the same order (one per conv, one per KDA layer, one per MLA layer) and each
 gathered tensor always reaches the layer output (`_anchor` where a rank does not need it), so the backward

@@ -155,6 +155,18 @@ class ParallelMesh:
     def cp_group(self):
         return self.cp.get_group() if self.cp is not None else None
 
+    def dp_index(self) -> int:
+        """This rank's data-parallel index in 0 .. dp_replicate * dp_shard - 1: which sequences it loads. The cp
+        ranks of one group (consecutive, cp is the innermost dim) share it and each takes a slice of the same
+        sequences (k3.parallel.context.ContextParallel.shard)."""
+        import torch.distributed as dist
+        return dist.get_rank() // self.dims.cp
+
+    def cp_rank(self) -> int:
+        """This rank's position in its cp group (0 when cp = 1)."""
+        import torch.distributed as dist
+        return dist.get_rank() % self.dims.cp
+
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
     """`init_device_mesh(device_type, (dp_replicate, dp_shard, cp))` with the flattened/unflattened views of the

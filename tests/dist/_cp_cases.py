@@ -121,7 +121,8 @@ def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0
             apply_expert_parallel(model, pm.ep)
         if ac:
             model.set_gradient_checkpointing(True)
-    ids, labels, cu_t = data[rank // cp]          # (dp_replicate, dp_shard, cp): cp ranks are consecutive
+    assert pm.dp_index() == rank // cp and pm.cp_rank() == cpar.rank == rank % cp   # cp ranks are consecutive
+    ids, labels, cu_t = data[pm.dp_index()]
     b = cpar.shard(ids, labels, cu_t, pad_id=cfg.pad_token_id)
     out = model(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens)
     loss = global_mean_loss(out, pm)
@@ -248,7 +249,7 @@ def balance_case(names=("qb", "sign"), seqs=((24, [0, 5, 17, 24]), (16, [0, 16])
         bal = make_balancer(name).attach(model)
         with torch.no_grad():
             if distributed:
-                ids, cu_t = data[dist.get_rank() // cp]
+                ids, cu_t = data[pm.dp_index()]
                 b = cpar.shard(ids, None, cu_t)
                 model(b.input_ids, cu_seqlens=b.cu_seqlens)
             else:
