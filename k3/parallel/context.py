@@ -47,7 +47,8 @@ on the width; the state recurrence and outputs cost ~(V + K) / V), one [H, K, V 
 layer, one [min(L, kernel - 1), 3 H K] all-gather per layer for the halos, and the MLA prefix is expanded through
 kv_b on every rank (an absorbed-form attention over the gathered latents would avoid that; not done here).
 
-Every rank calls every collective in the same order (one per conv, one per KDA layer, one per MLA layer) and each
+Every rank calls every collective in the same order (one per KDA layer for the halos, one per KDA layer for the
+states, one per MLA layer; none at all when every slice starts a document, which every rank knows) and each
 gathered tensor always reaches the layer output (`_anchor` where a rank does not need it), so the backward
 collectives match across ranks too. Everything else in the model (embedding, AttnRes, norms, MoE, loss) is
 token-local. Nothing in k3.model / k3.nn imports torch.distributed: the CP forwards are installed per instance,
@@ -302,6 +303,8 @@ def kda_context_parallel(q, k, v, g, beta, sl: CPSlice, group, **kw):
     of one process's chunk_kda on the full sequence with the global cu_seqlens (see the module doc)."""
     r = sl.rank
     o, w, pack = kda_local_pass(q, k, v, g, beta, sl.local_cu[r], sl.cont[r], **kw)
+    if not any(sl.cont):            # every slice starts a document (all ranks know): nothing to pass on
+        return o
     packs = all_gather_cp(pack, group)
     if not sl.cont[r]:
         return _anchor(o, packs)
@@ -317,6 +320,8 @@ def conv_halo(x_LC: torch.Tensor, sl: CPSlice, width: int, group) -> torch.Tenso
     the sequence start), gathered from the earlier ranks (each contributes its last min(L, width) rows)."""
     L = sl.slice_len
     m = min(L, width)
+    if not any(sl.cont):
+        return x_LC.new_zeros(width, x_LC.shape[1])
     tails = all_gather_cp(x_LC[L - m:], group)                       # [size, m, C]
     if not sl.cont[sl.rank]:
         return _anchor(x_LC.new_zeros(width, x_LC.shape[1]), tails)
@@ -438,7 +443,8 @@ def _mla_cp_attention(self, q, c, k_pe, sl: CPSlice, group):
     r, L = sl.rank, sl.slice_len
     C = self.kv_lora_rank
     lat = torch.cat([c, k_pe], -1)[0]                                      # [L, kv_lora + rope]
-    gathered = all_gather_cp(lat, group)                                # [size, L, kv_lora + rope]
+    # every slice starting a document (all ranks know): no latent crosses ranks
+    gathered = all_gather_cp(lat, group) if any(sl.cont) else None       # [size, L, kv_lora + rope]
     track = self.track_max_logit and self.training
     cu = sl.local_cu[r]
     dev = q.device
@@ -446,7 +452,8 @@ def _mla_cp_attention(self, q, c, k_pe, sl: CPSlice, group):
         k, v = self.expand_kv(c, k_pe)
         o, ml = causal_attention(q, k, v, self.softmax_scale, cu_seqlens=torch.tensor(cu, device=dev),
                                  return_max_logit=track)
-        o = _anchor(o, gathered)
+        if gathered is not None:
+            o = _anchor(o, gathered)
     else:
         n1, s, d0 = cu[1], sl.start, sl.doc_start[r]
         prefix = gathered.reshape(-1, lat.shape[-1])[d0:s]
