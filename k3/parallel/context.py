@@ -65,13 +65,11 @@ import torch.distributed as dist
 
 from k3.errors import K3ConfigError
 from k3.ops import f32
+from k3.ops.loss import IGNORE_INDEX
 
 __all__ = ["CPSlice", "CPBatch", "ContextParallel", "plan_slices", "shard_sequence", "apply_context_parallel",
            "all_gather_cp", "kda_local_pass", "kda_incoming_state", "kda_correct", "kda_context_parallel",
            "conv_halo", "IGNORE_INDEX"]
-
-IGNORE_INDEX = -100
-
 
 def _bad(msg: str):
     raise K3ConfigError(f"context parallel: {msg}")
