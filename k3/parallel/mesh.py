@@ -18,6 +18,8 @@ Submeshes that `build_mesh` creates (all views of one root mesh):
     expert_fsdp  (dp_replicate, efsdp) or (efsdp,)               FSDP mesh of the routed experts (ep > 1)
     ep           (ep,)                                            token all-to-all group
     data         (dp_cp,)                                         loss count / balancer / grad-norm reductions
+    cp           (cp,)                                            the ranks sharing one sequence (cp > 1;
+                                                                  consecutive ranks, k3/parallel/context.py)
 """
 from __future__ import annotations
 
@@ -83,6 +85,12 @@ class ParallelDims:
         if num_experts > 0 and num_experts % self.ep:
             _bad("ep", f"num_experts = {num_experts} is not divisible by ep = {self.ep}")
 
+    def check_seq_len(self, seq_len: int) -> None:
+        """Context parallelism cuts each sequence into cp contiguous slices of ceil(seq_len / cp) tokens (the
+        tail padded): a sequence shorter than cp would leave a rank nothing but padding."""
+        if self.cp > 1 and int(seq_len) < self.cp:
+            _bad("cp", f"cp={self.cp} needs sequences of at least cp tokens, got seq_len={seq_len}")
+
     def check_model(self, cfg) -> None:
         """Validate against a K3Config (num_experts % ep); raises K3ConfigError."""
         self.check_experts(int(getattr(cfg, "num_experts", 0)))
@@ -130,6 +138,7 @@ class ParallelMesh:
     fsdp: object                        # DeviceMesh, FSDP of non-expert parameters
     data: object                        # 1-D DeviceMesh over all data ranks (dp_cp)
     ep: Optional[object] = None         # 1-D DeviceMesh (ep > 1)
+    cp: Optional[object] = None         # 1-D DeviceMesh (cp > 1): the ranks of one sequence's slices
     expert_fsdp: Optional[object] = None  # DeviceMesh, FSDP of the routed experts (ep > 1)
     extra: dict = field(default_factory=dict)
 
@@ -142,6 +151,21 @@ class ParallelMesh:
 
     def ep_group(self):
         return self.ep.get_group() if self.ep is not None else None
+
+    def cp_group(self):
+        return self.cp.get_group() if self.cp is not None else None
+
+    def dp_index(self) -> int:
+        """This rank's data-parallel index in 0 .. dp_replicate * dp_shard - 1: which sequences it loads. The cp
+        ranks of one group (consecutive, cp is the innermost dim) share it and each takes a slice of the same
+        sequences (k3.parallel.context.ContextParallel.shard)."""
+        import torch.distributed as dist
+        return dist.get_rank() // self.dims.cp
+
+    def cp_rank(self) -> int:
+        """This rank's position in its cp group (0 when cp = 1)."""
+        import torch.distributed as dist
+        return dist.get_rank() % self.dims.cp
 
 
 def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
@@ -168,4 +192,6 @@ def build_mesh(dims: ParallelDims, device_type: str = "cpu") -> ParallelMesh:
         ep = emesh["ep"]
         expert_fsdp = emesh["dp_replicate", "efsdp"] if dims.hsdp else emesh["efsdp"]
         extra["expert_mesh"] = emesh
-    return ParallelMesh(dims=dims, world=world, fsdp=fsdp, data=data, ep=ep, expert_fsdp=expert_fsdp, extra=extra)
+    cp = world["cp"] if dims.cp_enabled else None
+    return ParallelMesh(dims=dims, world=world, fsdp=fsdp, data=data, ep=ep, expert_fsdp=expert_fsdp, cp=cp,
+                        extra=extra)
