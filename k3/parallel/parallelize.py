@@ -60,15 +60,13 @@ def _fsdp_modules(model: nn.Module):
 def parallelize_model(model: nn.Module, pmesh: ParallelMesh, *, param_dtype: Optional[torch.dtype] = None,
                       reduce_dtype: Optional[torch.dtype] = torch.float32, activation_checkpointing: bool = False,
                       compile: str = "none", reshard_after_forward: bool = True) -> nn.Module:
-    """Apply, in this order: expert parallelism (ep > 1), activation checkpointing, torch.compile
+    """Apply, in this order: expert parallelism (ep > 1), context parallelism (cp > 1), activation checkpointing, torch.compile
     (`compile`: "none" | "modules" | "layers", k3.compile.compile_model), FSDP2. In place; returns the model.
     `param_dtype` None: bf16 on CUDA meshes, the parameters' own dtype on CPU."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     dims = pmesh.dims
     cfg = model.config
     dims.check_model(cfg)
-    if dims.cp_enabled:
-        raise K3ConfigError("parallel dims: cp: context parallelism is not implemented yet (issue #31); use cp=1")
     if model.config.tie_word_embeddings:
         raise K3ConfigError("parallelize_model: tie_word_embeddings=true is not supported (K3 has a separate "
                             "lm_head)")
@@ -79,6 +77,11 @@ def parallelize_model(model: nn.Module, pmesh: ParallelMesh, *, param_dtype: Opt
     # 1. expert parallelism
     if dims.ep_enabled:
         apply_expert_parallel(model, pmesh.ep)
+    # 1b. context parallelism: KDA state passing, conv halos, MLA latent all-gather (k3.parallel.context)
+    if dims.cp_enabled:
+        from k3.parallel.context import ContextParallel, apply_context_parallel
+        model._k3_cp = ContextParallel.from_mesh(pmesh)
+        apply_context_parallel(model, model._k3_cp)
     # 2. activation checkpointing: the model's own per-layer checkpoint (non-reentrant; FSDP2 re-gathers on recompute)
     if activation_checkpointing:
         model.set_gradient_checkpointing(True)

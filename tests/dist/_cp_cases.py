@@ -91,8 +91,7 @@ def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0
     runs packed sequence seqs[d] = (T, cu_seqlens), cut into cp slices. The loss over the global token count and
     every gradient (experts gathered over ep) = one process on all the sequences (rank 0 only returns them).
     `sub`: CP alone over the first cp ranks of the world (a process subgroup; the other ranks only join its
-    creation), one sequence, no mesh. `fsdp`: FSDP2 (+EP) by parallelize_model over the dp_shard x cp ranks
-    (until parallelize_model applies CP itself, it is handed the same mesh views under cp=1 dims)."""
+    creation), one sequence, no mesh. `fsdp`: EP, CP and FSDP2 applied by parallelize_model on the real mesh."""
     if sub:
         return _model_case_sub(cp, seqs, seed)
     from k3.parallel import ParallelDims, build_mesh
@@ -109,14 +108,13 @@ def model_case(cp: int, seqs: list, ep: int = 1, ac: bool = False, seed: int = 0
         data.append((ids, labels, torch.tensor(cu, dtype=torch.int32)))
     model = reference_model(cfg, seed)
     pm = build_mesh(dims, "cpu")
-    cpar = ContextParallel.from_mesh(pm)
-    apply_context_parallel(model, cpar)
     if fsdp:
-        import dataclasses
         from k3.parallel.parallelize import parallelize_model
-        flat = ParallelDims(dp_shard=-1, cp=1, ep=ep, world_size=world, num_experts=cfg.num_experts)
-        parallelize_model(model, dataclasses.replace(pm, dims=flat), activation_checkpointing=ac)
+        parallelize_model(model, pm, activation_checkpointing=ac)
+        cpar = model._k3_cp
     else:
+        cpar = ContextParallel.from_mesh(pm)
+        apply_context_parallel(model, cpar)
         if ep > 1:
             apply_expert_parallel(model, pm.ep)
         if ac:
