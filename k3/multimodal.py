@@ -392,22 +392,20 @@ def generate(model: K3ForConditionalGeneration, input_ids, images=None, max_new_
             feats, counts = (model.encode_images(pixel_values.to(model.device), grid_thw)
                              if pixel_values is not None or grid_thw is not None else (None, []))
         pid = model.media_placeholder_token_id
+        n_ph = sum(t == pid for p in prompts for t in p)
+        if n_ph != len(counts):
+            raise K3ImageError(f"the prompts hold {n_ph} media placeholder(s) (id {pid}, one per image) but "
+                               f"{len(counts)} image(s) were given")
         expanded, k = [], 0
         for p in prompts:
             row = []
             for t in p:
                 if t == pid:
-                    if k >= len(counts):
-                        raise K3ImageError(f"the prompts hold more media placeholders (id {pid}) than the "
-                                           f"{len(counts)} image(s) given")
                     row.extend([pid] * counts[k])
                     k += 1
                 else:
                     row.append(t)
             expanded.append(row)
-        if k != len(counts):
-            raise K3ImageError(f"the prompts hold {k} media placeholder(s) (id {pid}) but {len(counts)} image(s) "
-                               f"were given")
         kw.setdefault("static", False)
         out = _generate(_ImagePrefill(model, feats), expanded, max_new_tokens, return_dict=True, **kw)
     finally:
