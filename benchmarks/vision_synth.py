@@ -25,17 +25,19 @@ def main(argv=None):
     ap.add_argument("--text-every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default="colour,shape,count,position")
+    ap.add_argument("--micro", action="store_true", help="the micro text model (k3.vision.train.MICRO_TEXT) "
+                    "instead of the tiny preset's (for a loaded CPU)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import torch
     torch.set_num_threads(a.threads)
-    from k3.vision.train import train_vision_synth
+    from k3.vision.train import MICRO_TEXT, train_vision_synth
     t = time.time()
     res = train_vision_synth(steps=a.steps, time_budget_s=a.time_budget, lr=a.lr, seq_len=a.seq_len,
                              eval_n=a.eval_n, text_every=a.text_every, seed=a.seed, tasks=a.tasks.split(","),
-                             log_fn=lambda s: print(s, flush=True))
+                             log_fn=lambda s: print(s, flush=True), **(MICRO_TEXT if a.micro else {}))
     out = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "examples_seen")}
-    out.update(wall_s=time.time() - t, threads=a.threads, lr=a.lr, seq_len=a.seq_len,
+    out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, seq_len=a.seq_len,
                first_losses=res["losses"][:3], last_losses=res["losses"][-3:],
                params=sum(p.numel() for p in res["model"].parameters()), torch=torch.__version__,
                command="python benchmarks/vision_synth.py " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -24,9 +24,18 @@ from k3.config import K3Config
 from k3.vision.synth import (CHOICES, COLOURS, QUESTIONS, TASKS, VisionSynthLoader, VisionSynthTask,
                              choice_accuracy)
 
-__all__ = ["synth_tokenizer", "build_synth_model", "text_documents", "train_step", "train_vision_synth"]
+__all__ = ["MICRO_TEXT", "synth_tokenizer", "build_synth_model", "text_documents", "train_step", "train_vision_synth"]
 
 log = logging.getLogger("k3.vision.train")
+
+
+# a ~0.3M-parameter text model (the trainer tests' micro variant of `tiny`) for quick CPU runs on a busy machine
+MICRO_TEXT = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=2,
+                  num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+                  moe_intermediate_size=32, routed_expert_hidden_size=32, kda_gate_low_rank=16, attn_res_block_size=2,
+                  **{"linear_attn_config.num_heads": 2, "linear_attn_config.head_dim": 16,
+                     "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
 
 
 def synth_tokenizer(directory: Optional[str] = None, num_merges: int = 300):
