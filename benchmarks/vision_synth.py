@@ -20,7 +20,8 @@ def main(argv=None):
     ap.add_argument("--time-budget", type=float, default=420.0, help="training seconds (evaluation excluded)")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: as the budget allows)")
     ap.add_argument("--lr", type=float, default=6e-3)
-    ap.add_argument("--seq-len", type=int, default=768)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--eval-n", type=int, default=120)
     ap.add_argument("--text-every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
@@ -33,11 +34,11 @@ def main(argv=None):
     torch.set_num_threads(a.threads)
     from k3.vision.train import MICRO_TEXT, train_vision_synth
     t = time.time()
-    res = train_vision_synth(steps=a.steps, time_budget_s=a.time_budget, lr=a.lr, seq_len=a.seq_len,
+    res = train_vision_synth(steps=a.steps, time_budget_s=a.time_budget, lr=a.lr, warmup=a.warmup, seq_len=a.seq_len,
                              eval_n=a.eval_n, text_every=a.text_every, seed=a.seed, tasks=a.tasks.split(","),
                              log_fn=lambda s: print(s, flush=True), **(MICRO_TEXT if a.micro else {}))
     out = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "examples_seen")}
-    out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, seq_len=a.seq_len,
+    out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, warmup=a.warmup, seq_len=a.seq_len,
                first_losses=res["losses"][:3], last_losses=res["losses"][-3:],
                params=sum(p.numel() for p in res["model"].parameters()), torch=torch.__version__,
                command="python benchmarks/vision_synth.py " + " ".join(argv if argv is not None else sys.argv[1:]))

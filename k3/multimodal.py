@@ -253,6 +253,10 @@ class K3ForConditionalGeneration(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def set_gradient_checkpointing(self, on: bool = True) -> None:
+        """Activation checkpointing of the language model's layers (the tower is small next to it)."""
+        self.language_model.set_gradient_checkpointing(on)
+
     def image_token_counts(self, grid_thw: torch.Tensor) -> list:
         kh, kw = self.vision_config.merge_kernel_size
         return [(int(h) // kh) * (int(w) // kw) for _, h, w in grid_thw.tolist()]

@@ -38,17 +38,18 @@ MICRO_TEXT = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, nu
                      "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
 
 
-def synth_tokenizer(directory: Optional[str] = None, num_merges: int = 300):
+def synth_tokenizer(directory: Optional[str] = None, num_merges: int = 400):
     """A byte-level BPE with K3's 256 specials on top, trained (pure Python, ~1 s) on the chat tags, questions
     and answers of the task plus a little prose; cached in `directory` (default: a temp dir)."""
     from k3.tokenizer import build_toy_tokenizer
-    words = ['message role="user"', 'message role="assistant"', "response", "message"]
+    words = ['<message role="user">', '<message role="assistant">', "<response>", "<message>"]
     words += [f"image {w}x{h}" for w in (56, 84, 112, 140) for h in (56, 84, 112, 140)]
     words += list(QUESTIONS.values()) + [a for t in CHOICES for a in CHOICES[t]] + list(COLOURS)
-    texts = [" ".join(words)] * 20
+    words += [f"<{w}>" for w in words]  # also glued to the tags, as the chat renders them
+    texts = [" ".join(words)] * 100  # the task's strings dominate the merges: short prompts, one-token answers
     try:
         from k3.train.data import load_corpus
-        texts += [d[:2000] for d in load_corpus()[0][:40]]
+        texts += [d[:1000] for d in load_corpus()[0][:20]]
     except Exception:  # pragma: no cover - the built-in corpus ships with k3
         pass
     directory = directory or tempfile.mkdtemp(prefix="k3-synth-tok-")
@@ -93,7 +94,7 @@ def train_step(model, batch: dict, optimizer, scheduler=None, balancer=None, cli
     return float(out.loss.detach())
 
 
-def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[float] = 600.0, *, seq_len: int = 768,
+def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[float] = 600.0, *, seq_len: int = 1024,
                        lr: float = 6e-3, warmup: int = 20, seed: int = 0, tasks: Sequence[str] = TASKS,
                        text_every: int = 4, eval_n: int = 120, model=None, tokenizer=None, text_docs=None,
                        eval_before: bool = True, device="cpu", log_every: int = 10,

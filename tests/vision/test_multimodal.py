@@ -47,6 +47,7 @@ def test_config_container(mm_cfg):
     assert vision_config_of(mm_cfg).text_hidden_size == mm_cfg.hidden_size
     rel = multimodal_config("kimi-k3")
     assert media_placeholder_id(rel) == 163605 and vision_config_of(rel) == VisionConfig()
+    assert rel.to_dict() == K3Config.from_preset("kimi-k3").to_dict()  # the released container, unchanged
     tiny = multimodal_config("tiny")
     assert vision_config_of(tiny).text_hidden_size == tiny.hidden_size == 256
     with pytest.raises(K3ConfigError, match="no `vision_config`"):
