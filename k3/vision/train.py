@@ -101,7 +101,8 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
                        log_fn: Optional[Callable[[str], None]] = None, **model_overrides) -> dict:
     """Train `model` (default: `build_synth_model(tokenizer)`, the `tiny` multimodal preset) on the synthetic
     task for `steps` steps or until `time_budget_s` (training time, evaluation excluded) runs out (`steps=None`:
-    as many as the budget allows; the LR schedule's length is then estimated from the first 3 steps); measure held-out
+    as many as the budget allows; the LR schedule's length is estimated from the first 3 steps, the LR stays at its
+    floor after it); measure held-out
     accuracy (argmax over answer choices, `eval_n` val examples) before and after.
 
     Returns {"before", "after": choice_accuracy dicts, "chance", "steps", "train_s", "wall_s", "losses",
@@ -130,7 +131,7 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
     balancer = make_balancer("qb").attach(model.language_model) if model.config.num_experts > 0 else None
     model.train()
     losses, seen, t0, step = [], 0, time.time(), 0
-    while step < planned:
+    while steps is None or step < steps:
         step += 1
         batch = next(loader)
         losses.append(train_step(model, batch, optimizer, scheduler, balancer))
