@@ -9,6 +9,9 @@ def __getattr__(name):  # lazy: keep `import k3` light
     if name in ("K3ForCausalLM",):
         from k3.model import K3ForCausalLM
         return K3ForCausalLM
+    if name == "K3ForConditionalGeneration":
+        from k3.multimodal import K3ForConditionalGeneration
+        return K3ForConditionalGeneration
     if name == "generate":
         from k3.generation import generate
         return generate

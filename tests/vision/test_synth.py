@@ -1,0 +1,91 @@
+"""The synthetic image task (k3.vision.synth) and its training loop (k3.vision.train)."""
+import io
+
+import pytest
+import torch
+
+from k3.vision.synth import CHOICES, VisionSynthLoader, VisionSynthTask, chance_level, choice_accuracy
+from k3.vision.train import MICRO_TEXT, build_synth_model, synth_tokenizer, train_step, train_vision_synth
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return synth_tokenizer(str(tmp_path_factory.mktemp("synth_tok")), num_merges=200)
+
+
+@pytest.fixture(scope="module")
+def task(tok):
+    return VisionSynthTask(tok, seed=3)
+
+
+def _png(img) -> bytes:
+    b = io.BytesIO()
+    img.save(b, format="PNG")
+    return b.getvalue()
+
+
+def test_examples_deterministic_and_split(task):
+    a, b = task.example(5), task.example(5)
+    assert _png(a.image) == _png(b.image) and a.answer == b.answer and a.question == b.question
+    assert a.answer in a.choices == CHOICES[a.task]
+    assert _png(task.example(5, "val").image) != _png(a.image)
+    assert _png(VisionSynthTask(task.tokenizer, seed=4).example(5).image) != _png(a.image)
+    assert {task.example(i).task for i in range(40)} == set(task.tasks)
+    assert chance_level(("colour", "shape")) == pytest.approx((1 / 6 + 1 / 3) / 2)
+
+
+def test_encode_chat_block_and_labels(task, tok):
+    ex = task.example(1)
+    enc = task.encode(ex)
+    ids, labels = enc["input_ids"], enc["labels"]
+    pad = tok.token_to_id("<|media_pad|>")
+    assert ids.count(pad) == 1
+    W, H = ex.image.size
+    from k3.chat import image_placeholder_tokens
+    block = image_placeholder_tokens(W, H, tok)
+    assert any(ids[i:i + len(block)] == block for i in range(len(ids)))
+    s, e = enc["answer_span"]
+    assert tok.decode(ids[s:e]) == ex.answer
+    # loss only on the assistant turn: targets are the ids after the generation prompt, nothing before
+    assert all(lab == -100 for lab in labels[:s - 1]) and labels[-1] == -100
+    assert labels[s - 1:-1] == ids[s:]
+
+
+def test_loader_packs_images_and_text(task, tok):
+    docs = [tok.encode("def f(x):\n    return x + 1\n")] * 3
+    L = VisionSynthLoader(task, seq_len=400, text_docs=docs, text_every=2)
+    b = next(L)
+    ids, cu, grid = b["input_ids"], b["cu_seqlens"], b["grid_thw"]
+    assert b["n_examples"] >= 2 and b["n_text_docs"] >= 1
+    assert int(cu[-1]) == ids.shape[1] and len(cu) == b["n_examples"] + b["n_text_docs"] + 1
+    pad = tok.token_to_id("<|media_pad|>")
+    assert int((ids == pad).sum()) == grid.shape[0] == b["n_examples"]
+    n_img = sum((h // 2) * (w // 2) for _, h, w in grid.tolist())
+    assert ids.shape[1] - grid.shape[0] + n_img <= 400  # the expanded row fits
+    # resume: a loader restored from the state gives the same next row
+    st = L.state_dict()
+    nxt = next(L)
+    L2 = VisionSynthLoader(task, seq_len=400, text_docs=docs, text_every=2)
+    L2.load_state_dict(st)
+    assert torch.equal(next(L2)["input_ids"], nxt["input_ids"])
+
+
+def test_training_steps_reduce_loss_and_accuracy_runs(tok):
+    model = build_synth_model(tok, **MICRO_TEXT)
+    task = VisionSynthTask(tok, processor_config=model.processor_config)
+    batch = next(VisionSynthLoader(task, seq_len=300))
+    from k3.train.optim import build_optimizer
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.0)
+    losses = [train_step(model, batch, opt) for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.3, losses
+    acc = choice_accuracy(model, task, n=3)
+    assert 0.0 <= acc["accuracy"] <= 1.0 and acc["n"] == 3 and acc["chance"] == task.chance
+
+
+@pytest.mark.slow
+def test_learns_well_above_chance():
+    """The learning run (minutes on CPU): benchmarks/vision_synth.py reports the same numbers."""
+    res = train_vision_synth(steps=None, time_budget_s=540, seq_len=512, text_every=8, eval_n=60, **MICRO_TEXT)
+    assert res["after"]["accuracy"] >= res["chance"] + 0.2, res["after"]
