@@ -35,14 +35,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="runs/posttrain_cpu")
     p.add_argument("--micro", action="store_true", help="a 4-layer d=64 model instead of `tiny`")
     p.add_argument("--pt-steps", type=int, default=40)
-    p.add_argument("--sft-steps", type=int, default=150)
+    p.add_argument("--sft-steps", type=int, default=80)
     p.add_argument("--sft-per-task", type=int, default=400)
     p.add_argument("--sft-lr", type=float, default=3e-3)
-    p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--rl-steps", type=int, default=15)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--rl-lr", type=float, default=3e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
+    p.add_argument("--calc-digits", type=int, default=2, help="calculator env: digits per operand")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--skip-done", action="store_true", help="reuse finished stages found in --out")
     a = p.parse_args(argv)
@@ -53,7 +55,9 @@ def main(argv=None) -> int:
     from k3.train.trainer import Trainer
     out = a.out
     os.makedirs(out, exist_ok=True)
-    res = {"model": "micro (d=64, 4 layers)" if a.micro else "tiny", "load_avg_start": os.getloadavg()[0]}
+    res = {"model": "micro (d=64, 4 layers)" if a.micro else "tiny", "load_avg_start": os.getloadavg()[0],
+           "argv": sys.argv[1:]}
+    env_options = {"terms": a.calc_terms, "digits": a.calc_digits}
     common = dict(progress=False, tensorboard=False, samples=False, threads=a.threads, overwrite=True,
                   eval_every=0, val_tokens=2048)
 
@@ -69,15 +73,26 @@ def main(argv=None) -> int:
     t0 = time.time()
     sft = os.path.join(out, "sft")
     if not (a.skip_done and os.path.isdir(os.path.join(sft, "final"))):
+        from k3.rl.sft_data import SFTData, SFTLoader, SFTValLoader, builtin_sft_set, encode_chat
+
+        def calculator_sft(tok, seq_len, batch_size, seed):
+            # the generated calculator set with this run's env options: Trainer's external-loader interface
+            opts = {"calculator": env_options}
+            train = builtin_sft_set(a.sft_per_task, ["calculator"], seed=0, env_options=opts)
+            val = builtin_sft_set(32, ["calculator"], seed=1, env_options=opts)
+            venc = [encode_chat(c, tok) for c in val]
+            return SFTData(tok, SFTLoader(train, tok, seq_len, batch_size, seed=seed),
+                           SFTValLoader(venc, seq_len, batch_size, tok.pad_id), len(train), len(val))
         cfg = TrainConfig(task="sft", init_from=os.path.join(pt, "final"), out_dir=sft, steps=a.sft_steps,
                           stages=[(640, 1.0)], tokens_per_step=2560, lr=a.sft_lr, sft_tasks=["calculator"],
                           sft_per_task=a.sft_per_task, recall_examples=0, **common)
-        s = Trainer(cfg).train()
+        s = Trainer(cfg, data=calculator_sft).train()
         res["sft"] = {k: s.get(k) for k in ("val_loss_before", "val_loss_after", "tokens_per_s", "step")}
     res["sft_s"] = time.time() - t0
 
     t0 = time.time()
-    rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", out_dir=os.path.join(out, "rl"),
+    rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options,
+                  out_dir=os.path.join(out, "rl"),
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
                   max_turns=3, max_new_tokens_per_turn=48, max_tokens=768, eval_prompts=a.eval_prompts,
                   threads=a.threads, overwrite=True)
