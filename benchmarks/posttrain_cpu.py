@@ -72,7 +72,12 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     sft = os.path.join(out, "sft")
-    if not (a.skip_done and os.path.isdir(os.path.join(sft, "final"))):
+    sft_done = a.skip_done and os.path.isdir(os.path.join(sft, "final"))
+    if sft_done:
+        with open(os.path.join(sft, "train_config.json")) as f:
+            done_steps = json.load(f)["steps"]
+        sft_done = done_steps >= a.sft_steps
+    if not sft_done:
         from k3.rl.sft_data import SFTData, SFTLoader, SFTValLoader, builtin_sft_set, encode_chat
 
         def calculator_sft(tok, seq_len, batch_size, seed):
@@ -86,6 +91,10 @@ def main(argv=None) -> int:
         cfg = TrainConfig(task="sft", init_from=os.path.join(pt, "final"), out_dir=sft, steps=a.sft_steps,
                           stages=[(640, 1.0)], tokens_per_step=2560, lr=a.sft_lr, sft_tasks=["calculator"],
                           sft_per_task=a.sft_per_task, recall_examples=0, **common)
+        if a.skip_done and os.path.isdir(os.path.join(sft, "checkpoints")):
+            # a shorter SFT run is there: continue it to --sft-steps (exact resume, the LR schedule re-timed)
+            from k3.train.config import resume_config
+            cfg = resume_config(sft, {"steps": a.sft_steps, "threads": a.threads})
         s = Trainer(cfg, data=calculator_sft).train()
         res["sft"] = {k: s.get(k) for k in ("val_loss_before", "val_loss_after", "tokens_per_s", "step")}
     res["sft_s"] = time.time() - t0

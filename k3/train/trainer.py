@@ -26,6 +26,11 @@ A non-finite loss or gradient norm skips the step (no optimizer update, gradient
 `max_bad_steps` in a row stop the run with `TrainingError`. A run whose final weights or validation loss are not
 finite fails with `TrainingError` and writes no `final/`.
 
+Post-training (`k3 sft`): `init_from` (`--ckpt`) starts from a trained checkpoint's config, tokenizer and weights
+(fresh optimizer); `task="sft"` trains on the K3 chat format with the loss on assistant tokens only
+(k3.rl.sft_data: a chats.jsonl or the generated set of the built-in tasks, one context stage). `Trainer(cfg,
+data=factory)` takes any external data source with the same interface (see `Trainer.__init__`).
+
 Exact resume: `resume=True` restores everything a step depends on, so on CPU the continued run reproduces the
 uninterrupted one bit for bit (same `steps`; changing `steps` on resume re-times the LR schedule and stages).
 """
