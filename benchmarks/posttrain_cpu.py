@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts-per-step", type=int, default=4)
     p.add_argument("--rl-lr", type=float, default=3e-4)
     p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="RL: tokens per assistant turn")
     p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
     p.add_argument("--calc-digits", type=int, default=2, help="calculator env: digits per operand")
     p.add_argument("--threads", type=int, default=None)
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options,
                   out_dir=os.path.join(out, "rl"),
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  max_turns=3, max_new_tokens_per_turn=48, max_tokens=768, eval_prompts=a.eval_prompts,
+                  max_turns=3, max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   threads=a.threads, overwrite=True)
     s = RLRunner(rc).run()
     res["rl_s"] = time.time() - t0
