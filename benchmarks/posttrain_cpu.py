@@ -41,7 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--rl-steps", type=int, default=15)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--rl-lr", type=float, default=3e-4)
+    p.add_argument("--rl-lr", type=float, default=1e-5)
+    p.add_argument("--temperature", type=float, default=0.7, help="RL sampling temperature")
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=128, help="RL: tokens per assistant turn")
     p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
@@ -104,6 +105,7 @@ def main(argv=None) -> int:
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options,
                   out_dir=os.path.join(out, "rl"),
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
+                  temperature=a.temperature,
                   max_turns=3, max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   threads=a.threads, overwrite=True)
     s = RLRunner(rc).run()
