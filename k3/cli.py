@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:  # that part of k3 is not installed/built yet
             if e.name != mod:
                 raise
+    # post-training (k3/train/cli.py: sft; k3/rl/cli.py: rl)
+    from k3.train.cli import add_sft_parser
+    add_sft_parser(sub)
+    __import__("k3.rl.cli", fromlist=["add_parser"]).add_parser(sub)
     return p
 
 

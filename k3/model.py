@@ -262,7 +262,15 @@ class K3ForCausalLM(nn.Module):
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
-                cache=None, logits_to_keep: int = 0, return_logits: Optional[bool] = None) -> K3Output:
+                cache=None, logits_to_keep: int = 0, return_logits: Optional[bool] = None,
+                routing: Optional[dict] = None) -> K3Output:
+        """routing: replayed expert choices {router module name: LongTensor [tokens, k]} (-1 rows: routed live),
+        e.g. a rollout's `GenerationOutput.routing`; the router still gets gradients (k3.rl.routing)."""
+        if routing:
+            from k3.rl.routing import replay_routing   # lazy: k3.rl imports the model
+            with replay_routing(self, routing):
+                return self.forward(input_ids, labels, cu_seqlens, inputs_embeds, cache, logits_to_keep,
+                                    return_logits)
         self._check_inputs(input_ids, inputs_embeds, labels, cu_seqlens)
         h = self.model(input_ids, inputs_embeds, cu_seqlens=cu_seqlens, cache=cache)
         out = K3Output(hidden_states=h)
@@ -274,6 +282,18 @@ class K3ForCausalLM(nn.Module):
             hk = h[:, -logits_to_keep:] if logits_to_keep else h
             out.logits = self.lm_head(hk)
         return out
+
+    def token_logprobs(self, input_ids: torch.Tensor, mask: Optional[torch.Tensor] = None, **kw):
+        """log p(input_ids[b, t] | prefix) as fp32 [B, T], chunked over tokens (never [T, vocab] logits at once);
+        k3.rl.logprobs.token_logprobs (keywords: cu_seqlens, chunk, return_entropy, temperature; `routing=`
+        replays expert choices)."""
+        from k3.rl.logprobs import token_logprobs   # lazy: k3.rl imports the model
+        routing = kw.pop("routing", None)
+        if routing:
+            from k3.rl.routing import replay_routing
+            with replay_routing(self, routing):
+                return token_logprobs(self, input_ids, mask, **kw)
+        return token_logprobs(self, input_ids, mask, **kw)
 
     def _check_inputs(self, input_ids, inputs_embeds, labels, cu_seqlens):
         if (input_ids is None) == (inputs_embeds is None):

@@ -7,6 +7,7 @@ row attending only to its own cached tokens. Nothing is position dependent (KDA 
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Sequence, Union
@@ -15,7 +16,7 @@ import torch
 
 from k3.errors import RequestError
 from k3.generation.cache import K3Cache
-from k3.generation.sampling import SamplingParams, select_next
+from k3.generation.sampling import SamplingParams, process_logits, select_next
 
 __all__ = ["generate", "stream_generate", "GenerationOutput", "GenerationEvent", "prefill", "generate_text",
            "stream_text", "chat", "stream_chat", "TextStreamer", "TextStream", "IncrementalDetokenizer"]
@@ -30,6 +31,11 @@ class GenerationOutput:
     new_tokens: List[List[int]]
     finish_reasons: List[str]                   # "stop_token" | "stop_string" | "length" | "cancelled"
     texts: Optional[List[str]] = None           # generated text (stop string cut off) when a tokenizer was given
+    # return_logprobs=True: per row, the sampler's log-probability of each new token (aligned with new_tokens)
+    logprobs: Optional[List[List[float]]] = None
+    # record_routing=True: per row {router name: LongTensor [prompt + new, k]} of the experts the sampler's
+    # routers picked (-1 where unknown: the last new token is never fed), or None when a call could not be mapped
+    routing: Optional[List[dict]] = None
 
 
 @dataclass
@@ -254,9 +260,10 @@ def _use_static(model, use_cache: bool, static: Optional[bool], cuda_graph: Opti
 
 def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, stop_ids,
             streams: Optional[List["TextStream"]], generator, prefill_chunk_size, cancel, state: dict,
-            static: bool = False, cuda_graph: bool = False) -> Iterator[GenerationEvent]:
+            static: bool = False, cuda_graph: bool = False, logprobs: bool = False) -> Iterator[GenerationEvent]:
     """streams: one TextStream per row (stop strings / text output) or None; after each event
-    state["text_delta"][i] holds the text row i may show now."""
+    state["text_delta"][i] holds the text row i may show now. logprobs=True: state["logprobs"][i] collects the
+    sampler log-probability of every token of row i (`_select_with_logprobs`)."""
     dev = model.device
     B = len(prompts)
     V = model.config.vocab_size
@@ -264,6 +271,9 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
     reasons: List[Optional[str]] = [None] * B
     deltas = [""] * B
     state.update(new_tokens=gen, finish_reasons=reasons, text_cut=[-1] * B, text_delta=deltas, streams=streams)
+    lps = [[] for _ in range(B)] if logprobs else None
+    if logprobs:
+        state["logprobs"] = lps
     if max_new_tokens <= 0:
         state["finish_reasons"][:] = ["length"] * B
         return
@@ -289,7 +299,11 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
                 reasons[i] = reasons[i] or "cancelled"
             return
         with torch.inference_mode():
-            nxt = select_next(logits, params, seen, generator).tolist()
+            if lps is None:
+                nxt = select_next(logits, params, seen, generator).tolist()
+            else:
+                nxt_t, lp_t = _select_with_logprobs(logits, params, seen, generator)
+                nxt, step_lp = nxt_t.tolist(), lp_t.tolist()
         toks: List[Optional[int]] = [None] * B
         deltas[:] = [""] * B
         for i in range(B):
@@ -297,6 +311,8 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
                 continue
             t = int(nxt[i])
             gen[i].append(t)
+            if lps is not None:
+                lps[i].append(step_lp[i])
             toks[i] = t
             if seen is not None:
                 seen[i, t] = True
@@ -325,6 +341,24 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
                 sub = _full_logits(model, [prompts[i] + gen[i] for i in active], active)
                 logits = torch.zeros(B, sub.shape[-1], device=dev)
                 logits[active] = sub
+
+
+_PROCESSED_SAMPLE = SamplingParams(do_sample=True)     # sampling from already processed logits: nothing to redo
+_PROCESSED_GREEDY = SamplingParams(do_sample=False)
+
+
+def _select_with_logprobs(logits_BV: torch.Tensor, params: SamplingParams, seen_BV, generator):
+    """(next ids [B], their sampler log-probs [B] fp32): the processed logits (`process_logits`: penalty,
+    temperature, top-k/top-p masks) are computed once; `select_next` on them with neutral parameters re-applies
+    nothing (they are sanitized already) and draws exactly what `select_next(logits_BV, params, ...)` draws with
+    the same generator, and their log_softmax gives the log-probability of the chosen token under the
+    distribution actually sampled: truncated by top-k/top-p and renormalised over the kept tokens. Greedy rows
+    (no sampling, or a temperature below MIN_TEMPERATURE) report the log-probability of the argmax under the
+    (penalised) logits at temperature 1. A row with no finite probability mass reports NaN."""
+    x = process_logits(logits_BV, params, seen_BV)
+    nxt = select_next(x, _PROCESSED_GREEDY if params.greedy else _PROCESSED_SAMPLE, None, generator)
+    lp = torch.log_softmax(x, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+    return nxt, lp
 
 
 def _full_logits(model, seqs, rows) -> torch.Tensor:
@@ -371,7 +405,7 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
                     generator: Optional[torch.Generator] = None, lengths=None,
                     prefill_chunk_size: Optional[int] = 2048, cancel: Cancel = None, output: str = "ids",
                     static: Optional[bool] = None, cuda_graph: Optional[bool] = None,
-                    _state: Optional[dict] = None, **sampling_kw):
+                    _state: Optional[dict] = None, _logprobs: bool = False, **sampling_kw):
     """Yield generated tokens as they are produced.
 
     output="ids": for one prompt yields each new token id (int); for a batch yields a list with the new id of
@@ -393,7 +427,7 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
     if stops or output == "text":
         streams = [TextStream(tokenizer, stops) for _ in prompts]
     events = _events(model, prompts, int(max_new_tokens), use_cache, params, stop_ids, streams, gen,
-                     prefill_chunk_size, cancel, state, static, cuda_graph)
+                     prefill_chunk_size, cancel, state, static, cuda_graph, _logprobs)
     if output == "events":
         yield from events
     elif output == "ids":
@@ -444,7 +478,8 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
              stop_token_ids=None, stop_strings=None, seed: Optional[int] = None,
              generator: Optional[torch.Generator] = None, lengths=None, prefill_chunk_size: Optional[int] = 2048,
              cancel: Cancel = None, pad_token_id: Optional[int] = None, return_dict: bool = False,
-             static: Optional[bool] = None, cuda_graph: Optional[bool] = None, **sampling_kw):
+             static: Optional[bool] = None, cuda_graph: Optional[bool] = None, return_logprobs: bool = False,
+             record_routing: bool = False, **sampling_kw):
     """Generate up to `max_new_tokens` tokens per prompt; returns the prompt + new tokens as a LongTensor
     [B, max length] (right-padded with pad_token_id, default config.pad_token_id), or a GenerationOutput with
     return_dict=True.
@@ -457,14 +492,36 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
     forward during prefill (None = one shot). cancel: threading.Event or callable checked every step.
     use_cache=False recomputes the full forward every step (reference path). static / cuda_graph: the fused,
     shape-static decode step (k3.generation.static), CUDA-graph captured with cuda_graph=True; default (None): on
-    for CUDA models that pass its self-check, off on CPU."""
+    for CUDA models that pass its self-check, off on CPU.
+
+    For RL and other engines (both imply return_dict=True):
+    return_logprobs=True: `out.logprobs[i][s]` is the sampler's log-probability of `out.new_tokens[i][s]`, fp32:
+    log_softmax of the processed logits it was drawn from (repetition penalty and temperature applied; with
+    top-k/top-p, the truncated distribution renormalised over the kept tokens, i.e. what was actually sampled;
+    greedy decoding: the argmax under the penalised logits at temperature 1). The processed logits are computed
+    once per step; without the flag the step is unchanged.
+    record_routing=True: `out.routing[i]` = {router name: LongTensor [prompt + new, k]} of the experts the
+    sampler's routers picked per position (k3.rl.routing.GenerateRoutingRecorder; -1 where unknown), or
+    `out.routing` None when the calls could not be mapped (a warning says why). Needs use_cache=True and the
+    module-level decode (static/cuda_graph off: they are turned off, and refused if asked for)."""
+    if record_routing:
+        if not use_cache or static or cuda_graph:
+            raise RequestError("record_routing=True needs use_cache=True and static=False, cuda_graph=False "
+                               "(the fused static decode step bypasses the router hooks)")
+        static, cuda_graph = False, False
+    return_dict = return_dict or return_logprobs or record_routing
     state: dict = {}
-    for _ in stream_generate(model, input_ids, max_new_tokens, use_cache, tokenizer=tokenizer,
-                             stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed,
-                             generator=generator, lengths=lengths, prefill_chunk_size=prefill_chunk_size,
-                             cancel=cancel, output="events", static=static, cuda_graph=cuda_graph, _state=state,
-                             **sampling_kw):
-        pass
+    rec = None
+    if record_routing:
+        from k3.rl.routing import GenerateRoutingRecorder   # lazy: k3.rl imports k3.generation
+        rec = GenerateRoutingRecorder(model)
+    with (rec if rec is not None else contextlib.nullcontext()):
+        for _ in stream_generate(model, input_ids, max_new_tokens, use_cache, tokenizer=tokenizer,
+                                 stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed,
+                                 generator=generator, lengths=lengths, prefill_chunk_size=prefill_chunk_size,
+                                 cancel=cancel, output="events", static=static, cuda_graph=cuda_graph,
+                                 _state=state, _logprobs=return_logprobs, **sampling_kw):
+            pass
     prompts, new = state["prompts"], state.get("new_tokens", [[] for _ in state["prompts"]])
     reasons = [r or "cancelled" for r in state.get("finish_reasons", ["cancelled"] * len(prompts))]
     pad = model.config.pad_token_id if pad_token_id is None else int(pad_token_id)
@@ -483,7 +540,12 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
             t = _decode(tokenizer, n)
             cut = state["text_cut"][i]
             texts.append(t[:cut] if cut >= 0 else t)
-    return GenerationOutput(seq, [len(p) for p in prompts], new, reasons, texts)
+    out = GenerationOutput(seq, [len(p) for p in prompts], new, reasons, texts)
+    if return_logprobs:
+        out.logprobs = [list(x) for x in state.get("logprobs", [[] for _ in prompts])]
+    if rec is not None:
+        out.routing = rec.assign(prompts, new, prefill_chunk_size)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- text

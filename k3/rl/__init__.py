@@ -8,6 +8,8 @@
     k3.rl.rollout    multi-turn batched rollouts through k3.generate, partial rollouts, token budgets
     k3.rl.safety     output filter, reward audit log, human-review gate
     k3.rl.loop       one GRPO update over packed rollouts (routing replayed), metrics.jsonl rows
+    k3.rl.trainer    `k3 rl`: the RL run (RLConfig, RLRunner): rollouts, safety hooks, updates, checkpoints, resume
+    k3.rl.cli        the `k3 rl` flags (`k3 sft` is in k3/train/cli.py: the pre-training trainer on chat data)
 """
 from k3.rl.env import (CalculatorEnv, Env, EnvError, EnvProtocolError, KVLookupEnv, MultiToolEnv, ToolCallError,
                        ToolEnv, checked, list_envs, make_env, register_env, safe_eval)

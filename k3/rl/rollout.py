@@ -13,9 +13,12 @@ finish_reason "budget" and reward 0), `max_new_tokens_per_turn` caps one assista
 generated that many tokens in the current `collect` call pauses (even mid-turn) and resumes in the next call; a
 GRPO group is returned only when all of its samples are finished.
 
-Sampler log-probs: `k3.generate` does not return them, so they are recomputed after the episode with
-`token_logprobs` under no_grad (sampling temperature applied; top-k/top-p truncation is not), with the rollout's
-routing replayed when it was recorded (`record_routing`, see k3/rl/routing.py).
+Sampler log-probs (`compute_logprobs`): `k3.generate(..., return_logprobs=True)` returns the log-probability of
+every sampled token under the distribution it was drawn from (temperature applied; with top-k/top-p the truncated,
+renormalised distribution), so nothing is recomputed. `recompute_logprobs=True` instead recomputes them after the
+episode with `token_logprobs` under no_grad (sampling temperature applied, top-k/top-p truncation not), replaying
+the rollout's routing when it was recorded: the trainer's view of the same tokens (tests check the two agree).
+Routing (`record_routing`): `k3.generate(..., record_routing=True)` (k3/rl/routing.py).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from k3.chat import parse_assistant, render_messages
 from k3.errors import K3ConfigError
 from k3.rl.env import CheckedEnv, EnvProtocolError, ToolCallError, checked, make_env, normalize_tool_call
 from k3.rl.logprobs import token_logprobs
-from k3.rl.routing import GenerateRoutingRecorder, concat_routing, replay_routing
+from k3.rl.routing import concat_routing, replay_routing
 
 __all__ = ["RolloutConfig", "Trajectory", "RolloutEngine", "pack_trajectories"]
 
@@ -48,7 +51,8 @@ class RolloutConfig:
     thinking: bool = False
     prefill_chunk_size: Optional[int] = 2048
     record_routing: bool = True
-    compute_logprobs: bool = True
+    compute_logprobs: bool = True            # sampler log-probs from k3.generate (return_logprobs=True)
+    recompute_logprobs: bool = False         # instead: recompute them with token_logprobs after the episode
     logprob_chunk: int = 1024
     logprob_pack_tokens: int = 16384         # tokens per packed no-grad forward for the sampler log-probs
     seed: int = 0
@@ -140,6 +144,11 @@ class RolloutEngine:
         self.calls = 0
         self.stats = {"generated_tokens": 0, "generate_seconds": 0.0}
 
+    @property
+    def _from_generate(self) -> bool:
+        """Sampler log-probs come from k3.generate (not recomputed after the episode)."""
+        return self.cfg.compute_logprobs and not self.cfg.recompute_logprobs
+
     # ------------------------------------------------------------------------------------------ groups
     def start_group(self, seed: int, group: int) -> List[Trajectory]:
         out = []
@@ -151,8 +160,11 @@ class RolloutEngine:
             if len(ids) >= self.cfg.max_tokens:
                 raise K3ConfigError(f"env {env.name!r} seed {seed}: the prompt has {len(ids)} tokens, "
                                     f"rollout.max_tokens is {self.cfg.max_tokens}")
-            out.append(Trajectory(env.name, int(seed), group, j, prompt, list(ids), [False] * len(ids), len(ids),
-                                  messages=[dict(m) for m in prompt["messages"]], env=env, turn_start=len(ids)))
+            t = Trajectory(env.name, int(seed), group, j, prompt, list(ids), [False] * len(ids), len(ids),
+                           messages=[dict(m) for m in prompt["messages"]], env=env, turn_start=len(ids))
+            if self._from_generate:
+                t.sampler_logprobs = [0.0] * len(ids)
+            out.append(t)
         return out
 
     def collect(self, seeds: Sequence[int], group_ids: Optional[Sequence[int]] = None) -> List[List[Trajectory]]:
@@ -164,7 +176,7 @@ class RolloutEngine:
         self.run(trajs)
         ready = [g for g in self.pending if all(t.done for t in g)]
         self.pending = [g for g in self.pending if not all(t.done for t in g)]
-        if self.cfg.compute_logprobs:
+        if self.cfg.compute_logprobs and self.cfg.recompute_logprobs:
             self.sampler_logprobs([t for g in ready for t in g])
         for g in ready:
             for t in g:
@@ -197,19 +209,14 @@ class RolloutEngine:
             self.calls += 1
             kw = dict(do_sample=c.do_sample, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k) \
                 if c.do_sample else {}
-            rec = GenerateRoutingRecorder(self.model) if c.record_routing else None
+            if c.record_routing:
+                kw.update(record_routing=True, static=False, cuda_graph=False)
+            if self._from_generate:
+                kw["return_logprobs"] = True
             t0 = time.perf_counter()
-            if rec is not None:
-                with rec:
-                    out = generate(self.model, prompts, max(caps), stop_token_ids=[self.eom],
-                                   seed=_seed(c.seed, self.calls), prefill_chunk_size=c.prefill_chunk_size,
-                                   return_dict=True, static=False, cuda_graph=False, **kw)
-                picks = rec.assign(prompts, out.new_tokens, c.prefill_chunk_size)
-            else:
-                out = generate(self.model, prompts, max(caps), stop_token_ids=[self.eom],
-                               seed=_seed(c.seed, self.calls), prefill_chunk_size=c.prefill_chunk_size,
-                               return_dict=True, **kw)
-                picks = None
+            out = generate(self.model, prompts, max(caps), stop_token_ids=[self.eom], seed=_seed(c.seed, self.calls),
+                           prefill_chunk_size=c.prefill_chunk_size, return_dict=True, **kw)
+            picks = out.routing if c.record_routing else None
             self.stats["generate_seconds"] += time.perf_counter() - t0
             for i, (t, cap) in enumerate(zip(batch, caps)):
                 new = list(out.new_tokens[i][:cap])
@@ -217,6 +224,8 @@ class RolloutEngine:
                 self._merge_routing(t, picks[i] if picks is not None else None, len(prompts[i]) + len(new))
                 t.token_ids += new
                 t.gen_mask += [True] * len(new)
+                if self._from_generate:
+                    t.sampler_logprobs += [float(x) for x in out.logprobs[i][:len(new)]]
                 t.iter_tokens += len(new)
                 if new and new[-1] == self.eom:
                     self._end_turn(t)
@@ -297,6 +306,8 @@ class RolloutEngine:
         suffix = tool_ids + self.gen_prompt_ids
         t.token_ids += suffix
         t.gen_mask += [False] * len(suffix)
+        if t.sampler_logprobs is not None and self._from_generate:
+            t.sampler_logprobs += [0.0] * len(suffix)
         if t.routing:
             for k, v in t.routing.items():
                 t.routing[k] = torch.cat([v, v.new_full((len(suffix), v.shape[1]), -1)])

@@ -32,7 +32,10 @@ IGNORE_INDEX = -100
 BUILTIN_TASKS = ("calculator", "kv-lookup", "multi-tool")
 
 __all__ = ["SFTDataError", "expert_conversation", "builtin_sft_set", "load_chats", "encode_chat", "EncodedChat",
-           "pack_rows", "SFTLoader", "BUILTIN_TASKS"]
+           "pack_rows", "SFTLoader", "SFTValLoader", "SFTData", "build_sft_data", "BUILTIN_TASKS",
+           "VAL_SEED"]
+
+VAL_SEED = 1   # builtin_sft_set(seed=VAL_SEED): the generated validation conversations (disjoint from seed 0)
 
 
 class SFTDataError(K3ConfigError):
@@ -230,9 +233,21 @@ class SFTLoader:
     def assistant_tokens(self) -> int:
         return sum(sum(c.mask) for c in self.encoded)
 
-    def next_batch(self) -> Dict[str, torch.Tensor]:
+    @property
+    def epoch_progress(self) -> float:
+        """Epochs completed, fractional (the trainer's metrics column)."""
+        n = self.rows_per_epoch
+        return self.epoch + (self.pos / n if n else 0.0)
+
+    def next_batch(self, seq_len: Optional[int] = None, batch_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
+        """The next `batch_size` rows (default: the loader's). `seq_len`, when given (the trainer passes its stage
+        length), must be the loader's: SFT rows are packed per epoch at one length (one context stage)."""
+        if seq_len is not None and int(seq_len) != self.seq_len:
+            raise K3ConfigError(f"SFT rows are packed at seq_len {self.seq_len}, the trainer asked for {seq_len}: "
+                                f"SFT runs use one context stage (--stages {self.seq_len}:1)")
+        want = self.batch_size if batch_size is None else int(batch_size)
         ri, rl, st, out_i, out_l, out_s = None, None, None, [], [], []
-        while len(out_i) < self.batch_size:
+        while len(out_i) < want:
             ri, rl, st = self._epoch_rows()
             if self.pos >= len(ri):
                 self.epoch, self.pos = self.epoch + 1, 0
@@ -255,3 +270,61 @@ class SFTLoader:
             raise SFTDataError(f"SFT loader state is for {state.get('num_chats')} conversations, this data has "
                                f"{len(self.encoded)}")
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
+
+
+class SFTValLoader:
+    """Fixed validation batches over encoded conversations: packed in their given order (first fit), the same
+    batches every time (the `batches()` interface of k3.train.data.ValLoader)."""
+
+    def __init__(self, encoded: Sequence[EncodedChat], seq_len: int, batch_size: int, pad_id: int):
+        self.encoded, self.seq_len, self.batch_size, self.pad_id = list(encoded), int(seq_len), int(batch_size), pad_id
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c) for c in self.encoded)
+
+    def batches(self, seq_len: Optional[int] = None, batch_size: Optional[int] = None,
+                max_batches: Optional[int] = None) -> Iterator[Dict[str, torch.Tensor]]:
+        T, B = int(seq_len or self.seq_len), int(batch_size or self.batch_size)
+        ri, rl, st, _ = pack_rows(self.encoded, T, self.pad_id)
+        done = 0
+        for s in range(0, len(ri), B):
+            if max_batches is not None and done >= max_batches:
+                return
+            yield _batch(ri[s:s + B], rl[s:s + B], st[s:s + B], T)
+            done += 1
+
+
+class SFTData:
+    """What the trainer reads (the fields of k3.train.data.K3Data): tokenizer, train (SFTLoader), val."""
+
+    def __init__(self, tokenizer, train: SFTLoader, val: SFTValLoader, num_train_docs: int, num_val_docs: int):
+        self.tokenizer, self.train, self.val = tokenizer, train, val
+        self.num_train_docs, self.num_val_docs = num_train_docs, num_val_docs
+
+
+def build_sft_data(tokenizer, seq_len: int, batch_size: int, seed: int = 0, data: Optional[str] = None,
+                   n_per_task: int = 200, tasks: Sequence[str] = BUILTIN_TASKS, thinking: bool = False,
+                   val_fraction: float = 0.05) -> SFTData:
+    """SFT data for `k3 sft`: `data` (a chats.jsonl) or, without it, the generated set of the built-in `tasks`
+    (`n_per_task` each; validation: a generated set of seed VAL_SEED, disjoint). A chats.jsonl holds out every
+    round(1 / val_fraction)-th conversation for validation when it has at least 20, else validates on the
+    training conversations (said in the log)."""
+    if data is None:
+        train = builtin_sft_set(n_per_task, tasks, seed=0)
+        val = builtin_sft_set(max(1, int(n_per_task * val_fraction)) if n_per_task >= 20 else n_per_task, tasks,
+                              seed=VAL_SEED)
+    else:
+        chats = load_chats(data)
+        every = max(2, round(1 / val_fraction)) if val_fraction > 0 else 0
+        if every and len(chats) >= 20:
+            val = [c for i, c in enumerate(chats) if i % every == every - 1]
+            train = [c for i, c in enumerate(chats) if i % every != every - 1]
+        else:
+            import logging
+            logging.getLogger("k3.train").warning("%s: %d conversations: validating on the training set", data,
+                                                  len(chats))
+            train, val = chats, chats
+    loader = SFTLoader(train, tokenizer, seq_len, batch_size, seed=seed, thinking=thinking)
+    venc = [encode_chat(c, tokenizer, thinking, where=f"validation conversation {i}") for i, c in enumerate(val)]
+    return SFTData(tokenizer, loader, SFTValLoader(venc, seq_len, batch_size, tokenizer.pad_id), len(train), len(val))

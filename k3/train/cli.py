@@ -20,6 +20,12 @@ _FIELDS = {
     "no_tensorboard": "tensorboard", "no_samples": "samples", "overwrite": "overwrite",
 }
 _NEGATED = {"no_progress", "no_tensorboard", "no_samples"}
+# `k3 sft`: its own flags -> TrainConfig fields (the shared ones as above; --data is the chats.jsonl)
+_SFT_FIELDS = dict({k: v for k, v in _FIELDS.items() if k not in ("preset", "config", "data", "split_sections",
+                                                                   "stages")},
+                   ckpt="init_from", data="sft_data", per_task="sft_per_task", tasks="sft_tasks")
+SFT_DEFAULTS = dict(task="sft", steps=100, lr=2e-3, tokens_per_step=4096, stages=[(512, 1.0)], samples=False,
+                    out_dir="runs/k3-sft")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -76,9 +82,85 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return s
 
 
-def _overrides(args) -> dict:
+def add_sft_parser(subparsers) -> argparse.ArgumentParser:
+    """`k3 sft`: the same trainer, checkpoints and resume as `k3 train`, on chat data with assistant-only loss."""
+    d = SFT_DEFAULTS
+    s = subparsers.add_parser(
+        "sft", help="supervised fine-tuning on the K3 chat format (loss on assistant tokens only)",
+        description="Fine-tune a trained checkpoint on chats (K3 chat format: system, tools, tool calls and "
+                    "results, thinking/response) with the `k3 train` trainer: packed rows with cu_seqlens, loss on "
+                    "assistant tokens only, checkpoints and exact --resume. Without --data: the generated SFT set "
+                    "of the built-in tasks (calculator, kv-lookup, multi-tool).",
+        epilog="Outputs in --out as for k3 train (metrics.jsonl, checkpoints/, final/, loss.png, report.md).")
+    a = s.add_argument
+    a("--ckpt", default=None, help="the model to fine-tune: a checkpoint dir, a run's final/, or a run dir "
+                                   "(required for a new run)")
+    a("--data", default=None, help="chats.jsonl: one {\"messages\": [...], \"tools\": [...]} per line "
+                                   "[the generated set of the built-in tasks]")
+    a("--tasks", nargs="+", default=None, help="built-in tasks of the generated set [calculator kv-lookup multi-tool]")
+    a("--per-task", type=int_at_least(1), default=None, help="generated conversations per task [200]")
+    a("--seq-len", type=int_at_least(2), default=None, help=f"packed row length [{d['stages'][0][0]}]")
+    a("--out", default=None, help=f"run directory [{d['out_dir']}]")
+    a("--steps", type=int_at_least(1), default=None, help=f"optimizer steps [{d['steps']}]")
+    a("--batch-tokens", type=int_at_least(1), default=None, help=f"tokens per optimizer step [{d['tokens_per_step']}]")
+    a("--lr", type=finite_float(0, lo_open=True), default=None, help=f"peak learning rate [{d['lr']}]")
+    a("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    a("--overwrite", action="store_true", default=None, help="replace a run in --out")
+    a("--stop-at", type=int_at_least(1), default=None, help="stop (with a checkpoint) after this step")
+    a("--save-every", type=int_at_least(0), default=None, help="checkpoint every N steps; 0 = at the end [0]")
+    a("--keep", type=int_at_least(1), default=None, help="checkpoints to keep [2]")
+    a("--warmup", type=int_at_least(0), default=None, help="warm-up steps [5%% of --steps]")
+    a("--weight-decay", type=finite_float(0), default=None, help="[0.1]")
+    a("--grad-clip", type=finite_float(0), default=None, help="gradient-norm clip, 0 = off [1.0]")
+    a("--grad-accum", type=int_at_least(1), default=None, help="micro-batches per step [1]")
+    a("--balancer", default=None, choices=["qb", "qb_hist", "qb_ema", "sign", "aux_loss", "none"],
+      help="MoE load balancer [qb]")
+    a("--seed", type=int, default=None, help="[0]")
+    a("--device", default=None, help="auto | cpu | cuda[:N] [auto]")
+    a("--threads", type=int_at_least(1), default=None, help="torch CPU threads")
+    a("--activation-checkpointing", action="store_true", default=None, help="recompute layers in backward")
+    a("--param-dtype", default=None, choices=["auto", "fp32", "bf16"], help="parameter storage [auto]")
+    a("--compile", default=None, choices=["auto", "none", "modules", "layers", "model"], help="[auto]")
+    a("--eval-every", type=int_at_least(0), default=None, help="evaluate every N steps [steps/4]")
+    a("--val-tokens", type=int_at_least(1), default=None, help="validation tokens per evaluation [4096]")
+    a("--max-bad-steps", type=int_at_least(0), default=None, help="consecutive NaN/inf steps tolerated [5]")
+    a("--tokenizer", default=None, help="tokenizer.json (or its dir) [the checkpoint's]")
+    a("--no-progress", action="store_true", default=None, help="no progress bar")
+    a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
+    a("--json", action="store_true", help="print the summary as JSON")
+    s.set_defaults(fn=run_sft)
+    return s
+
+
+def build_sft_config(args) -> TrainConfig:
+    from k3.errors import K3ConfigError
+    from k3.train.config import resume_config
+    ov = _overrides(args, _SFT_FIELDS)
+    if getattr(args, "seq_len", None) is not None:
+        ov["stages"] = [(int(args.seq_len), 1.0)]
+    if args.resume and ov.get("overwrite"):
+        raise K3ConfigError("--resume and --overwrite exclude each other (continue the run, or replace it)")
+    out_dir = ov.pop("out_dir", SFT_DEFAULTS["out_dir"])
+    if args.resume:
+        return resume_config(out_dir, ov)
+    if ov.get("init_from") is None:
+        raise K3ConfigError("k3 sft: --ckpt is required (the trained checkpoint to fine-tune)")
+    cfg = TrainConfig(**{k: v for k, v in SFT_DEFAULTS.items() if k != "out_dir"}, out_dir=out_dir)
+    for k, v in ov.items():
+        setattr(cfg, k, v)
+    if "stages" not in ov and cfg.tokens_per_step < cfg.stages[0][0]:
+        cfg.stages = [(cfg.tokens_per_step, 1.0)]
+    cfg.validate()
+    return cfg
+
+
+def run_sft(args) -> int:
+    return _run(args, build_sft_config(args), "k3 sft")
+
+
+def _overrides(args, fields=None) -> dict:
     out = {}
-    for dest, fld in _FIELDS.items():
+    for dest, fld in (fields or _FIELDS).items():
         v = getattr(args, dest, None)
         if v is None:
             continue
@@ -107,14 +189,18 @@ def build_train_config(args) -> TrainConfig:
 
 
 def run(args) -> int:
+    return _run(args, build_train_config(args), "k3 train")
+
+
+def _run(args, cfg: TrainConfig, name: str) -> int:
     import json
     from k3.train.report import format_summary
     from k3.train.trainer import Trainer
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("k3.checkpoint").setLevel(logging.WARNING)
-    cfg = build_train_config(args)
     trainer = Trainer(cfg)
-    print(f"k3 train: preset {cfg.config or cfg.preset}, {cfg.steps} steps x {cfg.tokens_per_step} tokens, "
+    model = f"from {cfg.init_from}" if cfg.init_from else f"preset {cfg.config or cfg.preset}"
+    print(f"{name}: {model}, {cfg.steps} steps x {cfg.tokens_per_step} tokens, "
           f"stages {format_stages(parse_stages(cfg.stages))}, out {cfg.out_dir}"
           + (" (resume)" if cfg.resume else ""), flush=True)
     summary = trainer.train()

@@ -26,7 +26,8 @@ log = logging.getLogger("k3.train")
 
 __all__ = ["TrainConfig", "parse_stages", "format_stages", "resolve_compile", "resolve_param_dtype",
            "resume_config", "check_resume_settings", "resolve_device", "auto_threads", "stored_train_config", "DEFAULT_STAGES", "DEFAULT_STEPS",
-           "DEFAULT_TOKENS_PER_STEP", "RUN_FIXED", "SESSION_ONLY", "FLAG_NAMES", "TRAIN_CONFIG_NAME"]
+           "DEFAULT_TOKENS_PER_STEP", "RUN_FIXED", "SESSION_ONLY", "FLAG_NAMES", "TRAIN_CONFIG_NAME",
+           "resolve_init_checkpoint", "TASKS"]
 
 # Default run (`k3 train` with no arguments): the `tiny` preset on the built-in corpus, sized to finish within
 # ~10 minutes on 2 CPU cores including tokenizer training (see benchmarks/RESULTS.md / the trainer tests).
@@ -47,12 +48,16 @@ FLAG_NAMES = {
     "val_tokens": "--val-tokens", "split_sections": "--split-sections", "threads": "--threads",
     "compile": "--compile", "param_dtype": "--param-dtype", "progress": "--no-progress",
     "tensorboard": "--no-tensorboard", "samples": "--no-samples", "overwrite": "--overwrite",
+    "init_from": "--ckpt", "task": "the subcommand (k3 train / k3 sft)", "sft_data": "--data (k3 sft)",
+    "sft_per_task": "--per-task", "sft_tasks": "--tasks",
 }
 
 # the continued run's numbers depend on these: a resumed run keeps them (a different value is refused)
 RUN_FIXED = ("preset", "config", "model_overrides", "tokens_per_step", "stages", "grad_accum", "seed", "data",
              "split_sections", "tokenizer", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio",
-             "grad_clip", "qk_clip_tau", "balancer", "param_dtype")
+             "grad_clip", "qk_clip_tau", "balancer", "param_dtype", "init_from", "task", "sft_data", "sft_per_task",
+             "sft_tasks")
+TASKS = ("pretrain", "sft")
 # one invocation's request, not a property of the run: never read back from train_config.json
 SESSION_ONLY = ("stop_at", "resume", "overwrite")
 
@@ -196,6 +201,15 @@ class TrainConfig:
     sample_tokens: int = 24
     plot: bool = True
     cache_dir: Optional[str] = None
+    # start from a trained checkpoint (`--ckpt`: a checkpoint directory, a run's final/, or a run directory: its
+    # final/ else its latest checkpoint): its config, tokenizer and weights; the optimizer starts fresh
+    init_from: Optional[str] = None
+    # "pretrain": next-token loss on a corpus (`data`); "sft": the K3 chat format, loss on assistant tokens only
+    # (k3.rl.sft_data: `sft_data` chats.jsonl, or the generated set of `sft_tasks`, `sft_per_task` each)
+    task: str = "pretrain"
+    sft_data: Optional[str] = None
+    sft_per_task: int = 200
+    sft_tasks: list = field(default_factory=lambda: ["calculator", "kv-lookup", "multi-tool"])
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -261,6 +275,43 @@ class TrainConfig:
                                         f"the built-in corpus is 'pydocs')")
         if self.tokenizer is not None and not os.path.exists(self.tokenizer):
             raise K3ConfigError(f"--tokenizer: {self.tokenizer!r} does not exist")
+        if self.task not in TASKS:
+            raise K3ConfigError(f"TrainConfig.task must be one of {TASKS}, got {self.task!r}")
+        if self.init_from is not None:
+            resolve_init_checkpoint(self.init_from)
+        if self.task == "sft":
+            if self.init_from is None and self.tokenizer is None:
+                raise K3ConfigError("k3 sft needs --ckpt (a trained checkpoint: its tokenizer has the chat tokens)")
+            if len(self.stages) != 1:
+                raise K3ConfigError(f"k3 sft uses one context stage (SFT rows are packed at one length), got "
+                                    f"--stages {format_stages(self.stages)}")
+            need(is_int(self.sft_per_task) and self.sft_per_task >= 1, "sft_per_task", "an integer >= 1")
+            if self.sft_data is not None and not os.path.isfile(self.sft_data):
+                raise K3ConfigError(f"--data: SFT data file {self.sft_data!r} does not exist (a chats.jsonl)")
+            from k3.rl.env import list_envs
+            bad = [t for t in self.sft_tasks if t not in list_envs()]
+            if not self.sft_tasks or bad:
+                raise K3ConfigError(f"--tasks: unknown task(s) {bad} (built in: {', '.join(list_envs())})")
+
+
+def resolve_init_checkpoint(path: str) -> str:
+    """The model directory `--ckpt` names: itself when it holds a model (config.json + safetensors), else a run
+    directory's final/, else its latest checkpoint. K3ConfigError when there is none."""
+    def is_model(d):
+        return os.path.isfile(os.path.join(d, "config.json")) and any(
+            n.endswith(".safetensors") for n in os.listdir(d))
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise K3ConfigError(f"--ckpt: {path!r} is not a directory")
+    if is_model(path):
+        return path
+    if os.path.isdir(os.path.join(path, "final")) and is_model(os.path.join(path, "final")):
+        return os.path.join(path, "final")
+    from k3.train.checkpointing import latest_checkpoint
+    last = latest_checkpoint(path)
+    if last is not None and is_model(last):
+        return last
+    raise K3ConfigError(f"--ckpt: {path!r} holds no model (config.json + *.safetensors), no final/ and no "
+                        f"checkpoints/step-N/")
 
 
 def resolve_compile_checked(mode) -> None:

@@ -26,6 +26,11 @@ A non-finite loss or gradient norm skips the step (no optimizer update, gradient
 `max_bad_steps` in a row stop the run with `TrainingError`. A run whose final weights or validation loss are not
 finite fails with `TrainingError` and writes no `final/`.
 
+Post-training (`k3 sft`): `init_from` (`--ckpt`) starts from a trained checkpoint's config, tokenizer and weights
+(fresh optimizer); `task="sft"` trains on the K3 chat format with the loss on assistant tokens only
+(k3.rl.sft_data: a chats.jsonl or the generated set of the built-in tasks, one context stage). `Trainer(cfg,
+data=factory)` takes any external data source with the same interface (see `Trainer.__init__`).
+
 Exact resume: `resume=True` restores everything a step depends on, so on CPU the continued run reproduces the
 uninterrupted one bit for bit (same `steps`; changing `steps` on resume re-times the LR schedule and stages).
 """
@@ -87,8 +92,14 @@ class Callback:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, model_config: Optional[K3Config] = None,
-                 callbacks: Sequence[Callback] = ()):
+                 callbacks: Sequence[Callback] = (), data=None):
+        """data: an external data source instead of `cfg.data` -- a callable (tokenizer, seq_len, batch_size,
+        seed) -> an object with `tokenizer`, `train` (next_batch(seq_len, batch_size), state_dict(),
+        load_state_dict(), epoch_progress) and `val` (batches(seq_len, batch_size, max_batches)), e.g.
+        k3.rl.sft_data.build_sft_data. The tokenizer comes from `cfg.tokenizer`, the run's checkpoint when
+        resuming, or `cfg.init_from`. `cfg.task == "sft"` uses k3.rl.sft_data when `data` is None."""
         self.cfg = cfg
+        self._data_factory = data
         self.callbacks = list(callbacks)
         self._model_config = model_config
         self.step = 0                 # optimizer steps completed
@@ -166,9 +177,15 @@ class Trainer:
         self.threads = torch.get_num_threads()
         ckpt_io.seed_everything(cfg.seed)
 
+        init = None
+        if cfg.init_from is not None:
+            from k3.train.config import resolve_init_checkpoint
+            init = resolve_init_checkpoint(cfg.init_from)
         # ---- model config (a resumed run always uses the run's own config.json)
         if ckpt is not None and os.path.isfile(self._path("config.json")):
             mcfg = K3Config.from_json(self._path("config.json"))
+        elif init is not None:
+            mcfg = K3Config.load(init)
         elif self._model_config is not None:
             mcfg = self._model_config
         else:
@@ -181,12 +198,27 @@ class Trainer:
         first_seq = self._stage_seq_len(0)
         rows = cfg.tokens_per_step // first_seq
         tok_path = cfg.tokenizer
-        if ckpt is not None and tok_path is None and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
-            tok_path = ckpt
+        for src in (ckpt, init):
+            if src is not None and tok_path is None and os.path.isfile(os.path.join(src, "tokenizer.json")):
+                tok_path = src
         t0 = time.time()
-        self.data = build_data(cfg.data, vocab_size=mcfg.vocab_size, seq_len=first_seq, batch_size=rows,
-                               seed=cfg.seed, tokenizer_path=tok_path, cache=cfg.cache_dir,
-                               split_sections=cfg.split_sections)
+        factory = self._data_factory
+        if factory is None and cfg.task == "sft":
+            from k3.rl.sft_data import build_sft_data
+
+            def factory(tok, seq_len, batch_size, seed):
+                return build_sft_data(tok, seq_len, batch_size, seed=seed, data=cfg.sft_data,
+                                      n_per_task=cfg.sft_per_task, tasks=cfg.sft_tasks)
+        if factory is not None:
+            if tok_path is None:
+                raise K3ConfigError("an external data source needs a tokenizer: --tokenizer, or --ckpt with a "
+                                    "tokenizer.json")
+            from k3.train.data import HFTokenizer, get_tokenizer
+            self.data = factory(HFTokenizer(get_tokenizer(path=tok_path)), first_seq, rows, cfg.seed)
+        else:
+            self.data = build_data(cfg.data, vocab_size=mcfg.vocab_size, seq_len=first_seq, batch_size=rows,
+                                   seed=cfg.seed, tokenizer_path=tok_path, cache=cfg.cache_dir,
+                                   split_sections=cfg.split_sections)
         self.data_time = time.time() - t0
         self.tokenizer = tok = self.data.tokenizer
         if tok.vocab_size > mcfg.vocab_size:
@@ -202,6 +234,8 @@ class Trainer:
         from k3.train.build import build_model
         self.model, self.param_dtype, self.compile_mode = build_model(cfg, mcfg, self.device)
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        if init is not None and ckpt is None:
+            self._load_init_weights(init)
 
         # ---- optimizer / schedule / balancer
         from k3.train.optim import build_optimizer
@@ -224,6 +258,17 @@ class Trainer:
         mcfg.save_json(self._path("config.json"))
         ckpt_io.atomic_json(self.cfg.to_dict(), self._path("train_config.json"))
         ckpt_io.cleanup_tmp(cfg.out_dir)
+
+    def _load_init_weights(self, path: str) -> None:
+        """The weights of `--ckpt` (every model key must match; the optimizer starts fresh)."""
+        from k3.checkpoint import load_state_dict
+        from k3.errors import CheckpointError
+        sd = load_state_dict(path, config=self.model_config)
+        missing, unexpected = self.model.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"--ckpt {path}: model keys do not match (missing {missing[:5]}, unexpected "
+                                  f"{unexpected[:5]})")
+        log.info("initialised from %s", path)
 
     def _stage_seq_len(self, idx: int) -> int:
         from k3.train.schedule import _validate

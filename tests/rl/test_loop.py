@@ -13,7 +13,8 @@ from k3.rl.routing import replay_routing
 def test_grpo_update_on_rollouts(toy_tok, make_tiny_model):
     model = make_tiny_model(toy_tok.vocab_size, toy_tok.eos_id, toy_tok.pad_id, toy_tok.bos_id, seed=5)
     eng = RolloutEngine(model, toy_tok, "calculator",
-                        RolloutConfig(group_size=2, max_new_tokens_per_turn=5, max_turns=1, seed=2))
+                        RolloutConfig(group_size=2, max_new_tokens_per_turn=5, max_turns=1, seed=2,
+                                      recompute_logprobs=True))
     groups = eng.collect([21])
     cfg = GRPOConfig(group_size=2, tis_cap=2.0)
     trajs, adv = flatten_groups(groups, cfg)

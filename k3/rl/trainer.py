@@ -1,0 +1,522 @@
+"""`k3 rl`: GRPO-family RL of a trained checkpoint on a registered environment (`RLRunner(RLConfig(...)).run()`).
+
+Per step: collect `prompts_per_step` groups of `group_size` rollouts through `k3.generate` (sampler log-probs and
+routed experts recorded; prompt seeds `seed_offset + step * prompts_per_step + i`, disjoint from the generated SFT
+set's), apply the output filter (filtered -> reward 0), append every trajectory to the audit log, run the
+human-review gate (`review_every`: a rejected batch is not trained on), one `grpo_update` (routing replayed,
+truncated importance sampling against the sampler log-probs, optional KL to the `--ckpt` model), one
+`metrics.jsonl` row.
+
+Run directory (`out_dir`):
+    rl_config.json        the resolved arguments          metrics.jsonl    one strict-JSON row per step
+    audit.jsonl           every trajectory (prompt, calls, outputs, rewards, filter decision)
+    eval.jsonl            greedy reward on fixed held-out prompts (`eval_prompts`), before and after training
+    review/               batches for human review and their approve/reject files
+    checkpoints/step-XXXXXXXX/   model + tokenizer + trainer_state.pt (optimizer, step, RNG, rollout counter),
+                          written atomically, read back with the project's safe loader (weights_only)
+    final/                the trained model;  rewards.png: the reward curve;  train.lock while running
+
+Exact resume (`resume=True`): the model, optimizer, RNG states and the rollout engine's call counter (which seeds
+every generate call) are restored, so the continued run writes the same rows as an uninterrupted one. Paused
+partial rollouts (`iteration_budget`) are not stored: on resume they restart, so with an iteration budget resume
+is not bit-exact.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from k3.errors import K3ConfigError
+
+log = logging.getLogger("k3.rl")
+
+__all__ = ["RLConfig", "RLRunner", "RL_FIXED", "evaluate_reward"]
+
+CONFIG_NAME = "rl_config.json"
+
+# what the continued run's numbers depend on: a resumed run keeps them (a different value is refused)
+RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "weight_decay", "kl_coef",
+            "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature", "top_p", "top_k",
+            "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
+            "seed_offset", "normalize_std", "filter_rules")
+SESSION_ONLY = ("resume", "overwrite", "stop_at")
+FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
+         "steps": "--steps", "lr": "--lr", "kl_coef": "--kl-coef", "clip_low": "--clip-low",
+         "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
+         "filter_rules": "--filter-rules", "iteration_budget": "--iteration-budget", "max_tokens": "--max-tokens",
+         "max_new_tokens_per_turn": "--max-new-tokens", "max_turns": "--max-turns", "temperature": "--temperature",
+         "seed": "--seed", "epochs": "--epochs", "weight_decay": "--weight-decay",
+         "max_grad_norm": "--grad-clip", "save_every": "--save-every", "keep": "--keep",
+         "eval_prompts": "--eval-prompts", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
+         "env_options": "--env-option", "thinking": "--thinking", "replay": "--no-replay",
+         "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm", "review_timeout": "--review-timeout"}
+
+
+def _flag(name: str) -> str:
+    return FLAGS.get(name, f"RLConfig.{name}")
+
+
+@dataclass
+class RLConfig:
+    ckpt: Optional[str] = None               # the policy to train (checkpoint dir, a run's final/, or a run dir)
+    env: str = "calculator"
+    env_options: dict = field(default_factory=dict)
+    out_dir: str = "runs/k3-rl"
+    steps: int = 50
+    group_size: int = 8
+    prompts_per_step: int = 4
+    # optimisation (AdamW, constant LR)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0               # 0 = off
+    epochs: int = 1                          # optimizer steps per batch (the first one is on-policy: ratio 1)
+    # GRPO
+    kl_coef: float = 0.0                     # > 0: k3 KL to the --ckpt model (kept frozen)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float = 2.0                     # 0 = no truncated importance sampling
+    normalize_std: bool = True
+    replay: bool = True                      # replay the rollout's expert choices in the training forward
+    # rollouts
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_turns: int = 4
+    max_tokens: int = 1024                   # whole trajectory (prompt + turns + tool results)
+    max_new_tokens_per_turn: int = 64
+    iteration_budget: Optional[int] = None   # generated tokens per trajectory per step (partial rollouts)
+    thinking: bool = False
+    seed: int = 0
+    seed_offset: int = 10 ** 9               # prompt seeds start here (the generated SFT set uses < 10**9)
+    # safety
+    filter_rules: Optional[str] = None       # JSON rules file (k3.rl.safety)
+    review_every: int = 0
+    review_timeout: float = 3600.0
+    # run
+    eval_prompts: int = 0                    # greedy reward on this many held-out prompts before / after
+    save_every: int = 0                      # 0: only at the end
+    keep: int = 2
+    device: str = "auto"
+    threads: Optional[int] = None
+    plot: bool = True
+    resume: bool = False
+    overwrite: bool = False
+    stop_at: Optional[int] = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RLConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def validate(self) -> None:
+        def need(ok, name, what):
+            if not ok:
+                raise K3ConfigError(f"{_flag(name)} must be {what}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        for n in ("steps", "group_size", "prompts_per_step", "epochs", "max_turns", "max_tokens",
+                  "max_new_tokens_per_turn", "keep"):
+            need(is_int(getattr(self, n)) and getattr(self, n) >= 1, n, "an integer >= 1")
+        for n in ("top_k", "review_every", "eval_prompts", "save_every", "seed_offset"):
+            need(is_int(getattr(self, n)) and getattr(self, n) >= 0, n, "an integer >= 0")
+        need(is_int(self.seed), "seed", "an integer")
+        for n in ("iteration_budget", "threads", "stop_at"):
+            v = getattr(self, n)
+            need(v is None or (is_int(v) and v >= 1), n, "an integer >= 1")
+        need(is_num(self.lr) and self.lr > 0, "lr", "a finite number > 0")
+        need(is_num(self.temperature) and self.temperature > 0, "temperature", "a finite number > 0")
+        need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
+        need(is_num(self.clip_low) and 0 <= self.clip_low < 1, "clip_low", "in [0, 1)")
+        for n in ("weight_decay", "max_grad_norm", "kl_coef", "clip_high", "tis_cap", "review_timeout"):
+            need(is_num(getattr(self, n)) and getattr(self, n) >= 0, n, "a finite number >= 0")
+        if self.group_size < 2:
+            log.warning("--group-size 1: every group-normalised advantage is 0 (nothing is learned)")
+        from k3.rl.env import list_envs
+        if self.env not in list_envs():
+            raise K3ConfigError(f"--env {self.env!r} is not a registered environment (built in: "
+                                f"{', '.join(list_envs())})")
+        if self.filter_rules is not None and not os.path.isfile(self.filter_rules):
+            raise K3ConfigError(f"--filter-rules: {self.filter_rules!r} does not exist")
+        if self.ckpt is None:
+            raise K3ConfigError("k3 rl: --ckpt is required (the policy to train)")
+        from k3.train.config import resolve_init_checkpoint
+        resolve_init_checkpoint(self.ckpt)
+        from k3.train.config import resolve_device
+        resolve_device(self.device)
+
+    def rollout_config(self, **kw):
+        from k3.rl.rollout import RolloutConfig
+        c = RolloutConfig(group_size=self.group_size, max_turns=self.max_turns,
+                          max_new_tokens_per_turn=self.max_new_tokens_per_turn, max_tokens=self.max_tokens,
+                          iteration_budget=self.iteration_budget, do_sample=True, temperature=self.temperature,
+                          top_p=self.top_p, top_k=self.top_k, thinking=self.thinking, record_routing=self.replay,
+                          seed=self.seed)
+        for k, v in kw.items():
+            setattr(c, k, v)
+        return c
+
+    def grpo_config(self):
+        from k3.rl.grpo import GRPOConfig
+        return GRPOConfig(group_size=self.group_size, eps_low=self.clip_low, eps_high=self.clip_high,
+                          normalize_std=self.normalize_std, kl_coef=self.kl_coef,
+                          tis_cap=self.tis_cap if self.tis_cap > 0 else None)
+
+
+def stored_config(out_dir: str) -> Optional[dict]:
+    p = os.path.join(out_dir, CONFIG_NAME)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p) as f:
+            d = json.load(f)
+    except (OSError, ValueError) as e:
+        raise K3ConfigError(f"{p}: cannot read the run's stored arguments: {e}") from None
+    if not isinstance(d, dict):
+        raise K3ConfigError(f"{p}: expected a JSON object")
+    return d
+
+
+def resume_rl_config(out_dir: str, overrides: Optional[dict] = None) -> RLConfig:
+    """The stored arguments of the run in `out_dir` with `overrides`; an override of a RL_FIXED setting that
+    differs from the stored one is refused (naming the flag)."""
+    stored = stored_config(out_dir)
+    base = RLConfig() if stored is None else RLConfig.from_dict({k: v for k, v in stored.items()
+                                                                 if k not in SESSION_ONLY})
+    for k, v in (overrides or {}).items():
+        if stored is not None and k in RL_FIXED and k in stored and stored[k] != v:
+            raise K3ConfigError(f"{_flag(k)} {v!r} differs from the run's {stored[k]!r} "
+                                f"({os.path.join(out_dir, CONFIG_NAME)}): a resumed run keeps the settings its "
+                                f"numbers depend on. Leave {_flag(k)} out to resume, or start a new run.")
+        setattr(base, k, v)
+    base.out_dir, base.resume = out_dir, True
+    return base
+
+
+@torch.no_grad()
+def evaluate_reward(model, tokenizer, cfg: RLConfig, n: int, seed_base: Optional[int] = None) -> Dict[str, Any]:
+    """Greedy rollouts (one per prompt) on `n` fixed held-out prompts: {"reward_mean", "rewards", "finish"}."""
+    from k3.rl.rollout import RolloutEngine
+    base = cfg.seed_offset * 2 if seed_base is None else seed_base
+    eng = RolloutEngine(model, tokenizer, cfg.env, cfg.rollout_config(group_size=1, do_sample=False,
+                                                                      record_routing=False,
+                                                                      compute_logprobs=False),
+                        env_options=cfg.env_options)
+    groups = eng.collect([base + i for i in range(n)])
+    r = [g[0].reward for g in groups]
+    fin: Dict[str, int] = {}
+    for g in groups:
+        fin[g[0].finish_reason] = fin.get(g[0].finish_reason, 0) + 1
+    return {"reward_mean": statistics.fmean(r) if r else 0.0, "rewards": r, "finish": fin,
+            "generated_tokens": eng.stats["generated_tokens"], "seconds": eng.stats["generate_seconds"]}
+
+
+class RLRunner:
+    """setup() -> run() -> summary dict (module doc)."""
+
+    def __init__(self, cfg: RLConfig):
+        self.cfg = cfg
+        self.callbacks: list = []          # k3.train.checkpointing.save_checkpoint calls on_save
+        self.step = 0
+        self.tokens_seen = 0
+        self.train_time = 0.0
+        self.history: List[dict] = []
+        self._lock = None
+
+    def _path(self, *p) -> str:
+        return os.path.join(self.cfg.out_dir, *p)
+
+    def holds_run(self) -> bool:
+        from k3.train.checkpointing import find_checkpoints
+        return bool(find_checkpoints(self.cfg.out_dir)) or any(
+            os.path.exists(self._path(n)) for n in ("metrics.jsonl", "final"))
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> "RLRunner":
+        from k3.train.checkpointing import RunLock
+        cfg = self.cfg
+        cfg.validate()
+        if not cfg.resume and not cfg.overwrite and self.holds_run():
+            raise K3ConfigError(f"{cfg.out_dir} already holds a run: continue it with --resume, replace it with "
+                                f"--overwrite, or choose another --out")
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        self._lock = RunLock(cfg.out_dir).acquire()
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _setup(self) -> None:
+        from k3.checkpoint import from_pretrained
+        from k3.rl.rollout import RolloutEngine
+        from k3.rl.safety import AuditLog, OutputFilter, ReviewHook
+        from k3.train import checkpointing as ckpt_io
+        from k3.train.config import auto_threads, resolve_device, resolve_init_checkpoint
+        from k3.tokenizer import load_tokenizer
+        cfg = self.cfg
+        ckpt = st = None
+        if cfg.resume:
+            ckpt, st = ckpt_io.pick_resume_checkpoint(cfg.out_dir)
+            if ckpt is None:
+                log.warning("--resume: no checkpoint in %s; starting a new run", cfg.out_dir)
+        self.device = resolve_device(cfg.device)
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        elif self.device.type == "cpu":
+            torch.set_num_threads(auto_threads())
+        ckpt_io.seed_everything(cfg.seed)
+        init = resolve_init_checkpoint(cfg.ckpt)
+        src = ckpt if ckpt is not None else init
+        self.tokenizer = load_tokenizer(src)
+        self.model = from_pretrained(src, device=self.device, dtype=torch.float32)
+        self.model_config = self.model.config
+        self.model.eval()
+        self.ref_model = None
+        if cfg.kl_coef > 0:
+            self.ref_model = self.model if ckpt is None else from_pretrained(init, device=self.device,
+                                                                             dtype=torch.float32)
+            if self.ref_model is self.model:
+                self.ref_model = copy.deepcopy(self.model)
+            self.ref_model.eval().requires_grad_(False)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.engine = RolloutEngine(self.model, self.tokenizer, cfg.env, cfg.rollout_config(),
+                                    env_options=cfg.env_options)
+        self.grpo = cfg.grpo_config()
+        self.filter = OutputFilter.from_json(cfg.filter_rules) if cfg.filter_rules else None
+        self.audit = AuditLog(self._path("audit.jsonl"))
+        self.review = ReviewHook(cfg.out_dir, cfg.review_every, timeout_s=cfg.review_timeout)
+        if ckpt is not None:
+            self._restore(ckpt, st)
+        else:
+            ckpt_io.clear_run_outputs(cfg.out_dir)
+            for n in ("audit.jsonl", "eval.jsonl"):
+                if os.path.exists(self._path(n)):
+                    os.remove(self._path(n))
+        ckpt_io.atomic_json(cfg.to_dict(), self._path(CONFIG_NAME))
+        ckpt_io.cleanup_tmp(cfg.out_dir)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state(self) -> dict:
+        from k3.train.checkpointing import rng_state
+        return {"step": self.step, "stage": 0, "seq_len": self.cfg.max_tokens, "tokens_seen": self.tokens_seen,
+                "train_time": self.train_time, "optimizer": self.optimizer.state_dict(), "scheduler": None,
+                "loader": {"rollout_calls": self.engine.calls}, "rng": rng_state(),
+                "rl_config": self.cfg.to_dict(), "tokenizer_fingerprint": getattr(self.tokenizer, "fingerprint", None)}
+
+    def _write_state(self, state: dict, path: str) -> None:
+        from k3.train.checkpointing import atomic_torch_save
+        atomic_torch_save(state, path)
+
+    def save_checkpoint(self) -> str:
+        from k3.train.checkpointing import save_checkpoint
+        return save_checkpoint(self)
+
+    def _restore(self, path: str, st: dict) -> None:
+        from k3.errors import CheckpointError
+        from k3.train.checkpointing import set_rng_state
+        if st.get("tokenizer_fingerprint") not in (None, getattr(self.tokenizer, "fingerprint", None)):
+            raise CheckpointError(f"{path}: the checkpoint was trained with a different tokenizer")
+        try:
+            self.optimizer.load_state_dict(st["optimizer"])
+            self.engine.calls = int(st["loader"]["rollout_calls"])
+            set_rng_state(st["rng"])
+            self.step = int(st["step"])
+            self.tokens_seen = int(st.get("tokens_seen", 0))
+            self.train_time = float(st.get("train_time", 0.0))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{path}: the RL state does not fit this run: {type(e).__name__}: {e}") from None
+        self.history = _truncate_jsonl(self._path("metrics.jsonl"), self.step)
+        _truncate_jsonl(self._path("audit.jsonl"), self.step)
+        log.info("resumed from %s (step %d)", path, self.step)
+
+    # ------------------------------------------------------------------ one step
+    def rl_step(self) -> dict:
+        from k3.rl.loop import flatten_groups, grpo_update, metrics_row
+        from k3.rl.safety import apply_filter
+        cfg = self.cfg
+        P = cfg.prompts_per_step
+        t0 = time.perf_counter()
+        ids = [self.step * P + i for i in range(P)]
+        self.model.eval()
+        groups = self.engine.collect([cfg.seed_offset + g for g in ids], ids)
+        rollout_s = time.perf_counter() - t0
+        trajs = [t for g in groups for t in g]
+        apply_filter(trajs, self.filter)
+        step = self.step + 1
+        self.audit.write(step, trajs)
+        decision = self.review.review(step, trajs) if trajs else "skipped"
+        upd: Dict[str, Any] = {}
+        t1 = time.perf_counter()
+        if groups and decision != "rejected":
+            trajs, adv = flatten_groups(groups, self.grpo)
+            self.model.train()
+            upd = grpo_update(self.model, self.optimizer, trajs, adv, self.grpo, ref_model=self.ref_model,
+                              replay=cfg.replay, epochs=cfg.epochs, temperature=cfg.temperature,
+                              max_grad_norm=cfg.max_grad_norm or None)
+            self.model.eval()
+        train_s = time.perf_counter() - t1 if upd else 0.0
+        row = metrics_row(step, trajs, upd, rollout_s, train_s)
+        row.update({"review": decision, "lr": self.optimizer.param_groups[0]["lr"],
+                    "rollout_s": rollout_s, "train_s": train_s, "pending_groups": len(self.engine.pending)})
+        for k in ("grad_norm", "ratio_mean", "ratio_min", "ratio_max", "tis_weight_mean", "tis_capped_frac",
+                  "pg_loss", "packed_tokens"):
+            if k in upd:
+                row[k] = upd[k]
+        self.step = step
+        self.tokens_seen += row["generated_tokens"]
+        self.train_time += rollout_s + train_s
+        return row
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict:
+        self.setup()
+        try:
+            return self._run()
+        finally:
+            self.close()
+
+    def _log(self, path: str, rec: dict) -> None:
+        from k3.rl.safety import strict_json
+        with open(path, "a") as f:
+            f.write(strict_json(rec) + "\n")
+
+    def _eval(self, when: str) -> Optional[dict]:
+        if not self.cfg.eval_prompts:
+            return None
+        ev = evaluate_reward(self.model, self.tokenizer, self.cfg, self.cfg.eval_prompts)
+        rec = {"type": "eval", "when": when, "step": self.step, **{k: v for k, v in ev.items() if k != "rewards"}}
+        self._log(self._path("eval.jsonl"), rec)
+        log.info("eval (%s, step %d): greedy reward %.3f on %d prompts", when, self.step, ev["reward_mean"],
+                 self.cfg.eval_prompts)
+        return rec
+
+    def _run(self) -> dict:
+        cfg = self.cfg
+        t_start = time.time()
+        first_eval = self._eval("start") if self.step == 0 else None
+        end = cfg.steps if cfg.stop_at is None else min(cfg.steps, cfg.stop_at)
+        status, last_saved = "completed", self.step
+        try:
+            while self.step < end:
+                row = self.rl_step()
+                self.history.append(row)
+                self._log(self._path("metrics.jsonl"), row)
+                log.info("step %d: reward %.3f +- %.3f, kl %.4f, entropy %.3f, clip %.3f, rollout %.0f tok/s, "
+                         "train %.0f tok/s%s", row["step"], row["reward_mean"], row["reward_std"], row["kl"] or 0,
+                         row["entropy"] or 0, row["clip_frac"] or 0, row["rollout_tokens_per_s"] or 0,
+                         row["train_tokens_per_s"] or 0,
+                         f" ({row['review']})" if row["review"] != "skipped" else "")
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < end:
+                    self.save_checkpoint()
+                    last_saved = self.step
+        except KeyboardInterrupt:
+            status = "interrupted"
+        from k3.train.checkpointing import find_checkpoints, latest_checkpoint
+        if self.step != last_saved or not find_checkpoints(cfg.out_dir):
+            self.save_checkpoint()
+        if status == "completed" and self.step < cfg.steps:
+            status = "stopped"
+        last_eval = None
+        if status == "completed":
+            last_eval = self._eval("end")
+            from k3.checkpoint import save_pretrained
+            save_pretrained(self.model, self._path("final"), tokenizer=self.tokenizer)
+        plot = self.plot() if cfg.plot else None
+        rows = self.history
+        summary = {"status": status, "step": self.step, "steps": cfg.steps, "out_dir": cfg.out_dir,
+                   "wall_time_s": time.time() - t_start,
+                   "reward_first": rows[0]["reward_mean"] if rows else None,
+                   "reward_last": rows[-1]["reward_mean"] if rows else None,
+                   "reward_curve": [r["reward_mean"] for r in rows],
+                   "eval_reward_start": first_eval["reward_mean"] if first_eval else None,
+                   "eval_reward_end": last_eval["reward_mean"] if last_eval else None,
+                   "rollout_tokens_per_s": _mean([r["rollout_tokens_per_s"] for r in rows]),
+                   "train_tokens_per_s": _mean([r["train_tokens_per_s"] for r in rows if r["train_s"]]),
+                   "checkpoint": latest_checkpoint(cfg.out_dir), "plot": plot,
+                   "final": self._path("final") if status == "completed" else None}
+        return summary
+
+    def plot(self) -> Optional[str]:
+        """rewards.png: reward mean (+- std) per step, and the greedy eval reward when measured."""
+        rows = self.history
+        if not rows:
+            return None
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log.warning("matplotlib is not installed: no reward plot")
+            return None
+        x = [r["step"] for r in rows]
+        m = [r["reward_mean"] for r in rows]
+        s = [r["reward_std"] or 0.0 for r in rows]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(x, m, label="reward mean (rollouts)")
+        ax.fill_between(x, [a - b for a, b in zip(m, s)], [a + b for a, b in zip(m, s)], alpha=0.2)
+        ev = []
+        if os.path.exists(self._path("eval.jsonl")):
+            with open(self._path("eval.jsonl")) as f:
+                ev = [json.loads(ln) for ln in f if ln.strip()]
+        if ev:
+            ax.scatter([e["step"] for e in ev], [e["reward_mean"] for e in ev], color="k", marker="x",
+                       label="greedy eval (held-out prompts)", zorder=3)
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("reward")
+        ax.set_title(f"k3 rl --env {self.cfg.env}")
+        ax.legend(loc="best")
+        fig.tight_layout()
+        p = self._path("rewards.png")
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        return p
+
+
+def _mean(xs):
+    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
+    return statistics.fmean(xs) if xs else None
+
+
+def _truncate_jsonl(path: str, step: int) -> List[dict]:
+    """Keep the rows of a JSONL log with step <= `step` (a resumed run rewrites the rest); -> kept rows."""
+    if not os.path.exists(path):
+        return []
+    keep, rows = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("step", 0) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+                rows.append(rec)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(keep)
+    os.replace(path + ".tmp", path)
+    return rows

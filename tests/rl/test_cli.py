@@ -1,0 +1,153 @@
+"""`k3 sft` and `k3 rl` end to end on a tiny saved checkpoint: metrics rows (strict JSON), checkpoints, exact
+resume, safety hooks in the loop, clear errors for bad flags."""
+import json
+import os
+
+import pytest
+
+from k3.cli import main
+
+TIMING = ("rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "train_s", "tokens_per_s", "step_time",
+          "eval_time", "seconds")
+
+
+def _strict(line):
+    def bad(c):
+        raise ValueError(f"non-strict JSON constant {c}")
+    return json.loads(line, parse_constant=bad)
+
+
+def _rows(path):
+    with open(path) as f:
+        return [_strict(ln) for ln in f if ln.strip()]
+
+
+def _no_timing(row):
+    return {k: v for k, v in row.items() if k not in TIMING}
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, make_tiny_model):
+    """A tiny model + a 768-token BPE (tokenizer.json) with the K3 chat tokens, saved as a checkpoint."""
+    from k3.rl.sft_data import builtin_sft_set
+    from k3.tokenizer import TOY_CORPUS
+    from k3.train.data import HFTokenizer, train_tokenizer
+    d = str(tmp_path_factory.mktemp("rl_cli") / "ckpt")
+    docs = [TOY_CORPUS] * 3 + [json.dumps(c) for c in builtin_sft_set(4)]
+    tok = HFTokenizer(train_tokenizer(docs, vocab_size=768))
+    make_tiny_model(tok.vocab_size, tok.eos_id, tok.pad_id, tok.bos_id).save_pretrained(d, tokenizer=tok)
+    return d
+
+
+SFT = ["--per-task", "3", "--seq-len", "512", "--batch-tokens", "1024", "--threads", "1", "--no-progress",
+       "--no-tensorboard", "--val-tokens", "512", "--eval-every", "0"]
+RL = ["--env", "calculator", "--group-size", "2", "--prompts-per-step", "2", "--max-new-tokens", "6",
+      "--max-turns", "2", "--threads", "1", "--lr", "1e-3", "--no-plot"]
+
+
+def test_sft_runs_and_resumes_exactly(tiny_ckpt, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["sft", "--ckpt", tiny_ckpt, "--out", a, "--steps", "3", *SFT]) == 0
+    rows = [r for r in _rows(os.path.join(a, "metrics.jsonl")) if r["type"] == "train"]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(r["loss"] > 0 for r in rows)
+    assert os.path.isfile(os.path.join(a, "final", "tokenizer.json"))
+    with open(os.path.join(a, "train_config.json")) as f:
+        tc = json.load(f)
+    assert tc["task"] == "sft" and tc["init_from"] == tiny_ckpt
+    # interrupted after step 2, resumed: step 3 equals the uninterrupted run's
+    assert main(["sft", "--ckpt", tiny_ckpt, "--out", b, "--steps", "3", "--stop-at", "2", *SFT]) == 0
+    assert main(["sft", "--out", b, "--steps", "3", "--resume", "--threads", "1", "--no-progress"]) == 0
+    rb = [r for r in _rows(os.path.join(b, "metrics.jsonl")) if r["type"] == "train"]
+    assert [r["step"] for r in rb] == [1, 2, 3]
+    assert _no_timing(rb[2]) == _no_timing(rows[2])
+
+
+def test_sft_loss_is_on_assistant_tokens_only(tiny_ckpt):
+    from k3.rl.sft_data import IGNORE_INDEX, build_sft_data
+    from k3.tokenizer import load_tokenizer
+    tok = load_tokenizer(tiny_ckpt)
+    data = build_sft_data(tok, 512, 2, data=None, n_per_task=2, tasks=["calculator"])
+    b = data.train.next_batch(512, 2)
+    ids, lab = b["input_ids"][0].tolist(), b["labels"][0].tolist()
+    tgt = [t for t in lab if t != IGNORE_INDEX]
+    assert 0 < len(tgt) < len(ids) / 3
+    text = tok.decode(tgt)
+    assert "calculator" in text and "What is" not in text and "precise assistant" not in text
+
+
+def test_rl_runs_metrics_and_exact_resume(tiny_ckpt, tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", a, "--steps", "2", "--eval-prompts", "2", *RL]) == 0
+    rows = _rows(os.path.join(a, "metrics.jsonl"))
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert {"step", "reward_mean", "reward_std", "kl", "entropy", "clip_frac", "rollout_tokens_per_s",
+                "train_tokens_per_s"} <= set(r)
+        assert r["trajectories"] == 4 and r["ratio_min"] == 1.0 == r["ratio_max"]   # first epoch on-policy
+    audit = _rows(os.path.join(a, "audit.jsonl"))
+    assert len(audit) == 8 and {x["step"] for x in audit} == {1, 2} and "prompt" in audit[0]
+    ev = _rows(os.path.join(a, "eval.jsonl"))
+    assert [e["when"] for e in ev] == ["start", "end"]
+    assert os.path.isdir(os.path.join(a, "final")) and os.path.isdir(os.path.join(a, "checkpoints", "step-00000002"))
+    # stop after step 1 (checkpoint), resume: step 2 is the same row as in the uninterrupted run
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", b, "--steps", "2", "--stop-at", "1", *RL]) == 0
+    assert not os.path.exists(os.path.join(b, "final"))
+    assert main(["rl", "--out", b, "--resume", "--threads", "1"]) == 0
+    rb = _rows(os.path.join(b, "metrics.jsonl"))
+    assert [r["step"] for r in rb] == [1, 2]
+    assert _no_timing(rb[1]) == _no_timing(rows[1])
+    assert _no_timing(rb[0]) == _no_timing(rows[0])
+
+
+def test_rl_filter_and_review_in_the_loop(tiny_ckpt, tmp_path):
+    rules = tmp_path / "rules.json"
+    rules.write_text(json.dumps([{"name": "anything", "type": "regex", "pattern": "(?s).|^$"}]))
+    run = str(tmp_path / "r")
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", run, "--steps", "1", "--filter-rules", str(rules),
+                 "--review-every", "1", "--review-timeout", "0", *RL]) == 0
+    row = _rows(os.path.join(run, "metrics.jsonl"))[0]
+    assert row["filtered"] == 4 and row["reward_mean"] == 0.0
+    assert row["review"] == "rejected" and "grad_norm" not in row       # a rejected batch is not trained on
+    audit = _rows(os.path.join(run, "audit.jsonl"))
+    assert all(x["filter"]["blocked"] and x["filter"]["rules"] == ["anything"] for x in audit)
+    assert os.path.isfile(os.path.join(run, "review", "step-1.jsonl"))
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["rl", "--group-size", "0"], "--group-size"),
+    (["rl", "--lr", "nan"], "--lr"),
+    (["rl", "--tis-cap", "-1"], "--tis-cap"),
+    (["rl", "--clip-low", "2"], "--clip-low"),
+    (["rl", "--review-every", "x"], "--review-every"),
+    (["sft", "--steps", "0"], "--steps"),
+    (["sft", "--seq-len", "1"], "--seq-len"),
+])
+def test_bad_flags_are_argparse_errors(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_bad_settings_are_named(tiny_ckpt, tmp_path, capsys):
+    out = str(tmp_path / "x")
+    cases = [(["rl", "--out", out, "--env", "calculator"], "--ckpt is required"),
+             (["rl", "--ckpt", tiny_ckpt, "--out", out, "--env", "nope"], "--env 'nope'"),
+             (["rl", "--ckpt", str(tmp_path), "--out", out], "--ckpt"),
+             (["rl", "--ckpt", tiny_ckpt, "--out", out, "--filter-rules", str(tmp_path / "none.json")],
+              "--filter-rules"),
+             (["sft", "--out", out], "--ckpt is required"),
+             (["sft", "--ckpt", tiny_ckpt, "--out", out, "--data", str(tmp_path / "none.jsonl")], "--data"),
+             (["sft", "--ckpt", tiny_ckpt, "--out", out, "--tasks", "nope"], "--tasks")]
+    for argv, msg in cases:
+        assert main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, argv
+    assert not os.path.exists(out)
+
+
+def test_rl_resume_refuses_changed_settings(tiny_ckpt, tmp_path, capsys):
+    run = str(tmp_path / "r")
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", run, "--steps", "1", *RL]) == 0
+    assert main(["rl", "--out", run, "--resume", "--lr", "0.5"]) == 2
+    assert "--lr" in capsys.readouterr().err
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", run, "--steps", "1", *RL]) == 2      # holds a run
+    assert "--resume" in capsys.readouterr().err
