@@ -8,7 +8,7 @@ What it does: builds the model in bf16 (a preset at its random init, or a traine
 trained activations are larger than init ones, so use one when you have it), runs one forward on random tokens
 (or the built-in corpus, --tokens corpus), and intercepts every SiTU-GLU call the model makes (dense FFN, shared
 experts, routed experts), labelled by site. For each call the same inputs go through
-  fp64    the formula of spec §2 in fp64 (the reference),
+  fp64    the formula of architecture.md §2 in fp64 (the reference),
   approx  the Triton kernel with the hardware tanh.approx.f32 (bf16 output, and fp32 output = before rounding),
   exact   the Triton kernel with the exp-based tanh (bf16 and fp32 outputs),
   torch   the eager formula (fp32 math, bf16 output; the CPU path),

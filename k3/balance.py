@@ -1,4 +1,4 @@
-"""Expert load balancing for K3 routers (spec §3.6: bias trained with Quantile Balancing).
+"""Expert load balancing for K3 routers (architecture.md §3.6: bias trained with Quantile Balancing).
 
 Routing selects top-k experts of ``scores + bias`` (the bias never enters the combine weights). A balancer
 adjusts each router's ``e_score_correction_bias`` buffer between optimizer steps so that every expert receives

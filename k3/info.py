@@ -1,6 +1,6 @@
 """Parameter accounting on the meta device (no memory): total and active-per-token parameters by component.
 
-Counts follow the checkpoint as stored (spec §8): the router correction bias is included, and `A_log` counts with
+Counts follow the checkpoint as stored (architecture.md §8): the router correction bias is included, and `A_log` counts with
 its stored padding (`a_log_storage_size`). "Active" excludes the input embedding table (the report's convention);
 `active_params_with_embedding` includes it.
 """

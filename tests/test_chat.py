@@ -1,4 +1,4 @@
-"""K3 XTML chat-format tests (spec §6, §5.5) over a generated toy vocabulary."""
+"""K3 XTML chat-format tests (architecture.md §6, §5.5) over a generated toy vocabulary."""
 import json
 import re
 

@@ -288,7 +288,7 @@ def test_released_shapes_kimi_k3_on_paper():
     assert shapes[L + "1.block_sparse_moe.routed_expert_up_proj.weight"] == ((7168, 3584), torch.bfloat16)
     assert shapes[P + "model.output_attn_res_proj.weight"] == ((1, 7168), torch.bfloat16)
     assert shapes[P + "lm_head.weight"] == ((163840, 7168), torch.bfloat16)
-    # spec §8: 2,779,484,478,208 params with A_log as stored; §4.1: 17,547,264 bytes per expert, ~1.56 TB
+    # architecture.md §8: 2,779,484,478,208 params with A_log as stored; §4.1: 17,547,264 bytes per expert, ~1.56 TB
     n_params = sum(math.prod(s) for s, _ in model_key_shapes(c).values())
     assert n_params + 69 * (128 - 96) == 2_779_484_478_208
     per_expert = sum(math.prod(s) for k, (s, _) in shapes.items() if ".layers.1.block_sparse_moe.experts.0." in k)

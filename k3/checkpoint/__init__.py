@@ -1,4 +1,4 @@
-"""Checkpoint I/O: the released safetensors layout (spec §4), MXFP4 experts, atomic save, streaming load."""
+"""Checkpoint I/O: the released safetensors layout (architecture.md §4), MXFP4 experts, atomic save, streaming load."""
 from k3.checkpoint.mxfp4 import mxfp4_decode, mxfp4_encode
 from k3.checkpoint.adapter import (PREFIX, is_fp32_key, model_key_shapes, released_key_shapes,
                                    to_released)

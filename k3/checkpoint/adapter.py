@@ -1,5 +1,5 @@
 """Map between the in-memory state dict of ``K3ForCausalLM`` (docs/CONTRACTS.md) and the released checkpoint
-layout (spec §4.2–4.3).
+layout (architecture.md §4.2–4.3).
 
 In-memory                                              released (prefix ``language_model.``)
 ``...block_sparse_moe.experts.gate_up_proj [E, l, 2M]`` ``...experts.{e}.w1.weight [M, l]`` (cols 0..M-1, transposed)
@@ -39,7 +39,7 @@ log = logging.getLogger("k3.checkpoint")
 
 PREFIX = "language_model."
 IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")
-# Tensors stored (and kept in memory) in fp32 regardless of the model dtype (spec §2).
+# Tensors stored (and kept in memory) in fp32 regardless of the model dtype (architecture.md §2).
 FP32_KEY_PATTERNS = (
     re.compile(r"(^|\.)A_log$"),
     re.compile(r"(^|\.)dt_bias$"),
@@ -211,7 +211,7 @@ def released_key_shapes(config, quantize_experts: Optional[bool] = None, prefix:
 
 
 def default_quantization_config() -> dict:
-    """The released ``quantization_config`` (spec §4.3)."""
+    """The released ``quantization_config`` (architecture.md §4.3)."""
     return {
         "config_groups": {"group_0": {
             "format": "mxfp4-pack-quantized", "targets": ["Linear"],

@@ -1,4 +1,4 @@
-"""Save / load K3 checkpoints in the released layout (spec §4): ``config.json`` + sharded safetensors + index.
+"""Save / load K3 checkpoints in the released layout (architecture.md §4): ``config.json`` + sharded safetensors + index.
 
 * :func:`save_pretrained` writes atomically: everything goes into a hidden temp directory next to the target,
   which then replaces the target by rename, so an interrupted save never leaves a half-written checkpoint at the
@@ -431,7 +431,7 @@ def _materialize(model: torch.nn.Module, device, dtype: torch.dtype) -> None:
 
 
 def cast_to_storage_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """Floating parameters and buffers to `dtype`, except the names the release keeps in fp32 (spec §2: A_log,
+    """Floating parameters and buffers to `dtype`, except the names the release keeps in fp32 (architecture.md §2: A_log,
     dt_bias, q/k/v_conv1d.weight, KDA o_norm.weight, e_score_correction_bias), in place. Returns the model."""
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if p.is_floating_point():

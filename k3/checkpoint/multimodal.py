@@ -1,4 +1,4 @@
-"""Save / load `K3ForConditionalGeneration` in the released multimodal layout (spec §4-5).
+"""Save / load `K3ForConditionalGeneration` in the released multimodal layout (architecture.md §4-5).
 
 One checkpoint directory: the container `config.json` (`text_config` + `vision_config` + `media_placeholder_token_id`),
 sharded safetensors holding `language_model.*` (the text model, mapped exactly as `k3.checkpoint.io` maps it:

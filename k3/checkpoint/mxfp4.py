@@ -1,4 +1,4 @@
-"""MXFP4 (compressed-tensors ``mxfp4-pack-quantized``) decode / encode — spec §4.3.
+"""MXFP4 (compressed-tensors ``mxfp4-pack-quantized``) decode / encode — architecture.md §4.3.
 
 Layout of one weight ``W [out, in]``:
 

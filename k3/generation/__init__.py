@@ -1,4 +1,4 @@
-"""Inference: hybrid KDA/MLA cache, exact incremental decoding, sampling, generation API (spec §7).
+"""Inference: hybrid KDA/MLA cache, exact incremental decoding, sampling, generation API (architecture.md §7).
 
     from k3.generation import K3Cache, cache_memory, generate, stream_generate
     out = generate(model, input_ids, max_new_tokens=32)                  # greedy, prompt + new tokens

@@ -1,4 +1,4 @@
-"""Hybrid inference cache (spec §7): constant-size KDA state + a growing compressed MLA latent cache.
+"""Hybrid inference cache (architecture.md §7): constant-size KDA state + a growing compressed MLA latent cache.
 
 Per KDA layer (`KDALayerCache`): the fp32 recurrent state S [B, H, K, V] (fp64 for fp64 models) and the short-conv
 history, the last K-1 *pre-activation* q/k/v projections [3, B, P, K-1] stored in the activation dtype (lossless:

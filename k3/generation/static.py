@@ -1,4 +1,4 @@
-"""Static, CUDA-graph-capturable single-token decode step for the whole model (spec §7 decode, fused).
+"""Static, CUDA-graph-capturable single-token decode step for the whole model (architecture.md §7 decode, fused).
 
 `StaticDecoder(model, cache, batch_size)` runs one decode step (one new token per cache row) with fixed tensor
 shapes and fixed addresses, so that on CUDA the step can be captured once with `torch.cuda.CUDAGraph` and replayed

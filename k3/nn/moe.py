@@ -1,4 +1,4 @@
-"""Stable LatentMoE (spec §3.6): full-width fp32 sigmoid router with a non-trainable correction bias, routed
+"""Stable LatentMoE (architecture.md §3.6): full-width fp32 sigmoid router with a non-trainable correction bias, routed
 experts in a latent width l (down-projection, stacked experts, RMSNorm, up-projection), shared experts at full
 width. Expert weights are stacked [E, ...] (see docs/CONTRACTS.md)."""
 from __future__ import annotations

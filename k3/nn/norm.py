@@ -1,4 +1,4 @@
-"""RMSNorm as the K3 text model uses it (spec §2): statistics in fp32, cast back to the input dtype, *then* scale."""
+"""RMSNorm as the K3 text model uses it (architecture.md §2): statistics in fp32, cast back to the input dtype, *then* scale."""
 import torch
 
 from k3.ops import f32

@@ -1,4 +1,4 @@
-"""Activations. SiTU-GLU (spec §2): a = b1*tanh(g/b1)*sigmoid(g), b = b2*tanh(u/b2), out = a*b in fp32, cast back.
+"""Activations. SiTU-GLU (architecture.md §2): a = b1*tanh(g/b1)*sigmoid(g), b = b2*tanh(u/b2), out = a*b in fp32, cast back.
 |a| < b1, |b| < b2, so |out| < b1*b2; it reduces to SwiGLU as both betas grow.
 
 `situ_glu` is one autograd node that saves only its inputs g and u (in their own dtype) and recomputes the fp32

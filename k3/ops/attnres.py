@@ -1,4 +1,4 @@
-"""Block Attention Residual mixing (spec §3.3): a per-token softmax over depth sources, all in fp32.
+"""Block Attention Residual mixing (architecture.md §3.3): a per-token softmax over depth sources, all in fp32.
 
     k_s = V_s / sqrt(mean(V_s^2) + eps);  logit_s = <k_s, w>  (w = gamma * q);  out = sum_s softmax(logit)_s V_s
 
@@ -14,7 +14,7 @@ import torch
 
 from k3.ops import dispatch, f32, fp32_math
 
-# eps of the mix's un-weighted RMS normalisation of the sources (spec §3.3: 1e-5, a constant of the mix, not the
+# eps of the mix's un-weighted RMS normalisation of the sources (architecture.md §3.3: 1e-5, a constant of the mix, not the
 # config's rms_norm_eps)
 ATTNRES_EPS = 1e-5
 

@@ -1,4 +1,4 @@
-"""Absorbed MLA decode attention as a split-K ("flash-decoding") Triton kernel (spec §7, absorbed MLA decode).
+"""Absorbed MLA decode attention as a split-K ("flash-decoding") Triton kernel (architecture.md §7, absorbed MLA decode).
 
 Math, per cache row n and head h, with the folded query q_n,h = [q~ || q_pe] * scale in R^(C+R) (C = kv_lora_rank,
 R = qk_rope_head_dim) and the cached rows x_t = [c_t || k_pe,t] of row n, t = 0..len_n (len_n = `lens[n]`, the

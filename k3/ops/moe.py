@@ -1,4 +1,4 @@
-"""MoE routing and routed-expert compute on stacked expert weights (spec §3.6).
+"""MoE routing and routed-expert compute on stacked expert weights (architecture.md §3.6).
 
 route: fp32 sigmoid scores (logits in fp32 precision, k3/ops/router.py); selection and weights by
 k3.ops.router.select_experts (top-k of scores + bias, optionally grouped; weights = the selected *scores*

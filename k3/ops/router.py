@@ -1,6 +1,6 @@
 """The router's logits x @ W^T in fp32 precision from bf16 activations, as three bf16 tensor-core GEMM terms.
 
-Spec §3.6 computes the router in fp32. With bf16 activations x is exact in bf16, and an fp32 W splits into three
+architecture.md §3.6 computes the router in fp32. With bf16 activations x is exact in bf16, and an fp32 W splits into three
 bf16 parts W = W1 + W2 + W3 (each the bf16 rounding of what is left; the rest is below 2^-24 |W|). bf16 x bf16
 products are exact in fp32, so x @ [W1 | W2 | W3]^T with fp32 accumulation and an fp32 result (cuBLAS's
 `mm.dtype` on CUDA), summed over the three blocks, is the fp32 product up to accumulation order. Backward:
@@ -155,7 +155,7 @@ def expert_weights(scores_NE: torch.Tensor, topk_idx_Nk: torch.Tensor, renormali
 
 def select_experts(scores_NE: torch.Tensor, bias_E, top_k: int, renormalize: bool = True, scaling: float = 1.0,
                    num_expert_group: int = 1, topk_group: int = 1):
-    """The routing decision (spec §3.6), the one definition used by the router, the static decoder, pinned-routing
+    """The routing decision (architecture.md §3.6), the one definition used by the router, the static decoder, pinned-routing
     replay (`expert_weights`) and the balancers' cut-offs (`selection_scores`): indices = top-k (sorted,
     descending) of `selection_scores(scores, bias, groups)`; weights = `expert_weights(scores, indices)`.
     Shape-static (no host reads): CUDA-graph capturable. Returns (topk_idx [N, k] int64, topk_w [N, k] fp32)."""

@@ -1,4 +1,4 @@
-"""k3 tokenizers (spec §6).
+"""k3 tokenizers (architecture.md §6).
 
 * ``K3TokenizerBase``: the common duck-typed interface (encode/decode/vocab_size/bos_id/eos_id/
   eod_id/pad_id/token_to_id/id_to_token/save).

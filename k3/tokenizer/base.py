@@ -1,4 +1,4 @@
-"""The common k3 tokenizer interface and the K3 special-token table (spec §6)."""
+"""The common k3 tokenizer interface and the K3 special-token table (architecture.md §6)."""
 from __future__ import annotations
 
 import re
@@ -8,7 +8,7 @@ from k3.errors import TokenizerError
 
 NUM_SPECIAL_SLOTS = 256
 
-# Offsets of the named specials inside the 256-slot block that follows the BPE ranks (spec §6).
+# Offsets of the named specials inside the 256-slot block that follows the BPE ranks (architecture.md §6).
 K3_SPECIAL_OFFSETS: Dict[int, str] = {
     0: "[BOS]",
     1: "[EOS]",               # document end (eod)

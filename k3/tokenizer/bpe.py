@@ -1,6 +1,6 @@
 """Byte-level BPE core shared by every k3 tokenizer backend.
 
-Holds the K3 pre-tokenizer pattern (spec §6), the long-input windowing rule, the tiktoken-format
+Holds the K3 pre-tokenizer pattern (architecture.md §6), the long-input windowing rule, the tiktoken-format
 file reader/writer, a pure-Python encoder that reproduces tiktoken's merge rule exactly, and a
 tiny byte-level BPE trainer used to build toy vocabularies for tests (nothing is downloaded).
 """
@@ -17,7 +17,7 @@ from typing import Dict, Iterable, Iterator, List
 from k3.errors import TokenizerError
 
 # --------------------------------------------------------------------------------------------
-# Pre-tokenizer pattern (spec §6), alternatives in priority order. `&&[^\p{Han}]` is a class
+# Pre-tokenizer pattern (architecture.md §6), alternatives in priority order. `&&[^\p{Han}]` is a class
 # intersection: both tiktoken's Rust engine and the `regex` module (VERSION1) support it.
 _NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
@@ -35,7 +35,7 @@ K3_PAT_PARTS = (
 )
 K3_PAT_STR = "|".join(K3_PAT_PARTS)
 
-# Long-input limits (spec §6): ≤400k-char windows, then ≤25k-char same-class (space / non-space)
+# Long-input limits (architecture.md §6): ≤400k-char windows, then ≤25k-char same-class (space / non-space)
 # runs, so the regex engine never sees pathological inputs.
 MAX_ENCODE_CHARS = 400_000
 MAX_SAME_CLASS_RUN = 25_000

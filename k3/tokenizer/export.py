@@ -1,4 +1,4 @@
-"""Write a tokenizer in K3's released format (spec §6): ``tiktoken.model`` (base64 token + rank per line) and a
+"""Write a tokenizer in K3's released format (architecture.md §6): ``tiktoken.model`` (base64 token + rank per line) and a
 ``tokenizer_config.json`` naming the 256 special slots, whatever the source tokenizer is.
 
 * a ``K3TiktokenTokenizer`` is written as it is;

@@ -1,4 +1,4 @@
-"""K3's released tokenizer format: ``tiktoken.model`` + 256 special slots (spec §6)."""
+"""K3's released tokenizer format: ``tiktoken.model`` + 256 special slots (architecture.md §6)."""
 from __future__ import annotations
 
 import json

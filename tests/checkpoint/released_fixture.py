@@ -1,4 +1,4 @@
-"""An independent writer of released-format K3 checkpoints for tests (docs/architecture.md §4, spec §4.2).
+"""An independent writer of released-format K3 checkpoints for tests (docs/architecture.md §4, architecture.md §4.2).
 
 Nothing here uses k3's own writer or name mapping: names and shapes come from the released tensor table, so a
 loader bug and a writer bug cannot cancel out. MXFP4 experts are written as random codes + scales (any byte is a

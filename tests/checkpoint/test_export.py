@@ -18,7 +18,7 @@ from .released_fixture import mxfp4_reference_decode, released_tensors
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # ---- the contract: what vLLM's K3 loader (KimiK3ForConditionalGeneration -> KimiLinearForCausalLM with the K3
-# additions) reads from config.json. Written from the released config (spec §1) and tensor table (spec §4.2).
+# additions) reads from config.json. Written from the released config (architecture.md §1) and tensor table (architecture.md §4.2).
 CONTAINER_FIELDS = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
                     "text_config": dict, "bos_token_id": int, "eos_token_id": int, "pad_token_id": int,
                     "media_placeholder_token_id": int, "tie_word_embeddings": bool, "dtype": str}

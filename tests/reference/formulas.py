@@ -2,7 +2,7 @@
 
 Independent of the implementation on purpose: nothing here imports `k3.nn` or `k3.ops` (the tests check that),
 no fused paths, no chunking, no caches. Every function takes plain fp64 tensors and a parameter dict keyed by
-the **released** checkpoint names without the ``language_model.`` prefix (spec §4.2: ``model.layers.L.self_attn.
+the **released** checkpoint names without the ``language_model.`` prefix (architecture.md §4.2: ``model.layers.L.self_attn.
 q_proj.weight``, per-expert ``...experts.E.w1.weight`` / ``w3`` (gate / up) / ``w2`` (down), ``A_log`` zero-padded
 to its storage size). Loops are written the way the spec states the math (the delta rule token by token, the
 short conv tap by tap); only batch / head dimensions are vectorised.
@@ -48,7 +48,7 @@ def softmax(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
-    """x · Wᵀ, W stored [out, in] (spec §4.2: row-major like nn.Linear, no biases anywhere, §2)."""
+    """x · Wᵀ, W stored [out, in] (architecture.md §4.2: row-major like nn.Linear, no biases anywhere, §2)."""
     return x @ W.t()
 
 
@@ -270,7 +270,7 @@ def decoder(ids_BT: torch.Tensor, params: Params, cfg) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ Quantile Balancing
 def qb_bias_definition(scores_TE: torch.Tensor, top_k: int, bias_E: torch.Tensor) -> dict:
-    """One Quantile-Balancing bias update written out (spec §3.6 step 2: the bias is trained with QB; the update
+    """One Quantile-Balancing bias update written out (architecture.md §3.6 step 2: the bias is trained with QB; the update
     rule itself is listed in §9 as not pinned by the references, so this is the k3 rule restated literally).
 
     Per token i and expert j, with biased scores z = s + b:

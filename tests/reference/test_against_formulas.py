@@ -132,7 +132,7 @@ def test_situ_glu_matches_formula_and_betas_are_distinguished():
     assert_matches(situ_glu(g, u, 4.0, 25.0), want, what="situ_glu")
     # the inputs discriminate: swapped betas (or the betas on the wrong branch) move the output by O(1)
     assert (R.situ_glu(g, u, 25.0, 4.0) - want).abs().max() > 1.0
-    # the bounds of spec §2: |out| < beta1 * beta2
+    # the bounds of architecture.md §2: |out| < beta1 * beta2
     assert want.abs().max() < 100.0
 
 
@@ -265,7 +265,7 @@ def test_whole_decoder_packed_documents(micro):
 
 
 def test_fixed_eps_do_not_follow_rms_norm_eps():
-    """Spec §3.3 / §3.4 step 7 fix the AttnRes and KDA output-norm eps at 1e-5; §2 gives rms_norm_eps to the
+    """architecture.md §3.3 / §3.4 step 7 fix the AttnRes and KDA output-norm eps at 1e-5; §2 gives rms_norm_eps to the
     RMSNorms. With rms_norm_eps = 1e-3 (a config a user may write) the two must not move."""
     cfg, model, p = build(micro_config(rms_norm_eps=1e-3))
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(9))

@@ -235,7 +235,7 @@ def test_bf16_params_with_fp32_masters(corpus, tmp_path):
     assert t.model.model.embed_tokens.weight.dtype == torch.bfloat16
     biases = [m.e_score_correction_bias for m in t.model.modules() if hasattr(m, "e_score_correction_bias")]
     assert biases and all(x.dtype == torch.float32 for x in biases)
-    # the release's storage dtypes (spec §2): A_log, dt_bias, the short convs and KDA's o_norm stay fp32
+    # the release's storage dtypes (architecture.md §2): A_log, dt_bias, the short convs and KDA's o_norm stay fp32
     from k3.checkpoint import is_fp32_key
     kept = {n: p.dtype for n, p in t.model.named_parameters() if is_fp32_key(n)}
     assert any("A_log" in n for n in kept) and any("conv1d" in n for n in kept) and any("o_norm" in n for n in kept)

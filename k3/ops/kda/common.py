@@ -17,7 +17,7 @@ L2NORM_EPS = 1e-6
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """x / sqrt(sum_K x^2 + eps) over the last dim (spec §3.4 step 3)."""
+    """x / sqrt(sum_K x^2 + eps) over the last dim (architecture.md §3.4 step 3)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
