@@ -1,0 +1,18 @@
+"""What the `k3 train` / `k3 plan` CLI tests run on every rank (through launcher.run_dist): the real entry point
+`k3.cli.main(argv)` with torchrun's environment (RANK / WORLD_SIZE / LOCAL_RANK, set by the launcher) and the
+launcher's gloo process group already initialised, as torchrun + `-m k3.cli` would run it."""
+from __future__ import annotations
+
+import io
+import sys
+from contextlib import redirect_stderr
+
+
+def train_cli(argv: list) -> dict:
+    """`k3 <argv>` on this rank -> {"rc": exit code, "stderr": what it printed to stderr}."""
+    from k3.cli import main
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc = main(list(argv))
+    sys.stderr.write(err.getvalue())
+    return {"rc": rc, "stderr": err.getvalue()}
