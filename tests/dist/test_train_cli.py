@@ -190,3 +190,21 @@ def test_plan_text_fits_and_does_not_fit(env, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--gpus", "8", "--gpu-memory", "lots"])
     assert "expected a size such as 141GB" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_real_torchrun_launch(env):
+    """`python -m torch.distributed.run --standalone --nproc-per-node 2 -m k3.cli train --dp-shard 2`: torchrun's
+    own rendezvous and env:// process group (the tests above pre-initialise the group through the launcher)."""
+    d, base = env["dir"], env["base"]
+    run = base + ["--steps", "2", "--stages", "64"]
+    single_process(["train", *run, "--out", str(d / "ref_tr")])
+    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        e.pop(k, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "k3.cli", "train", *run, "--out", str(d / "torchrun"), "--dp-shard", "2"],
+                       cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.count("k3 train: completed") == 1          # rank 0 alone prints the summary
+    assert_same_run(str(d / "torchrun"), str(d / "ref_tr"))
