@@ -35,7 +35,6 @@ import math
 import os
 import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -328,8 +327,11 @@ class DistTrainer(Trainer):
         for m in model.modules():
             if hasattr(m, "track_max_logit"):
                 m.track_max_logit = True
-        parallelize_model(model, self.pmesh,
-                          param_dtype=torch.bfloat16 if self.param_dtype == "bf16" else None,
+        # --param-dtype bf16: FSDP computes in bf16 over fp32 shards (the fp32 master is the shard itself); fp32:
+        # fp32 shards, bf16 autocast on CUDA as in one process (Trainer._autocast)
+        mp_dtype = torch.bfloat16 if self.param_dtype == "bf16" else (
+            torch.float32 if self.device.type == "cuda" else None)
+        parallelize_model(model, self.pmesh, param_dtype=mp_dtype,
                           reduce_dtype=torch.float32, activation_checkpointing=cfg.activation_checkpointing,
                           compile=self.compile_mode)
         exact = ckpt is None and self.num_params <= EXACT_INIT_MAX_PARAMS
@@ -426,9 +428,6 @@ class DistTrainer(Trainer):
                      self.dims.describe())
 
     # ---- batches
-    def _autocast(self):
-        return nullcontext()   # FSDP's MixedPrecisionPolicy casts (bf16 params on CUDA with --param-dtype bf16)
-
     def _local_batch(self, b: dict, seq: int, allow_uneven: bool = False) -> dict:
         """This rank's part of a global packed batch ([1, rows * seq] + cu_seqlens): its data-parallel rows, and
         under CP its slice of them. `allow_uneven` (evaluation): rows are dealt as evenly as possible and a rank
@@ -471,7 +470,8 @@ class DistTrainer(Trainer):
         world = self.dims.world_size
         for b in batches:
             loc = self._local_batch(b, seq)
-            out = self.model(**loc)
+            with self._autocast():
+                out = self.model(**loc)
             loss = out.loss.float()
             for cb in self.callbacks:
                 loss = cb.on_loss(self, loss)
@@ -554,7 +554,8 @@ class DistTrainer(Trainer):
             n_batches = max(1, cfg.val_tokens // (rows * seq))
             tot = n = 0.0
             for b in self.data.val.batches(seq_len=seq, batch_size=rows, max_batches=n_batches):
-                out = model(**self._local_batch(b, seq, allow_uneven=True))
+                with self._autocast():
+                    out = model(**self._local_batch(b, seq, allow_uneven=True))
                 k = int(out.num_tokens)
                 tot += float(out.loss) * k
                 n += k

@@ -79,7 +79,7 @@ def distcp_files(ckpt):
 
 def test_dp_shard_2_matches_one_process_and_resumes_on_one_rank(env):
     d, base = env["dir"], env["base"]
-    run = base + ["--steps", "3", "--stages", "64"]
+    run = base + ["--steps", "3", "--stages", "64", "--grad-accum", "2"]   # 2 micro-batches of 2 rows
     single_process(["train", *run, "--out", str(d / "ref")])
     out = str(d / "dp2")
     ranks(2, ["train", *run, "--out", out, "--dp-shard", "2", "--stop-at", "2"])
