@@ -208,3 +208,18 @@ def test_real_torchrun_launch(env):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert r.stdout.count("k3 train: completed") == 1          # rank 0 alone prints the summary
     assert_same_run(str(d / "torchrun"), str(d / "ref_tr"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(env):
+    d, base = env["dir"], env["base"]
+    run = base + ["--steps", "3", "--stages", "64"]
+    single_process(["train", *run, "--out", str(d / "ref_c")])
+    out = str(d / "ctrl_c")
+    res = run_dist("tests/dist/train_cli_cases.py:train_cli_ctrl_c", 2,
+                   {"argv": ["train", *run, "--out", out, "--dp-shard", "2"], "signal_rank": 1, "after_step": 1},
+                   timeout=300)
+    assert [r["rc"] for r in res] == [130, 130], res[0]["stderr"][-3000:]
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["step-1"]    # agreed on before step 2 began
+    ranks(2, ["train", "--out", out, "--resume", "--threads", "1"])
+    assert_same_run(out, str(d / "ref_c"))

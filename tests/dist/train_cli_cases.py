@@ -16,3 +16,24 @@ def train_cli(argv: list) -> dict:
         rc = main(list(argv))
     sys.stderr.write(err.getvalue())
     return {"rc": rc, "stderr": err.getvalue()}
+
+
+def train_cli_ctrl_c(argv: list, signal_rank: int, after_step: int) -> dict:
+    """`k3 <argv>` where Ctrl-C reaches only rank `signal_rank`, after step `after_step` (its SIGINT handler runs
+    there): every rank must agree to stop at the same step and save one checkpoint."""
+    import os
+    import signal
+    import torch.distributed as dist
+    from k3.parallel.training import DistTrainer
+    step = DistTrainer.train_step
+
+    def train_step(self):
+        rec = step(self)
+        if dist.get_rank() == signal_rank and self.step == after_step:
+            os.kill(os.getpid(), signal.SIGINT)
+        return rec
+    DistTrainer.train_step = train_step
+    try:
+        return train_cli(argv)
+    finally:
+        DistTrainer.train_step = step
