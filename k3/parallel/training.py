@@ -138,6 +138,7 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
             raise K3ConfigError(f"{flags.describe()}: mesh flags need several processes; launch with torchrun, "
                                 f"e.g. torchrun --nproc-per-node 4 -m k3.cli train ... {flags.describe()} "
                                 f"(docs/parallelism.md)")
+        _refuse_dcp_resume_without_torchrun(cfg)
         return Trainer(cfg, **kw)
     rank, world, local = env
     cfg.validate()
@@ -145,6 +146,20 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
     dims = _dims(flags, world, int(mcfg.num_experts))
     check_batch_shape(cfg, dims)
     return DistTrainer(cfg, dims, local_rank=local, **kw)
+
+
+def _refuse_dcp_resume_without_torchrun(cfg) -> None:
+    """A run written under torchrun holds DCP checkpoints only: the single-process trainer would not find them and
+    would start over. Refuse, saying how to continue it."""
+    from k3.parallel.checkpoint import find_checkpoints
+    from k3.train.checkpointing import find_checkpoints as find_single
+    if not cfg.resume:
+        return
+    dcp = find_checkpoints(os.path.join(cfg.out_dir, "checkpoints"))
+    if dcp and not find_single(cfg.out_dir):
+        raise K3ConfigError(f"--resume: {cfg.out_dir} was written by a distributed run (DCP checkpoint "
+                            f"{dcp[-1][1]}): continue it under torchrun, on any number of processes, e.g. "
+                            f"torchrun --nproc-per-node 1 -m k3.cli train --out {cfg.out_dir} --resume")
 
 
 def _init_process_group(device: torch.device) -> None:

@@ -161,6 +161,14 @@ def test_mesh_flags_need_torchrun_and_a_whole_environment(env, monkeypatch, caps
         main(argv + ["--ep", "0"])
     assert "--ep: must be >= 1" in capsys.readouterr().err
     assert not os.path.exists(out)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    ck = os.path.join(out, "checkpoints", "step-2")          # a run written under torchrun (DCP checkpoints)
+    os.makedirs(ck)
+    open(os.path.join(ck, ".metadata"), "wb").close()
+    assert main(["train", "--out", out, "--resume"]) == 2
+    assert "continue it under torchrun, on any number of processes" in capsys.readouterr().err
+    assert os.path.exists(os.path.join(ck, ".metadata"))
 
 
 # ------------------------------------------------------------------------------------------------ k3 plan
