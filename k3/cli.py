@@ -6,7 +6,7 @@ import json
 import math
 import sys
 
-__all__ = ["main", "build_parser", "int_at_least", "finite_float"]
+__all__ = ["main", "build_parser", "int_at_least", "finite_float", "byte_size"]
 
 
 # ------------------------------------------------------------------ shared flag types (every subcommand)
@@ -79,6 +79,57 @@ def _cmd_export(a) -> int:
     return 0
 
 
+def byte_size(text: str) -> float:
+    """argparse type: a memory size, `141GB` (decimal units: KB, MB, GB, TB), `80GiB` (binary), or bytes."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*", text or "", re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a size such as 141GB or 80GiB, got {text!r}")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}[unit]
+    v = float(m.group(1)) * scale
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size, got {text!r}")
+    return v
+
+
+def _cmd_plan(a) -> int:
+    """Size a model on N GPUs: rank 0's memory under each candidate mesh, the recommended one (k3.parallel.plan)."""
+    from k3.config import K3Config
+    from k3.parallel.plan import GiB, plan
+    cfg = K3Config.load(a.config)
+    rep = plan(cfg, gpus=a.gpus, gpu_memory=a.gpu_memory, seq_len=a.seq_len)
+    rec = rep.recommended
+    if a.json:
+        d = rep.to_dict()
+        d["config"] = a.config
+        d["fits"] = rec is not None
+        d["recommended_mesh"] = rec.mesh() if rec is not None else None
+        d["recommended_flags"] = _mesh_flags(rec) if rec is not None else None
+        for c, cd in zip(rep.candidates, d["candidates"]):
+            cd["mesh"] = c.mesh()
+        print(json.dumps(d, indent=2))
+        return 0
+    print(f"k3 plan: {a.config}, {rep.total_params / 1e9:.2f}B parameters on {a.gpus} GPUs of "
+          f"{a.gpu_memory / GiB:.1f} GiB, {a.seq_len} tokens per GPU per micro-batch (rank 0's bytes)")
+    print(rep.table())
+    if rec is not None:
+        print(f"run: torchrun --nproc-per-node <GPUs per node> --nnodes <nodes> ... -m k3.cli train "
+              f"--config {a.config} {_mesh_flags(rec)} --activation-checkpointing")
+    else:
+        print(f"does not fit: no mesh of {a.gpus} GPUs holds the model; more GPUs, more memory per GPU, or a "
+              f"shorter --seq-len")
+    return 0
+
+
+def _mesh_flags(est) -> str:
+    s = f"--dp-shard {est.dp_shard}"
+    if est.dp_replicate > 1:
+        s = f"--dp-replicate {est.dp_replicate} " + s
+    return s + (f" --ep {est.ep}" if est.ep > 1 else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3", description="Kimi K3 models: build, train, run")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -104,6 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-hf-shims", action="store_true",
                    help="do not write the transformers trust_remote_code shims (configuration_k3.py, ...)")
     s.set_defaults(fn=_cmd_export)
+    s = sub.add_parser("plan", help="size a model on N GPUs: per-rank memory of candidate meshes, the recommended one",
+                       description="Build the model on `meta` and report, for candidate meshes (dp_replicate x "
+                                   "dp_shard, ep), rank 0's bytes of parameters, gradients, optimizer state, "
+                                   "transient all-gathers and activations (with activation checkpointing), whether "
+                                   "they fit, and the recommended mesh (docs/parallelism.md).")
+    s.add_argument("--config", default="kimi-k3", help="preset name, config.json path, or checkpoint dir [kimi-k3]")
+    s.add_argument("--gpus", type=int_at_least(1), required=True, help="number of GPUs (world size)")
+    s.add_argument("--gpu-memory", type=byte_size, default=141e9, help="memory per GPU, e.g. 141GB, 80GiB [141GB]")
+    s.add_argument("--seq-len", type=int_at_least(1), default=8192, help="tokens per GPU per micro-batch [8192]")
+    s.add_argument("--json", action="store_true", help="the report as JSON")
+    s.set_defaults(fn=_cmd_plan)
     for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)

@@ -109,6 +109,26 @@ def _text():
     return (lambda raw: raw), check
 
 
+def _int_at_least(lo: int):
+    """A decimal integer >= lo (torchrun's RANK / WORLD_SIZE / LOCAL_RANK)."""
+    allowed = f"an integer >= {lo}"
+
+    def parse(raw: str) -> int:
+        try:
+            v = int(raw)
+        except ValueError:
+            raise ValueError(allowed) from None
+        if v < lo:
+            raise ValueError(allowed)
+        return v
+
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(allowed)
+        return v
+    return parse, check
+
+
 def _backend_spec():
     allowed = "a backend name, or op:name pairs separated by commas (e.g. kda:torch,moe:padded_bmm)"
 
@@ -215,6 +235,17 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
           "before triton is imported, so it cannot be set from Python here.",
           _on_unless_zero(), ["k3/ops/dispatch.py"],
           "none", kind="external", settable=False),
+    # -- torchrun's variables (torch.distributed.run sets them in every process it starts)
+    _knob("RANK", "an integer >= 0", None, "unset (not under torchrun)",
+          "torchrun's global rank of this process. With WORLD_SIZE set, `k3 train` runs distributed "
+          "(docs/parallelism.md); the process group itself is initialised from torchrun's environment.",
+          _int_at_least(0), ["k3/parallel/training.py"], "none", kind="external", settable=False),
+    _knob("WORLD_SIZE", "an integer >= 1", None, "unset (one process)",
+          "torchrun's number of processes; `k3 train` checks --dp-replicate x --dp-shard x --cp against it before "
+          "any work.", _int_at_least(1), ["k3/parallel/training.py"], "none", kind="external", settable=False),
+    _knob("LOCAL_RANK", "an integer >= 0", None, "unset (0)",
+          "torchrun's rank of this process on its node: the CUDA device `k3 train` uses under torchrun.",
+          _int_at_least(0), ["k3/parallel/training.py"], "none", kind="external", settable=False),
 )}
 
 _PY: dict[str, Any] = {}   # the Python settings (knobs.set / override)

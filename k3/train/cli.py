@@ -78,6 +78,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
     a("--no-samples", action="store_true", default=None, help="no sample generations at the end")
     a("--json", action="store_true", help="print the summary as JSON")
+    m = s.add_argument_group("distributed (under torchrun; docs/parallelism.md)")
+    m.add_argument("--dp-replicate", type=int_at_least(1), default=None, help="HSDP replicas [1]")
+    m.add_argument("--dp-shard", type=int_at_least(1), default=None,
+                   help="FSDP2 sharding degree [what fills the world: world / (dp-replicate x cp)]")
+    m.add_argument("--ep", type=int_at_least(1), default=None,
+                   help="expert parallelism, folded into the dp-shard x cp ranks [1]")
+    m.add_argument("--cp", type=int_at_least(1), default=None,
+                   help="context parallelism: each sequence split over this many ranks, for every stage [1]")
     s.set_defaults(fn=run)
     return s
 
@@ -195,10 +203,13 @@ def run(args) -> int:
 def _run(args, cfg: TrainConfig, name: str) -> int:
     import json
     from k3.train.report import format_summary
-    from k3.train.trainer import Trainer
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("k3.checkpoint").setLevel(logging.WARNING)
-    trainer = Trainer(cfg)
+    from k3.parallel.training import MeshFlags, make_trainer   # Trainer, or DistTrainer under torchrun
+    flags = MeshFlags(*(getattr(args, k, None) for k in ("dp_replicate", "dp_shard", "cp", "ep")))
+    trainer = make_trainer(cfg, flags)
+    if not getattr(trainer, "is_rank0", True):   # under torchrun only rank 0 prints
+        return 130 if trainer.train()["status"] == "interrupted" else 0
     model = f"from {cfg.init_from}" if cfg.init_from else f"preset {cfg.config or cfg.preset}"
     print(f"{name}: {model}, {cfg.steps} steps x {cfg.tokens_per_step} tokens, "
           f"stages {format_stages(parse_stages(cfg.stages))}, out {cfg.out_dir}"

@@ -1,0 +1,695 @@
+"""`k3 train` under torchrun (issues #30 / #31): the same loop as k3.train.trainer on a device mesh.
+
+    torchrun --nproc-per-node 4 -m k3.cli train --preset tiny --dp-shard 4 --ep 2 --out runs/t4
+
+`make_trainer(cfg, mesh_flags)` is what `k3 train` calls: without torchrun's environment (RANK / WORLD_SIZE, read
+through k3.knobs) it returns the single-process `Trainer` unchanged; under torchrun it validates the mesh and the
+batch shape BEFORE any work (K3ConfigError naming the flag), initialises the process group (nccl on CUDA, gloo on
+CPU) and returns a `DistTrainer`, a `Trainer` whose steps, evaluation, checkpoints and end-of-run files are
+distributed:
+
+* model: built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2), then materialised per rank. A
+  model of at most `EXACT_INIT_MAX_PARAMS` parameters is initialised exactly as the single-process run does (one CPU
+  copy per rank, from the same seed, each rank keeping its shards), so a run's numbers do not depend on the mesh; a
+  larger one is initialised shard by shard (`init_weights` on the local shards; on CPU that init depends on the
+  mesh) or comes from a checkpoint.
+* data: every rank draws the same global batch (the single-process loader, same order) and keeps its data-parallel
+  rows (`ParallelMesh.dp_index()`); rows per micro-batch must divide by dp_replicate x dp_shard. Under CP the cp
+  ranks of one data index share those rows and each keeps its contiguous slice (`model._k3_cp.shard`).
+* loss: each rank's CE sum / the step's global target-token count (known on every rank: all hold the global
+  batch); FSDP sums the gradients; `clip_grad_norm_` clips by the global norm; `build_sharded_optimizer`;
+  `sharded_qk_clip`; the balancers reduce their statistics over the data ranks themselves.
+* checkpoints: DCP (`k3.parallel.checkpoint`) in RUN/checkpoints/step-<N>/ with `extra.pt` = scheduler, balancer,
+  loader position, RNG, step counters, the mesh it was written on; `--resume` loads it on any mesh / world size.
+* rank 0 alone writes metrics.jsonl, TensorBoard, the progress bar, samples.txt, report.md, loss.png and final/;
+  evaluation losses are summed over the ranks.
+
+`--batch-tokens` stays the global tokens per optimizer step and `--stages` keeps it constant per stage; `--cp` is
+fixed for the whole run (every stage runs with the same cp degree: a stage's rows per data rank x its seq_len is the
+sequence each cp group splits, so longer stages give each cp rank longer slices, not more tokens per step).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from k3 import knobs
+from k3.errors import CheckpointError, K3ConfigError
+from k3.ops.loss import IGNORE_INDEX
+from k3.parallel.mesh import ParallelDims
+from k3.train.trainer import Trainer
+
+log = logging.getLogger("k3.train")
+
+__all__ = ["MeshFlags", "torchrun_env", "make_trainer", "DistTrainer", "check_batch_shape", "EXACT_INIT_MAX_PARAMS"]
+
+# models up to this size are initialised as one full CPU copy per rank (then sharded): the same weights as the
+# single-process run, whatever the mesh
+EXACT_INIT_MAX_PARAMS = 2_000_000_000
+# final/ (the k3.checkpoint layout) is gathered on every rank; above this, convert the last DCP checkpoint instead
+FINAL_MAX_PARAMS = 2_000_000_000
+
+_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "cp": "--cp", "ep": "--ep",
+          "world_size": "torchrun's WORLD_SIZE (--nproc-per-node x --nnodes)"}
+
+
+@dataclass
+class MeshFlags:
+    """The mesh flags of `k3 train` (None: not given)."""
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    cp: Optional[int] = None
+    ep: Optional[int] = None
+
+    def given(self) -> bool:
+        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.cp, self.ep))
+
+    def describe(self) -> str:
+        return " ".join(f"{_FLAGS[k]} {v}" for k, v in vars(self).items() if v is not None)
+
+
+def torchrun_env() -> Optional[tuple[int, int, int]]:
+    """(rank, world size, local rank) when started by torchrun (RANK and WORLD_SIZE set), else None."""
+    world = knobs.get("WORLD_SIZE")
+    rank = knobs.get("RANK")
+    if world is None and rank is None:
+        return None
+    if world is None or rank is None:
+        raise K3ConfigError("torchrun environment: RANK and WORLD_SIZE must both be set (start with torchrun)")
+    if rank >= world:
+        raise K3ConfigError(f"torchrun environment: RANK={rank} is not below WORLD_SIZE={world}")
+    local = knobs.get("LOCAL_RANK")
+    return rank, world, (local if local is not None else 0)
+
+
+def _dims(flags: MeshFlags, world: int, num_experts: int) -> ParallelDims:
+    try:
+        return ParallelDims(dp_replicate=flags.dp_replicate or 1,
+                            dp_shard=flags.dp_shard if flags.dp_shard is not None else -1,
+                            cp=flags.cp or 1, ep=flags.ep or 1, world_size=world,
+                            num_experts=num_experts)
+    except K3ConfigError as e:
+        msg = str(e)
+        for k, f in _FLAGS.items():
+            msg = msg.replace(f"parallel dims: {k}:", f"{f}:", 1)
+        raise K3ConfigError(f"k3 train mesh ({flags.describe() or 'defaults'}, world size {world}): {msg}") from None
+
+
+def check_batch_shape(cfg, dims: ParallelDims) -> None:
+    """Every stage's rows per step split into --grad-accum micro-batches of whole rows per data-parallel rank, and
+    each cp group's sequence (its rows x seq_len) has at least cp tokens. Raises K3ConfigError naming the flags."""
+    from k3.train.config import parse_stages
+    dp = dims.dp_replicate * dims.dp_shard
+    ga = cfg.grad_accum
+    for seq, _ in parse_stages(cfg.stages):
+        rows = cfg.tokens_per_step // seq
+        if rows % (ga * dp):
+            raise K3ConfigError(
+                f"--batch-tokens {cfg.tokens_per_step} at stage seq_len {seq} gives {rows} rows per step, which do "
+                f"not split into --grad-accum {ga} micro-batches x {dp} data-parallel ranks (dp_replicate "
+                f"{dims.dp_replicate} x dp_shard {dims.dp_shard}): use --batch-tokens a multiple of "
+                f"{seq * ga * dp} (seq_len x grad_accum x data ranks), or fewer data ranks")
+        dims.check_seq_len(rows // (ga * dp) * seq)
+
+
+def _model_config(cfg):
+    from k3.config import K3Config
+    run_cfg = os.path.join(cfg.out_dir, "config.json")
+    if cfg.resume and os.path.isfile(run_cfg):
+        return K3Config.from_json(run_cfg)
+    mcfg = K3Config.load(cfg.config) if cfg.config else K3Config.from_preset(cfg.preset)
+    return mcfg.replace(**cfg.model_overrides) if cfg.model_overrides else mcfg
+
+
+def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
+    """The trainer `k3 train` runs: `Trainer` without torchrun (mesh flags then refused), `DistTrainer` under it
+    (mesh and batch shape validated before the process group starts)."""
+    flags = flags or MeshFlags()
+    env = torchrun_env()
+    if env is None:
+        if flags.given():
+            raise K3ConfigError(f"{flags.describe()}: mesh flags need several processes; launch with torchrun, "
+                                f"e.g. torchrun --nproc-per-node 4 -m k3.cli train ... {flags.describe()} "
+                                f"(docs/parallelism.md)")
+        _refuse_dcp_resume_without_torchrun(cfg)
+        return Trainer(cfg, **kw)
+    rank, world, local = env
+    cfg.validate()
+    mcfg = _model_config(cfg)
+    dims = _dims(flags, world, int(mcfg.num_experts))
+    check_batch_shape(cfg, dims)
+    return DistTrainer(cfg, dims, local_rank=local, **kw)
+
+
+def _refuse_dcp_resume_without_torchrun(cfg) -> None:
+    """A run written under torchrun holds DCP checkpoints only: the single-process trainer would not find them and
+    would start over. Refuse, saying how to continue it."""
+    from k3.parallel.checkpoint import find_checkpoints
+    from k3.train.checkpointing import find_checkpoints as find_single
+    if not cfg.resume:
+        return
+    dcp = find_checkpoints(os.path.join(cfg.out_dir, "checkpoints"))
+    if dcp and not find_single(cfg.out_dir):
+        raise K3ConfigError(f"--resume: {cfg.out_dir} was written by a distributed run (DCP checkpoint "
+                            f"{dcp[-1][1]}): continue it under torchrun, on any number of processes, e.g. "
+                            f"torchrun --nproc-per-node 1 -m k3.cli train --out {cfg.out_dir} --resume")
+
+
+def _init_process_group(device: torch.device) -> None:
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
+# ---------------------------------------------------------------------------------------------------- trainer
+
+class DistTrainer(Trainer):
+    """`Trainer` on a device mesh (module doc). Build it with `make_trainer`; `train()` as usual."""
+
+    def __init__(self, cfg, dims: ParallelDims, local_rank: int = 0, model_config=None, callbacks=()):
+        super().__init__(cfg, model_config=model_config, callbacks=callbacks)
+        import torch.distributed as dist
+        self.dims = dims
+        from k3.train.config import resolve_device
+        dev = resolve_device(cfg.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", local_rank)
+        self.device = dev
+        self._own_pg = not dist.is_initialized()
+        _init_process_group(dev)
+        if dist.get_world_size() != dims.world_size:
+            raise K3ConfigError(f"process group of {dist.get_world_size()} ranks != WORLD_SIZE {dims.world_size}")
+        self.rank = dist.get_rank()
+        self.is_rank0 = self.rank == 0
+        if not self.is_rank0:
+            cfg.progress = False
+            cfg.tensorboard = False
+            logging.getLogger("k3").setLevel(logging.WARNING)   # rank 0 reports
+
+    # ---- collective helpers
+    def _barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
+
+    def _allreduce(self, values, op="sum") -> list:
+        import torch.distributed as dist
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.cpu().tolist()
+
+    def _comm_device(self):
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    # Ctrl-C reaches the ranks at different moments: the stop request is agreed on (max over ranks) where the loop
+    # reads it, at the start of a step, which every rank reaches together
+    @property
+    def _stop_requested(self) -> bool:
+        if getattr(self, "_setup_done", False) and getattr(self, "_in_loop", False):
+            return bool(self._allreduce([float(self._sigint)], op="max")[0])
+        return getattr(self, "_sigint", False)
+
+    @_stop_requested.setter
+    def _stop_requested(self, v: bool) -> None:
+        self._sigint = bool(v)
+
+    def _on_sigint(self, signum, frame):
+        if self._sigint:
+            from k3.train.trainer import _Abort
+            raise _Abort
+        self._sigint = True
+        log.warning("Ctrl-C: finishing the current step, saving a checkpoint (Ctrl-C again to abort)")
+
+    # ---- run directory
+    @property
+    def ckpt_dir(self) -> str:
+        return self._path("checkpoints")
+
+    def _dcp_checkpoints(self) -> list:
+        from k3.parallel.checkpoint import find_checkpoints
+        return find_checkpoints(self.ckpt_dir)
+
+    def holds_run(self) -> bool:
+        return bool(self._dcp_checkpoints()) or super().holds_run()
+
+    def setup(self) -> "DistTrainer":
+        if self._setup_done:
+            return self
+        cfg = self.cfg
+        cfg.validate()
+        if not cfg.resume and not cfg.overwrite and self.holds_run():
+            raise K3ConfigError(f"{cfg.out_dir} already holds a training run: continue it with --resume, replace "
+                                f"it with --overwrite, or choose another --out")
+        self._barrier()   # every rank looked before rank 0 creates anything
+        if self.is_rank0:
+            from k3.train.checkpointing import RunLock
+            os.makedirs(cfg.out_dir, exist_ok=True)
+            self._lock = RunLock(cfg.out_dir).acquire()
+        self._barrier()
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+        self._setup_done = True
+        return self
+
+    def _setup(self) -> None:
+        import torch.distributed as dist
+        from k3.config import K3Config
+        from k3.parallel import build_mesh
+        from k3.parallel.checkpoint import latest_checkpoint, load_checkpoint
+        from k3.parallel.muon import build_sharded_optimizer
+        from k3.parallel.parallelize import (build_meta_model, load_full_state_dict, materialize,
+                                             parallelize_model)
+        from k3.train import checkpointing as ckpt_io
+        from k3.train import report
+        from k3.train.build import make_balancer
+        from k3.train.config import (auto_threads, check_resume_settings, resolve_compile, resolve_param_dtype,
+                                     stored_train_config)
+        from k3.train.data import build_data
+        from k3.train.schedule import ContextSchedule, cosine_with_warmup
+        cfg = self.cfg
+        ckpt = None
+        if cfg.resume:
+            stored = stored_train_config(cfg.out_dir)
+            ckpt = latest_checkpoint(self.ckpt_dir)
+            if stored is not None and ckpt is not None:
+                check_resume_settings(cfg, stored, self._path("train_config.json"))
+            if ckpt is None and ckpt_io.find_checkpoints(cfg.out_dir):
+                raise CheckpointError(f"--resume: {cfg.out_dir} holds single-process checkpoints only; continue it "
+                                      f"with plain `k3 train --resume` (a distributed run writes DCP checkpoints)")
+            if ckpt is None and self.is_rank0:
+                log.warning("--resume: no checkpoint in %s; starting a new run", cfg.out_dir)
+        if cfg.threads:
+            torch.set_num_threads(int(cfg.threads))
+        elif self.device.type == "cpu":
+            torch.set_num_threads(max(1, auto_threads() // max(1, self.dims.world_size)))
+        self.threads = torch.get_num_threads()
+        ckpt_io.seed_everything(cfg.seed)
+
+        if ckpt is not None and os.path.isfile(self._path("config.json")):
+            mcfg = K3Config.from_json(self._path("config.json"))
+        elif self._model_config is not None:
+            mcfg = self._model_config
+        else:
+            mcfg = K3Config.load(cfg.config) if cfg.config else K3Config.from_preset(cfg.preset)
+        if cfg.model_overrides and ckpt is None:
+            mcfg = mcfg.replace(**cfg.model_overrides)
+
+        # ---- data: rank 0 first (it trains / tokenizes into the cache), then the others read the cache
+        first_seq = self._stage_seq_len(0)
+        tok_path = cfg.tokenizer
+        if ckpt is not None and tok_path is None and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
+            tok_path = ckpt
+        t0 = time.time()
+        for turn in (True, False):
+            if self.is_rank0 == turn:
+                self.data = build_data(cfg.data, vocab_size=mcfg.vocab_size, seq_len=first_seq,
+                                       batch_size=cfg.tokens_per_step // first_seq, seed=cfg.seed,
+                                       tokenizer_path=tok_path, cache=cfg.cache_dir, split_sections=cfg.split_sections)
+            self._barrier()
+        self.data_time = time.time() - t0
+        self.tokenizer = tok = self.data.tokenizer
+        if tok.vocab_size > mcfg.vocab_size:
+            raise K3ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                                f"{mcfg.vocab_size}")
+        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        if any(getattr(mcfg, k) != v for k, v in ids.items()):
+            mcfg = mcfg.replace(**ids)
+        self.model_config = mcfg
+        self.dims.check_model(mcfg)
+
+        # ---- model: meta -> parallelise -> materialise (init or load) per rank
+        self.pmesh = build_mesh(self.dims, self.device.type)
+        self.param_dtype = resolve_param_dtype(cfg.param_dtype, self.device)
+        self.compile_mode = resolve_compile(cfg.compile, self.device)
+        if self.compile_mode == "model":
+            self.compile_mode = "layers"      # FSDP units are layers: compile per layer
+        model = build_meta_model(mcfg)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        for m in model.modules():
+            if hasattr(m, "track_max_logit"):
+                m.track_max_logit = True
+        # --param-dtype bf16: FSDP computes in bf16 over fp32 shards (the fp32 master is the shard itself); fp32:
+        # fp32 shards, bf16 autocast on CUDA as in one process (Trainer._autocast)
+        mp_dtype = torch.bfloat16 if self.param_dtype == "bf16" else (
+            torch.float32 if self.device.type == "cuda" else None)
+        parallelize_model(model, self.pmesh, param_dtype=mp_dtype,
+                          reduce_dtype=torch.float32, activation_checkpointing=cfg.activation_checkpointing,
+                          compile=self.compile_mode)
+        exact = ckpt is None and self.num_params <= EXACT_INIT_MAX_PARAMS
+        materialize(model, self.device, seed=cfg.seed, init=ckpt is None and not exact)
+        if exact:   # the single-process init (same seed, same RNG stream), each rank keeping its shards
+            from k3.model import K3ForCausalLM
+            with torch.device("cpu"):
+                full = K3ForCausalLM(mcfg)
+            full.float()
+            load_full_state_dict(model, full.state_dict())
+            del full
+        model.train()
+        self.model = model
+
+        # ---- optimizer / schedule / balancer
+        self.optimizer = build_sharded_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                                 adamw_lr=cfg.adamw_lr, master_weights=False)
+        self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * cfg.steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, cosine_with_warmup(self.warmup_steps, cfg.steps, cfg.min_lr_ratio))
+        self.schedule = ContextSchedule(cfg.steps, cfg.tokens_per_step, cfg.stages)
+        self.balancer = make_balancer(cfg.balancer, model, mcfg)
+
+        # ---- resume / run directory
+        if ckpt is not None:
+            extra = load_checkpoint(ckpt, model, self.optimizer)
+            self._restore_extra(ckpt, extra)
+            if self.is_rank0:
+                report.truncate_metrics(self._path("metrics.jsonl"), self.step)
+            self._barrier()
+            self.history, self.eval_history = report.read_metrics(self._path("metrics.jsonl"))
+        elif self.is_rank0:
+            ckpt_io.clear_run_outputs(cfg.out_dir)
+            for _, p in self._dcp_checkpoints():
+                shutil.rmtree(p, ignore_errors=True)
+        if self.is_rank0:
+            mcfg.save_json(self._path("config.json"))
+            ckpt_io.atomic_json(self.cfg.to_dict(), self._path("train_config.json"))
+            ckpt_io.cleanup_tmp(cfg.out_dir)
+            log.info("k3 train: %s, %d parameters", self.dims.describe(), self.num_params)
+        dist.barrier()
+
+    # ---- checkpoints (DCP)
+    def state(self) -> dict:
+        """The `extra` of a DCP checkpoint: everything a step depends on besides the model and optimizer."""
+        from k3.train import checkpointing as ckpt_io
+        stage, seq = self.schedule.stage_at(self.step)
+        return {
+            "step": self.step, "stage": stage, "seq_len": seq, "tokens_seen": self.tokens_seen,
+            "train_time": self.train_time, "bad_streak": self.bad_streak,
+            "scheduler": self.scheduler.state_dict(),
+            "balancer": self.balancer.state_dict() if self.balancer is not None else None,
+            "loader": self.data.train.state_dict(), "rng": ckpt_io.rng_state(),
+            "train_config": self.cfg.to_dict(), "tokenizer_fingerprint": self.tokenizer.fingerprint,
+            "mesh": self.dims.describe(),
+        }
+
+    def save_checkpoint(self) -> str:
+        from k3.parallel.checkpoint import save_checkpoint
+        path = save_checkpoint(self.ckpt_dir, self.step, self.model, self.optimizer, extra=self.state())
+        if self.is_rank0:
+            self.tokenizer.save(path)
+            for _, old in self._dcp_checkpoints()[:-self.cfg.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        self._barrier()
+        for cb in self.callbacks:
+            cb.on_save(self, path)
+        return path
+
+    def load_checkpoint(self, path: str, state: Optional[dict] = None) -> None:
+        from k3.parallel.checkpoint import load_checkpoint
+        self._restore_extra(path, load_checkpoint(path, self.model, self.optimizer))
+
+    def _restore_extra(self, path: str, st: dict) -> None:
+        from k3.train.checkpointing import set_rng_state
+        if st.get("tokenizer_fingerprint") not in (None, self.tokenizer.fingerprint):
+            raise CheckpointError(f"{path}: the checkpoint was trained with a different tokenizer")
+        try:
+            self.scheduler.load_state_dict(st["scheduler"])
+            if self.balancer is not None and st.get("balancer") is not None:
+                self.balancer.load_state_dict(st["balancer"])
+            self.data.train.load_state_dict(st["loader"])
+            set_rng_state(st["rng"])
+            self.step = int(st["step"])
+            self.tokens_seen = int(st.get("tokens_seen", 0))
+            self.train_time = float(st.get("train_time", 0.0))
+            self.bad_streak = int(st.get("bad_streak", 0))
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise CheckpointError(f"{path}/extra.pt: the training state does not fit this run: "
+                                  f"{type(e).__name__}: {e}") from None
+        self.resumed_from = path
+        if self.is_rank0:
+            log.info("resumed from %s (step %d, written on %s; now %s)", path, self.step, st.get("mesh", "?"),
+                     self.dims.describe())
+
+    # ---- batches
+    def _local_batch(self, b: dict, seq: int, allow_uneven: bool = False) -> dict:
+        """This rank's part of a global packed batch ([1, rows * seq] + cu_seqlens): its data-parallel rows, and
+        under CP its slice of them. `allow_uneven` (evaluation): rows are dealt as evenly as possible and a rank
+        without rows gets one ignored padding row (every rank must run the forward)."""
+        ids, labels, cu = b["input_ids"], b["labels"], b["cu_seqlens"]
+        rows = ids.shape[1] // seq
+        D, d = self.dims.dp_replicate * self.dims.dp_shard, self.pmesh.dp_index()
+        if rows % D and not allow_uneven:
+            raise K3ConfigError(f"{rows} rows do not split over {D} data-parallel ranks (--batch-tokens)")
+        r0, r1 = d * rows // D, (d + 1) * rows // D
+        lo, hi = r0 * seq, r1 * seq
+        if r1 > r0:
+            keep = cu[(cu >= lo) & (cu <= hi)].to(torch.int64) - lo
+            loc = {"input_ids": ids[:, lo:hi], "labels": labels[:, lo:hi], "cu_seqlens": keep.to(cu.dtype)}
+        else:
+            pad = self.model_config.pad_token_id
+            loc = {"input_ids": ids.new_full((1, seq), pad), "labels": labels.new_full((1, seq), IGNORE_INDEX),
+                   "cu_seqlens": torch.tensor([0, seq], dtype=cu.dtype)}
+        if self.dims.cp_enabled:
+            s = self.model._k3_cp.shard(loc["input_ids"], loc["labels"], loc["cu_seqlens"],
+                                        pad_id=self.model_config.pad_token_id)
+            loc = {"input_ids": s.input_ids, "labels": s.labels, "cu_seqlens": s.cu_seqlens}
+        return {k: v.to(self.device, non_blocking=True) for k, v in loc.items()}
+
+    # ---- one step
+    def train_step(self) -> dict:
+        from k3.parallel.parallelize import clip_grad_norm_
+        from k3.parallel.qk_clip import sharded_qk_clip
+        cfg = self.cfg
+        stage, seq = self.schedule.stage_at(self.step)
+        rows = cfg.tokens_per_step // seq
+        t0 = time.time()
+        self._loader_at_step_start = self.data.train.state_dict()
+        self._phase = "compute"
+        batches = self._micro_batches(seq, rows)         # the global micro-batches, as in one process
+        n_total = max(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches), 1)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        bad_local = 0.0
+        aux_total = 0.0
+        world = self.dims.world_size
+        for b in batches:
+            loc = self._local_batch(b, seq)
+            with self._autocast():
+                out = self.model(**loc)
+            loss = out.loss.float()
+            for cb in self.callbacks:
+                loss = cb.on_loss(self, loss)
+            n_loc = out.num_tokens if torch.is_tensor(out.num_tokens) else torch.tensor(out.num_tokens)
+            obj = loss * (n_loc.to(loss.device, torch.float32) / n_total)   # local CE sum / global count
+            ce = obj.detach()
+            if self.balancer is not None:
+                aux = self.balancer.aux_loss()
+                if isinstance(aux, torch.Tensor) and aux.requires_grad:
+                    obj = obj + aux.to(obj.device) * (1.0 / (len(batches) * world))   # FSDP sums over ranks
+                    aux_total += float(aux.detach()) / len(batches)
+            obj.backward()   # every rank runs every micro-batch (FSDP's collectives), even after a bad one
+            if not torch.isfinite(loss.detach()):
+                bad_local = 1.0
+            loss_sum += ce.double().cpu()
+        tot, bad = self._allreduce([float(loss_sum), bad_local])
+        bad = bad > 0
+        grad_norm = float("nan")
+        if not bad:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            grad_norm = float(clip_grad_norm_(params, cfg.grad_clip))
+            bad = not math.isfinite(grad_norm)
+        rec: dict[str, Any] = {"type": "train"}
+        clipped = 0
+        self._phase = "update"
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._discard_balancer_stats()
+            self.bad_streak += 1
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            local_max = [float(m.last_max_logit.max()) for m in self.model.modules()
+                         if getattr(m, "last_max_logit", None) is not None]
+            max_logit = self._allreduce([max(local_max) if local_max else -math.inf], op="max")[0]
+            clipped = sharded_qk_clip(self.model, tau=cfg.qk_clip_tau, optimizer=self.optimizer) \
+                if cfg.qk_clip_tau > 0 else 0
+            if self.balancer is not None:
+                self.balancer.step()
+            self.bad_streak = 0
+            if local_max:
+                rec["max_logit"] = max_logit
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.time() - t0
+        tokens = rows * seq
+        self.step += 1
+        self.tokens_seen += tokens
+        self.train_time += dt
+        self._phase = "idle"
+        rec.update({"step": self.step, "loss": tot if not bad else float("nan"), "lr": lr,
+                    "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9), "step_time": dt,
+                    "seq_len": seq, "stage": stage, "batch_rows": rows, "grad_norm": grad_norm,
+                    "skipped": bad, "tokens_seen": self.tokens_seen, "epoch": self.data.train.epoch_progress})
+        if clipped:
+            rec["qk_clipped_heads"] = clipped
+        if aux_total:
+            rec["aux_loss"] = aux_total
+        if self.balancer is not None and not bad:
+            m = self.balancer.metrics()
+            for k in ("maxvio_mean", "maxvio_max", "dead_experts_mean", "min_load_ratio_min"):
+                v = m.get(f"balance/{k}")
+                if v is not None:
+                    rec["maxvio" if k == "maxvio_mean" else k] = v
+        return rec
+
+    # ---- evaluation / samples: every rank takes part, the sums are reduced
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        from k3.train.probes import recall
+        model, cfg = self.model, self.cfg
+        was_training = model.training
+        model.eval()
+        t0 = time.time()
+        try:
+            seq = cfg.val_seq_len or self._stage_seq_len(0)
+            rows = max(1, min(cfg.tokens_per_step, cfg.val_tokens) // seq)
+            n_batches = max(1, cfg.val_tokens // (rows * seq))
+            tot = n = 0.0
+            for b in self.data.val.batches(seq_len=seq, batch_size=rows, max_batches=n_batches):
+                with self._autocast():
+                    out = model(**self._local_batch(b, seq, allow_uneven=True))
+                k = int(out.num_tokens)
+                tot += float(out.loss) * k
+                n += k
+            tot, n = self._allreduce([tot, n])
+            res = {"val_loss": tot / n if n else float("nan"), "val_tokens": int(n)}
+            if not self.dims.cp_enabled:   # the same probe batch on every rank (FSDP gathers the weights)
+                res.update(recall(self))
+        finally:
+            model.train(was_training)
+        res["eval_time"] = time.time() - t0
+        return res
+
+    def samples(self) -> list:
+        """Greedy continuations, run in lockstep on every rank (identical inputs and weights give identical
+        tokens); not under CP (generation feeds whole sequences)."""
+        from k3.train.probes import greedy_generate
+        if self.dims.cp_enabled:
+            return []
+        tok, model, cfg = self.tokenizer, self.model, self.cfg
+        was_training = model.training
+        model.eval()
+        out = []
+        try:
+            for prompt in cfg.sample_prompts:
+                ids = tok.encode(prompt, allow_special=False)
+                new = greedy_generate(model, ids, cfg.sample_tokens, stop_ids=(tok.eod_id, tok.eos_id))
+                out.append((prompt, tok.decode(new, skip_special_tokens=True)))
+        finally:
+            model.train(was_training)
+        return out
+
+    # ---- logging (rank 0)
+    def _log(self, rec: dict) -> None:
+        if self.is_rank0:
+            super()._log(rec)
+
+    def _open_tensorboard(self) -> None:
+        if self.is_rank0:
+            super()._open_tensorboard()
+
+    # ---- end of run
+    def _non_finite(self) -> Optional[str]:
+        bad = [n for n, p in self.model.named_parameters()
+               if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
+        if self._allreduce([float(len(bad))], op="max")[0] > 0:
+            return "weight tensors hold NaN/inf" + (f" (e.g. {bad[0]})" if bad else "")
+        v = self.eval_history[-1].get("val_loss") if self.eval_history else None
+        if v is None and self.eval_history:
+            return "the final validation loss is not a number"
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"the final validation loss is {v}"
+        return None
+
+    def _finish(self, status: str, wall: float) -> dict:
+        from k3.parallel.checkpoint import latest_checkpoint
+        from k3.train import report
+        from k3.train.trainer import TrainingError
+        cfg = self.cfg
+        summary = report.build_summary(self, status, wall)
+        summary["checkpoint"] = latest_checkpoint(self.ckpt_dir)
+        summary["mesh"] = self.dims.describe()
+        failure = self._non_finite() if status == "completed" else None
+        if failure is not None:
+            summary["status"] = "failed"
+            if self.is_rank0:
+                report.write_artifacts(self, summary)
+            raise TrainingError(f"the run reached step {self.step} but {failure}; no final model was written "
+                                f"(last checkpoint: {summary['checkpoint']})")
+        if status == "completed":
+            if self.num_params <= FINAL_MAX_PARAMS:
+                self._save_final()
+                summary["final"] = self._path("final")
+            elif self.is_rank0:
+                log.warning("final/ not written for %d parameters: the last DCP checkpoint %s holds the model",
+                            self.num_params, summary["checkpoint"])
+            if cfg.samples:
+                try:
+                    summary["samples"] = self.samples()
+                except Exception as e:  # never lose a finished run over a sample
+                    log.warning("sample generation failed: %s", e)
+        if self.is_rank0:
+            report.write_artifacts(self, summary)
+        self._barrier()
+        return summary
+
+    def _save_final(self) -> None:
+        """final/ in the k3.checkpoint layout (loads with k3.checkpoint.from_pretrained): the full weights are
+        gathered (collective), rank 0 writes them."""
+        from k3.checkpoint import save_pretrained
+        from k3.model import K3ForCausalLM
+        from k3.parallel.parallelize import full_state_dict
+        sd = {k: v.cpu() for k, v in full_state_dict(self.model).items()}
+        if self.is_rank0:
+            with torch.device("meta"):
+                m = K3ForCausalLM(self.model_config, init=False)
+            m.load_state_dict(sd, assign=True)
+            save_pretrained(m, self._path("final"), tokenizer=self.tokenizer)
+        del sd
+        self._barrier()
+
+    def _train(self) -> dict:
+        self._in_loop = True     # from here every rank reads the stop request at the same points
+        try:
+            return super()._train()
+        finally:
+            self._in_loop = False
+
+    def train(self) -> dict:
+        try:
+            return super().train()
+        finally:
+            self._in_loop = False
+            self.close_process_group()
+
+    def close_process_group(self) -> None:
+        import torch.distributed as dist
+        if self._own_pg and dist.is_initialized():
+            try:
+                dist.barrier()
+            except Exception:  # pragma: no cover - another rank failed
+                pass
+            dist.destroy_process_group()
