@@ -24,6 +24,8 @@ TOO_LONG_ALLOWED: set = set()
 UPWARD_IMPORTS = {
     ("k3.model", "k3.checkpoint"): "K3ForCausalLM.from_pretrained / save_pretrained: the delegates users expect "
                                    "(k3.checkpoint builds and saves models; the methods import it when called)",
+    ("k3.multimodal", "k3.checkpoint.multimodal"): "K3ForConditionalGeneration.from_pretrained / save_pretrained: "
+                                                   "the same delegates for the multimodal model",
 }
 LAYERING_EXEMPT_PACKAGES: tuple = ()
 

@@ -5,7 +5,7 @@ import argparse
 import json
 import logging
 
-from k3.cli import finite_float, int_at_least
+from k3.flags import finite_float, int_at_least
 from k3.rl.trainer import RLConfig
 
 # flag dest -> RLConfig field (flags default to None so --resume can tell which were given)

@@ -482,7 +482,7 @@ class Sweep:
 # ----------------------------------------------------------------------------------------------- CLI
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from k3.cli import int_at_least
+    from k3.flags import int_at_least
     s = subparsers.add_parser(
         "sweep", help="run a grid of training runs (config keys / train settings x seeds), tabulate and plot",
         description="Train every combination of the --set values for each seed, then write results.csv/.json, "

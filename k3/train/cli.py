@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from k3.cli import finite_float, int_at_least
+from k3.flags import finite_float, int_at_least
 from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig, format_stages,
                              parse_stages)
 
