@@ -2,7 +2,8 @@
 of its overhead, and keep activation norms flat across depth (no PreNorm dilution).
 
 Variants (same model, data, steps and tokens): a standard pre-norm residual stream (`attn_res_mode=none`: no
-AttnRes parameters), and Block AttnRes with `attn_res_block_size` = each of --block-sizes (1 = full AttnRes: every layer is its own block; the number of layers = a single block).
+AttnRes parameters), and Block AttnRes with `attn_res_block_size` = each of --block-sizes (1 = full AttnRes: every
+layer is its own block; the number of layers = a single block).
 Measured: final validation / train loss, tokens/s and peak memory (the compute and memory overhead), parameter
 count, and the RMS of each layer's input on fixed validation rows after training (activation norm across depth).
 

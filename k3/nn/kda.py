@@ -1,5 +1,6 @@
 """Kimi Delta Attention layer (spec §3.4): q/k/v projections + causal short conv (SiLU), low-rank decay gate
-bounded below by `gate_lower_bound` (null: the unbounded Kimi-Linear gate -exp(A_log) softplus(f + dt_bias)), beta = sigmoid(b_proj x), gated delta rule (k3.ops.kda.chunk_kda with the
+bounded below by `gate_lower_bound` (None: the unbounded Kimi-Linear gate -exp(A_log) softplus(f + dt_bias)),
+beta = sigmoid(b_proj x), gated delta rule (k3.ops.kda.chunk_kda with the
 gate and q/k L2 norm applied in-kernel), gated output RMSNorm (fp32, weight before the cast), o_proj.
 
 With a cache (k3.generation.cache): the conv history and the fp32 recurrent state are read from / written back to
