@@ -28,7 +28,9 @@ class LinearAttnConfig:
     head_dim: int = 128
     short_conv_kernel_size: int = 4
     use_full_rank_gate: bool = True
-    gate_lower_bound: float = -5.0
+    # log-decay floor of the bounded gate g = lb * sigmoid(exp(A_log) (f + dt_bias)), in [-10, 0) (see validate);
+    # None = the unbounded Kimi-Linear gate g = -exp(A_log) * softplus(f + dt_bias)
+    gate_lower_bound: Optional[float] = -5.0
     full_attn_layers: list = field(default_factory=list)
     kda_layers: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
@@ -48,7 +50,8 @@ class LinearAttnConfig:
 # Fields of K3Config that are *not* released keys: written only when they differ from what the released format
 # implies (so a config that matches the release is written with released keys only). `kda_gate_low_rank` is
 # implicit in the release: it equals `linear_attn_config.head_dim` (f_a_proj [head_dim, d], f_b_proj [P, head_dim]).
-_K3_ONLY_DEFAULTS = {"a_log_storage_size": 128, "mla_latent_norm_eps": 1e-6}
+_K3_ONLY_DEFAULTS = {"a_log_storage_size": 128, "mla_latent_norm_eps": 1e-6, "attn_res_mode": "block"}
+ATTN_RES_MODES = ("block", "none")
 # Released-format aliases read on load: older HF configs spell `dtype` as `torch_dtype`.
 _ALIASES = {"torch_dtype": "dtype"}
 
@@ -113,6 +116,9 @@ class K3Config:
     kda_gate_low_rank: Optional[int] = None
     a_log_storage_size: int = 128
     mla_latent_norm_eps: float = 1e-6
+    # "block": Block Attention Residuals (the release); "none": a standard pre-norm residual stream
+    # h += attn(norm(h)); h += ffn(norm(h)), without the AttnRes norms / pseudo-queries (ablations only)
+    attn_res_mode: str = "block"
     # --- round-trip storage
     extra: dict = field(default_factory=dict)
     container: Optional[dict] = None  # top-level wrapper (incl. vision_config) when loaded from one
@@ -137,6 +143,8 @@ class K3Config:
                        f"{self.lac.head_dim} (the released format derives the KDA decay rank from head_dim)")
         if self.mla_latent_norm_eps != _K3_ONLY_DEFAULTS["mla_latent_norm_eps"]:
             out.append(f"mla_latent_norm_eps = {self.mla_latent_norm_eps} (the released format implies 1e-6)")
+        if self.attn_res_mode != "block":
+            out.append(f"attn_res_mode = {self.attn_res_mode!r} (the released format implies Block AttnRes, 'block')")
         return out
 
     # ------------------------------------------------------------------ derived
@@ -192,10 +200,15 @@ class K3Config:
         if self.mla_use_nope is not True:
             bad("mla_use_nope", f"only NoPE MLA (no rotary embedding; the 'rope' dims stay unrotated) is implemented, "
                 f"got {self.mla_use_nope!r}")
-        if not (-5.5 <= lac.gate_lower_bound < 0):
-            bad("linear_attn_config.gate_lower_bound",
-                f"must lie in [-5.5, 0) so 16-token tiles stay in fp32 range (exp(16*5.5) < fp32 max), "
-                f"got {lac.gate_lower_bound}")
+        lb = lac.gate_lower_bound
+        if lb is not None:
+            from k3.ops.kda import MIN_LOWER_BOUND, lower_bound_problem
+            why = lower_bound_problem(lb)
+            if why is not None:
+                bad("linear_attn_config.gate_lower_bound", f"{why}; null selects the unbounded softplus gate "
+                    f"(safe limit {MIN_LOWER_BOUND})")
+        if self.attn_res_mode not in ATTN_RES_MODES:
+            bad("attn_res_mode", f"must be one of {', '.join(map(repr, ATTN_RES_MODES))}, got {self.attn_res_mode!r}")
         L = self.num_hidden_layers
         mla, kda = list(lac.full_attn_layers), list(lac.kda_layers)
         for name, lst in (("full_attn_layers", mla), ("kda_layers", kda)):
@@ -237,7 +250,7 @@ class K3Config:
         if self.first_k_dense_replace > 0 and self.intermediate_size <= 0:
             bad("intermediate_size", "must be positive when first_k_dense_replace > 0")
         if self.hidden_act not in ("situ", "silu", "swiglu"):
-            bad("hidden_act", f"must be 'situ' or 'silu', got {self.hidden_act!r}")
+            bad("hidden_act", f"must be 'situ' (SiTU-GLU), 'silu' or 'swiglu' (both SwiGLU), got {self.hidden_act!r}")
         if self.activation_situ_beta <= 0 or self.activation_situ_linear_beta <= 0:
             bad("activation_situ_beta", "SiTU betas must be > 0")
         if self.num_nextn_predict_layers:

@@ -80,12 +80,15 @@ class K3DecoderLayer(nn.Module):
         self.layer_idx = layer_idx
         self.block_size = cfg.attn_res_block_size
         self.layer_type = cfg.layer_types[layer_idx]
+        # attn_res_mode "none": a standard pre-norm residual stream, no AttnRes norms / pseudo-queries
+        self.attn_res = cfg.attn_res_mode == "block"
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
-        self.self_attention_res_norm = RMSNorm(d, eps)
-        self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
-        self.mlp_res_norm = RMSNorm(d, eps)
-        self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+        if self.attn_res:
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
         self.self_attn = KDAAttention(cfg, layer_idx) if self.layer_type == "kda" else MLAAttention(cfg, layer_idx)
         if cfg.is_moe_layer(layer_idx):
             self.block_sparse_moe = LatentMoE(cfg)
@@ -99,7 +102,12 @@ class K3DecoderLayer(nn.Module):
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
     def forward(self, partial: Optional[torch.Tensor], blocks: list, cu_seqlens=None, cache=None):
-        """(partial sum of the current block, completed block sources) -> the same, after this layer (§3.2)."""
+        """(partial sum of the current block, completed block sources) -> the same, after this layer (§3.2).
+        attn_res_mode "none": `partial` is the residual stream h (blocks stay empty): h += attn(norm(h)),
+        h += ffn(norm(h))."""
+        if not self.attn_res:
+            h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
+            return h + self.ffn(self.post_attention_layernorm(h)), blocks
         if blocks:
             a_in = attnres_mix(blocks + [partial], _mix_weight(self.self_attention_res_norm,
                                                               self.self_attention_res_proj), self.res_eps)
@@ -126,12 +134,16 @@ class K3DecoderLayer(nn.Module):
         return LayerDecodeState(
             attn=attn, ffn=self.ffn.prepare_decode(dtype), in_norm=self.input_layernorm.prepare_decode(dtype),
             post_norm=self.post_attention_layernorm.prepare_decode(dtype),
-            w_attn=_mix_weight(self.self_attention_res_norm, self.self_attention_res_proj).detach(),
-            w_mlp=_mix_weight(self.mlp_res_norm, self.mlp_res_proj).detach())
+            w_attn=_mix_weight(self.self_attention_res_norm, self.self_attention_res_proj).detach()
+            if self.attn_res else None,
+            w_mlp=_mix_weight(self.mlp_res_norm, self.mlp_res_proj).detach() if self.attn_res else None)
 
     def decode_step(self, st: LayerDecodeState, partial: torch.Tensor, blocks: list):
         """`forward` for one token per cache row ([N, d] sources), shape-static: the modules' `decode_step`s and
         the AttnRes mix as one stacked softmax (k3.ops.attnres.attnres_mix_decode)."""
+        if not self.attn_res:
+            h = partial + self.self_attn.decode_step(st.attn, self.input_layernorm.decode_step(st.in_norm, partial))
+            return h + self.ffn.decode_step(st.ffn, self.post_attention_layernorm.decode_step(st.post_norm, h)), blocks
         a_in = attnres_mix_decode(blocks + [partial], st.w_attn, self.res_eps) if blocks else partial
         if self.layer_idx % self.block_size == 0:
             blocks = blocks + [partial]
@@ -151,8 +163,10 @@ class K3Model(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.layers = nn.ModuleList(K3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
+        self.attn_res = cfg.attn_res_mode == "block"
+        if self.attn_res:
+            self.output_attn_res_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(d, 1, bias=False)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.gradient_checkpointing = False
 
@@ -166,6 +180,8 @@ class K3Model(nn.Module):
                 partial, blocks = checkpoint(layer, partial, blocks, cu_seqlens, layer_cache, use_reentrant=False)
             else:
                 partial, blocks = layer(partial, blocks, cu_seqlens=cu_seqlens, cache=layer_cache)
+        if not self.attn_res:
+            return self.norm(partial)
         h = attnres_mix(blocks + [partial], _mix_weight(self.output_attn_res_norm, self.output_attn_res_proj),
                         ATTNRES_EPS)
         return self.norm(h)
@@ -245,7 +261,7 @@ class K3ForCausalLM(nn.Module):
             embed=m.embed_tokens.weight.detach(), lm_head=self.lm_head.weight.detach().t().contiguous(),
             layers=[layer.prepare_decode(cache.layers[i], dtype, window, lens, rows, mla_kernel)
                     for i, layer in enumerate(m.layers)],
-            w_out=_mix_weight(m.output_attn_res_norm, m.output_attn_res_proj).detach(),
+            w_out=_mix_weight(m.output_attn_res_norm, m.output_attn_res_proj).detach() if m.attn_res else None,
             final_norm=m.norm.prepare_decode(dtype))
 
     def decode_step(self, st: DecodeState, ids_N: torch.Tensor) -> torch.Tensor:
@@ -256,7 +272,9 @@ class K3ForCausalLM(nn.Module):
         blocks: list = []
         for layer, L in zip(self.model.layers, st.layers):
             partial, blocks = layer.decode_step(L, partial, blocks)
-        h = self.model.norm.decode_step(st.final_norm, attnres_mix_decode(blocks + [partial], st.w_out, ATTNRES_EPS))
+        if st.w_out is not None:
+            partial = attnres_mix_decode(blocks + [partial], st.w_out, ATTNRES_EPS)
+        h = self.model.norm.decode_step(st.final_norm, partial)
         return f32(h @ st.lm_head)
 
     # ---------------------------------------------------------------- forward

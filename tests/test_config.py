@@ -60,7 +60,10 @@ def test_tiny_has_every_feature():
     (dict(topk_method="greedy"), "topk_method"),
     (dict(num_expert_group=4, topk_group=2, use_grouped_topk=False), "use_grouped_topk"),
     (dict(num_expert_group=8, topk_group=1), "topk_group"),   # 1 kept group of 2 experts < top-4
-    ({"linear_attn_config.gate_lower_bound": -9.0}, "gate_lower_bound"),
+    ({"linear_attn_config.gate_lower_bound": -10.5}, "gate_lower_bound"),
+    ({"linear_attn_config.gate_lower_bound": 0.0}, "gate_lower_bound"),
+    ({"linear_attn_config.gate_lower_bound": "-5"}, "gate_lower_bound"),
+    (dict(attn_res_mode="full"), "attn_res_mode"),
     ({"linear_attn_config.head_dim": 0}, "head_dim"),
     ({"linear_attn_config.kda_layers": [1, 2, 3, 4, 5, 6, 7]}, "kda_layers"),
     ({"linear_attn_config.full_attn_layers": [4, 9]}, "full_attn_layers"),

@@ -1,9 +1,9 @@
 """Claim: Block Attention Residuals beat a standard residual at equal compute, approach full AttnRes at a fraction
 of its overhead, and keep activation norms flat across depth (no PreNorm dilution).
 
-Variants (same model, data, steps and tokens): a standard pre-norm residual stream (a benchmark-only patch,
-claim_probes.StandardResidual, until the model has a switch), and Block AttnRes with `attn_res_block_size` = each
-of --block-sizes (1 = full AttnRes: every layer is its own block; the number of layers = a single block).
+Variants (same model, data, steps and tokens): a standard pre-norm residual stream (`attn_res_mode=none`: no
+AttnRes parameters), and Block AttnRes with `attn_res_block_size` = each of --block-sizes (1 = full AttnRes: every
+layer is its own block; the number of layers = a single block).
 Measured: final validation / train loss, tokens/s and peak memory (the compute and memory overhead), parameter
 count, and the RMS of each layer's input on fixed validation rows after training (activation norm across depth).
 
@@ -23,12 +23,12 @@ def main(argv=None):
     p.add_argument("--block-sizes", default="1,2,3,4,8", help="attn_res_block_size values [1,2,3,4,8]")
     p.add_argument("--no-standard", action="store_true", help="leave out the standard-residual variant")
     args = p.parse_args(argv)
-    base = common.base_from_args(args, compile="none")  # the standard variant is a patch: same compile for all
+    base = common.base_from_args(args)
     sizes = [int(x) for x in args.block_sizes.split(",")]
 
     def norms():
         return claim_probes.ActivationNorms(seq_len=args.seq_len, rows=2)
-    variants = [] if args.no_standard else [("standard", [], [claim_probes.StandardResidual, norms])]
+    variants = [] if args.no_standard else [("standard", ["attn_res_mode=none"], [norms])]
     variants += [(f"block={b}" + (" (full)" if b == 1 else ""), [f"attn_res_block_size={b}"], [norms]) for b in sizes]
     rows = common.run_variants(args.out, variants, args.seeds, base)
     metrics = ["val_loss", "train_loss", "tokens_per_s", "peak_mem_mb", "act_rms_growth", "num_params"]

@@ -1,15 +1,13 @@
-"""Trainer callbacks of the claim scripts: benchmark-only model patches (switches the model does not have yet) and
-measurements (activation norms across depth, max |GLU activation|, first-token attention mass).
+"""Trainer callbacks of the claim scripts: measurements (activation norms across depth, max |GLU activation|,
+first-token attention mass). The variants themselves are config switches (`linear_attn_config.gate_lower_bound:
+null`, `attn_res_mode: none`, `mla_use_output_gate: false`, `hidden_act: swiglu`), run through k3.sweep.
 
-The patches change module attributes / methods of the built model in `on_train_start`, so they apply again to a
-resumed run; compiled sub-modules would keep the unpatched code, so the scripts run every variant with
-`--compile none` when a patch is involved. They are stand-ins until the model has real switches (see
-docs/claims.md, "switches the model needs").
+GLUMaxAct wraps the GLU functions of the built model in `on_train_start` (again on a resumed run); a compiled
+sub-module keeps the code it traced, so situ.py runs with `--compile none`.
 """
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 
@@ -24,43 +22,6 @@ def _fixed_batch(trainer, seq_len: int, rows: int):
 
 def _is_final_eval(trainer) -> bool:
     return trainer.step >= trainer.cfg.steps
-
-
-# ----------------------------------------------------------------------------------------------- patches
-
-class SoftplusGate(Callback):
-    """KDA with the unbounded Kimi-Linear / fla gate g = -exp(A_log) * softplus(f + dt_bias) (`lower_bound=None`
-    in k3.ops.kda) instead of K3's bounded g = lb * sigmoid(exp(A_log) * (f + dt_bias)). dt_bias is re-initialised
-    so that the initial decays exp(g) span the same [0.5, 0.999] as the bounded init (fresh runs only)."""
-
-    def on_train_start(self, trainer):
-        from k3.nn.kda import KDAAttention
-        gen = torch.Generator().manual_seed(1000 + trainer.cfg.seed)
-        for m in trainer.model.modules():
-            if isinstance(m, KDAAttention):
-                m.lower_bound = None
-                if trainer.step == 0:
-                    with torch.no_grad():
-                        decay = torch.empty(m.dt_bias.shape, dtype=torch.float64).uniform_(0.5, 0.999, generator=gen)
-                        m.dt_bias.copy_(torch.log(1.0 / decay - 1.0).to(m.dt_bias.dtype))  # softplus(dt) = -log(decay)
-
-
-def _standard_forward(self, partial, blocks, cu_seqlens=None, cache=None):
-    """A standard pre-norm residual layer: h += attn(norm(h)); h += ffn(norm(h)) (no depth mixing)."""
-    h = partial + self.self_attn(self.input_layernorm(partial), cu_seqlens=cu_seqlens, cache=cache)
-    return h + self.ffn(self.post_attention_layernorm(h)), blocks
-
-
-class StandardResidual(Callback):
-    """Replace Block AttnRes by a standard pre-norm residual stream. With `blocks` always empty, the model's final
-    AttnRes mix has one source and returns it (k3.ops.attnres.attnres_mix), so the head reads the stream. The
-    AttnRes projections stay in the model unused (no gradient)."""
-
-    def on_train_start(self, trainer):
-        from k3.model import K3DecoderLayer
-        for m in trainer.model.modules():
-            if isinstance(m, K3DecoderLayer):
-                m.forward = types.MethodType(_standard_forward, m)
 
 
 # ----------------------------------------------------------------------------------------------- measurements

@@ -6,8 +6,8 @@ the built-in corpus, CPU-sized) and reports mean ± sample std over seeds. `--mi
 tests' ~0.3M-parameter variant, for a smoke run of the script itself (its numbers say nothing about the claim).
 
 Variants that are a config key or a `k3 train` flag run as one `k3.sweep.Sweep` (its results.csv, summary.md and
-plots are in OUT/sweep/). Variants that need a model switch k3 does not have yet run with a *benchmark-only patch*
-applied by a trainer callback (claims_probes.py): each such variant is its own Sweep in OUT/<variant>/.
+plots are in OUT/sweep/); variants that differ in several keys or in their measurement callbacks
+(claim_probes.py) run as one Sweep each, in OUT/<variant>/.
 """
 from __future__ import annotations
 

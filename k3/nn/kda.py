@@ -1,5 +1,6 @@
 """Kimi Delta Attention layer (spec §3.4): q/k/v projections + causal short conv (SiLU), low-rank decay gate
-bounded below by `gate_lower_bound`, beta = sigmoid(b_proj x), gated delta rule (k3.ops.kda.chunk_kda with the
+bounded below by `gate_lower_bound` (None: the unbounded Kimi-Linear gate -exp(A_log) softplus(f + dt_bias)),
+beta = sigmoid(b_proj x), gated delta rule (k3.ops.kda.chunk_kda with the
 gate and q/k L2 norm applied in-kernel), gated output RMSNorm (fp32, weight before the cast), o_proj.
 
 With a cache (k3.generation.cache): the conv history and the fp32 recurrent state are read from / written back to
@@ -66,11 +67,15 @@ class KDAAttention(nn.Module):
     @torch.no_grad()
     def reset_gate_parameters(self) -> None:
         """A = 1 (A_log = 0) and dt_bias so the initial per-step decay exp(g) spans [0.5, 0.999] across channels:
-        g = lb * sigmoid(dt) => dt = logit(g / lb). A spectrum of memory lengths at init (as Mamba's dt init)."""
+        g = lb * sigmoid(dt) => dt = logit(g / lb); for the unbounded gate (lower_bound None) g = -softplus(dt)
+        => dt = log(expm1(-g)) = log(1 / decay - 1). A spectrum of memory lengths at init (as Mamba's dt init)."""
         self.A_log.zero_()
         decay = torch.empty_like(self.dt_bias).uniform_(0.5, 0.999)
-        r = (torch.log(decay) / self.lower_bound).clamp(1e-6, 1 - 1e-6)
-        self.dt_bias.copy_(torch.log(r) - torch.log1p(-r))
+        if self.lower_bound is None:
+            self.dt_bias.copy_(torch.log(1.0 / decay.double() - 1.0).to(self.dt_bias.dtype))
+        else:
+            r = (torch.log(decay) / self.lower_bound).clamp(1e-6, 1 - 1e-6)
+            self.dt_bias.copy_(torch.log(r) - torch.log1p(-r))
         nn.init.uniform_(self.q_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
         nn.init.uniform_(self.k_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))
         nn.init.uniform_(self.v_conv1d.weight, -1 / math.sqrt(self.conv_size), 1 / math.sqrt(self.conv_size))

@@ -20,7 +20,37 @@ from .common import l2norm, validate_kda_inputs
 from .gate import kda_gate
 from .reference import recurrent_kda
 
-__all__ = ["chunk_kda", "recurrent_kda", "kda_gate", "l2norm", "register_kda_backend", "kda_backends"]
+__all__ = ["chunk_kda", "recurrent_kda", "kda_gate", "l2norm", "register_kda_backend", "kda_backends",
+           "MIN_LOWER_BOUND", "LOWER_BOUND_LIMITS", "lower_bound_problem"]
+
+# The steepest bounded gate (lower_bound) each chunked path runs with its decay tiles in fp32 range. A tile factors
+# exp(G_t - G_i) (G: the cumulative log-decay inside the chunk) through a reference row m of its own:
+# exp(G_t - G_m) * exp(G_m - G_i), so single factors reach exp(d * |lb|), d = the most rows between m and a row of
+# the tile. fp32 holds exp(x) for |x| < 87.3 (normal numbers; GPUs flush subnormals) - 88.7, and the kernels keep
+# d * |lb| <= 80 (room for |q|, |k| up to ~e^7):
+#   "triton": 16-row tiles forward (chunks of 16) and backward (chunks of 64), reference row 7: d = 8, lb >= -10
+#             (its backward's 32-row matrices tiles need lb >= -5 and are switched to 16 rows below it);
+#   "fla":    fla's safe_gate kernels (M=16 tensor-core tiles) promise [-5, 0) only (fla refuses the rest); steeper
+#             bounds go to the "triton" backend (or "torch" where triton cannot run);
+#   "torch":  the tile shrinks with the bound (16 rows up to |lb| 7.5 at its budget of 60, then 8, 4, 2, 1: one
+#             row is exact for any g <= 0), so no limit of its own.
+# The chunked entry point (chunk_kda) and the model config accept lb in [MIN_LOWER_BOUND, 0): every path runs there.
+LOWER_BOUND_LIMITS = {"triton": -10.0, "fla": -5.0, "torch": float("-inf")}
+MIN_LOWER_BOUND = LOWER_BOUND_LIMITS["triton"]
+
+
+def lower_bound_problem(lower_bound) -> Optional[str]:
+    """Why `lower_bound` (of the bounded gate) is refused, or None when every chunked path accepts it."""
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+        return f"must be a number (or None/null for the unbounded softplus gate), got {lower_bound!r}"
+    lb = float(lower_bound)
+    if not (lb < 0.0):
+        return f"must be < 0 (a log-decay floor), got {lower_bound}"
+    if not (lb >= MIN_LOWER_BOUND):
+        return (f"{lower_bound} is below the safe limit {MIN_LOWER_BOUND}: the chunked KDA kernels (Triton path: "
+                f"16-token tiles with decays factored through a reference row 8 tokens away) form exp(8 * |lb|) "
+                f"in fp32, which must stay <= exp(80); accepted: [{MIN_LOWER_BOUND}, 0)")
+    return None
 
 _IMPLS: dict[str, Callable] = {}
 
@@ -49,10 +79,16 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
     q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] per-channel log-decay (<= 0), or the raw gate input f when
     use_gate_in_kernel (then g = kda_gate(f, A_log, dt_bias, lower_bound)); beta [B,T,H]; scale defaults to K^-0.5.
+    lower_bound: in [MIN_LOWER_BOUND, 0) = [-10, 0) (ValueError below: see LOWER_BOUND_LIMITS), or None for the
+    unbounded softplus gate.
     cu_seqlens: int [N+1] packed-sequence starts (B must be 1); initial_state [N,H,K,V].
     Returns (o [B,T,H,V] in v.dtype, final_state [N,H,K,V] fp32 (fp64 for fp64 inputs) or None).
     """
     validate_kda_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_gate_in_kernel, A_log, dt_bias)
+    if use_gate_in_kernel and lower_bound is not None:
+        why = lower_bound_problem(lower_bound)
+        if why is not None:
+            raise ValueError(f"lower_bound: {why}")
     if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % 16:
         raise ValueError(f"chunk_size: expected a positive multiple of 16, got {chunk_size!r}")
     name = dispatch.resolve("kda", backend, q.device.type)

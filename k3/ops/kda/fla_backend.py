@@ -1,7 +1,10 @@
 """The "fla" backend of `chunk_kda`: flash-linear-attention's Triton kernels (fla-core 0.6.x) on CUDA.
 
 Training / prefill goes through fla `chunk_kda` with the gate, the q/k L2 norm and the scale fused in-kernel and,
-for the K3 bounded gate (lower_bound in [-5, 0)), `safe_gate=True` (fla's M=16 tensor-core path). A forward
+for the K3 bounded gate (lower_bound in [-5, 0), fla's `safe_gate` contract), `safe_gate=True` (fla's M=16
+tensor-core path); the unbounded softplus gate (lower_bound None) takes fla's general path (safe_gate=False).
+Bounded gates steeper than fla's safe range (lower_bound in [-10, -5): see k3.ops.kda.LOWER_BOUND_LIMITS) go to our
+"triton" backend (16-row tiles, fine down to -10), or to "torch" where triton cannot run. A forward
 without autograd and with T == 1 per sequence (decode) goes through `fused_recurrent_kda`.
 
 Notable:
@@ -24,6 +27,7 @@ import torch
 
 log = logging.getLogger("k3")
 _FALLBACK_LOGGED: set = set()
+FLA_SAFE_MIN_LOWER_BOUND = -5.0  # fla chunk_kda(safe_gate=True) requires lower_bound in [-5, 0)
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,8 +60,23 @@ def _unsupported(q, v, g, beta, use_gate_in_kernel, A_log, lower_bound, chunk_si
     return None
 
 
-def _fallback(reason: str, *args, **kw):
+def safe_gate_for(use_gate_in_kernel: bool, lower_bound: Optional[float]) -> Optional[bool]:
+    """fla's `safe_gate` for this gate: True for a bound in fla's safe range [-5, 0), False for no in-kernel gate
+    or the unbounded gate (lower_bound None; fla's general path), None when fla cannot take the bound."""
+    if not use_gate_in_kernel or lower_bound is None:
+        return False
+    return True if FLA_SAFE_MIN_LOWER_BOUND <= float(lower_bound) < 0.0 else None
+
+
+def _fallback(reason: str, *args, to_triton: bool = False, **kw):
     from .chunk import chunk_kda_torch
+    if to_triton:
+        from . import triton as ktriton
+        if ktriton.available():
+            if reason not in _FALLBACK_LOGGED:
+                _FALLBACK_LOGGED.add(reason)
+                log.info("k3: kda backend fla cannot run this call (%s); using triton", reason)
+            return ktriton.chunk_kda_triton(*args, **kw)
     if reason not in _FALLBACK_LOGGED:
         _FALLBACK_LOGGED.add(reason)
         log.info("k3: kda backend fla cannot run this call (%s); using torch", reason)
@@ -92,11 +111,12 @@ def chunk_kda_fla(q, k, v, g, beta, scale: Optional[float] = None, initial_state
     gate_kw = {}
     if use_gate_in_kernel:
         gate_kw = dict(A_log=A_log, dt_bias=dt_bias)
-    safe = bool(use_gate_in_kernel and lower_bound is not None and -5.0 <= float(lower_bound) < 0.0)
+    safe = safe_gate_for(use_gate_in_kernel, lower_bound)
     lb = float(lower_bound) if (use_gate_in_kernel and lower_bound is not None) else None
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta) if t is not None)
-    if use_gate_in_kernel and lower_bound is not None and not safe:
-        return _fallback(f"lower_bound {lower_bound} outside fla's safe range [-5, 0)", q, k, v, g, beta, **kw)
+    if safe is None:
+        return _fallback(f"lower_bound {lower_bound} outside fla's safe range [{FLA_SAFE_MIN_LOWER_BOUND}, 0)",
+                         q, k, v, g, beta, to_triton=True, **kw)
     if not grad and (T == 1 if cu is None else T == N):
         # decode: one token per sequence -> the fused recurrent kernel (state read+write once)
         o, S = fla_recurrent(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),

@@ -17,7 +17,11 @@ from k3 import knobs
 
 log = logging.getLogger("k3")
 _FALLBACK_LOGGED: set = set()
-MIN_LOG_DECAY = -10.0  # steepest per-token log-decay the 16-token tiles handle (exponents <= 8*10 = 80)
+# steepest per-token log-decay the 16-row tiles handle: decays are factored through reference row REF = 7, so single
+# factors reach exp(8 |g|) (forward chunks of 16; backward chunks of 64 in 16-row tiles), kept <= exp(80) in fp32
+# (k3.ops.kda.LOWER_BOUND_LIMITS); an in-kernel gate bound below it is refused by chunk_kda, precomputed g below it
+# falls back to torch
+MIN_LOG_DECAY = -10.0
 BWD_IMPLS = ("triton", "torch")
 DEFAULT_BWD = "triton"
 ENV_BWD = "K3_KDA_TRITON_BWD"
