@@ -66,7 +66,7 @@ def test_values_the_validation_rejects_are_refused_before_any_run(tmp_path, monk
     ran = []
     monkeypatch.setattr(sw, "run_point", lambda *a: ran.append(a) or {})
     cases = [
-        ("linear_attn_config.gate_lower_bound=-5,-6", "linear_attn_config.gate_lower_bound"),  # model validation
+        ("linear_attn_config.gate_lower_bound=-5,-11", "linear_attn_config.gate_lower_bound"),  # model validation
         ("hidden_act=situ,gelu", "hidden_act"),
         ("num_experts_per_token=2,64", "num_experts_per_token"),
         ("train.stages=4096:1", "stages"),                                # trainer validation: > batch tokens

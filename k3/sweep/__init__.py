@@ -1,6 +1,6 @@
 """`k3 sweep`: run a grid of training runs (config keys x train settings x seeds) and tabulate, summarise and plot them.
 
-    k3 sweep --preset tiny --set linear_attn_config.gate_lower_bound=-5.5,-5,-4,-3 --seeds 3 --steps 200 \\
+    k3 sweep --preset tiny --set linear_attn_config.gate_lower_bound=-6,-5,-4,-3 --seeds 3 --steps 200 \\
         --out sweeps/gmin [-- any k3 train flags, e.g. --batch-tokens 1024 --stages 256:1]
 
 Keys of `--set KEY=V1,V2,...` (repeatable; several `--set` make the cartesian product):
@@ -491,7 +491,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                "or train.<setting> (train.lr, train.balancer, train.batch_tokens, train.stages). Values: V1,V2,... "
                "or V1;V2;... when a value holds commas (train.stages=256:0.5,1024:0.5;1024:1). Flags after `--` "
                "go to every run (k3 train's flags, e.g. -- --batch-tokens 1024 --stages 256:1). Example: k3 sweep "
-               "--preset tiny --set linear_attn_config.gate_lower_bound=-5.5,-5,-4,-3 --seeds 3 --steps 200 "
+               "--preset tiny --set linear_attn_config.gate_lower_bound=-6,-5,-4,-3 --seeds 3 --steps 200 "
                "--out sweeps/gmin")
     a = s.add_argument
     a("--preset", default=None, help="model preset of every run [tiny]")
