@@ -339,35 +339,6 @@ class K3ForConditionalGeneration(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- generation
-class _ImagePrefill:
-    """Duck-types a K3ForCausalLM for `k3.generation.generate`: every call embeds its ids, and positions holding
-    the placeholder id take the next rows of the precomputed image tokens (prefill consumes them in prompt order,
-    chunk by chunk, row by row). Once consumed, the placeholder is an ordinary token again. Everything else
-    (config, device, the decode step's modules) is the language model's."""
-
-    def __init__(self, mm: K3ForConditionalGeneration, feats: Optional[torch.Tensor]):
-        self._mm = mm
-        self._lm = mm.language_model
-        self._feats = feats
-        self._next = 0
-
-    def __getattr__(self, name):
-        return getattr(self._lm, name)
-
-    def __call__(self, input_ids=None, cache=None, logits_to_keep: int = 0, **kw):
-        if input_ids is None or self._feats is None or self._next >= self._feats.shape[0]:
-            return self._lm(input_ids, cache=cache, logits_to_keep=logits_to_keep, **kw)
-        mask = input_ids == self._mm.media_placeholder_token_id
-        n = int(mask.sum())
-        emb = self._lm.model.embed_tokens(input_ids)
-        if n:
-            if self._next + n > self._feats.shape[0]:
-                raise K3ImageError("prompt holds more image positions than the images give")
-            emb = emb.masked_scatter(mask.unsqueeze(-1), self._feats[self._next:self._next + n].to(emb.dtype))
-            self._next += n
-        return self._lm(inputs_embeds=emb, cache=cache, logits_to_keep=logits_to_keep, **kw)
-
-
 def generate(model: K3ForConditionalGeneration, input_ids, images=None, max_new_tokens: int = 64, *,
              pixel_values: Optional[torch.Tensor] = None, grid_thw: Optional[torch.Tensor] = None,
              return_dict: bool = False, **kw):
@@ -375,14 +346,13 @@ def generate(model: K3ForConditionalGeneration, input_ids, images=None, max_new_
     prompts, each holding one placeholder per image (e.g. built with `k3.chat.image_placeholder_tokens`); images
     (PIL / path / bytes, all prompts' images in order) or precomputed `pixel_values` + `grid_thw`.
 
-    The prompts are pre-expanded (each placeholder repeated N_i times, vLLM style) and prefilled with the image
-    tokens scattered into the embeddings; decoding is unchanged (KV/recurrent cache, sampling, stop rules: every
-    keyword of `k3.generate`). Needs use_cache=True. Returns the *unexpanded* prompt + new tokens like
+    The prompts are pre-expanded (each placeholder repeated N_i times, vLLM style) and their embeddings (image
+    tokens scattered in, as `forward` does) are prefilled through `k3.generate(prompt_embeds=...)`; decoding is
+    unchanged (KV/recurrent cache, sampling, stop rules: every keyword of `k3.generate`; use_cache=False runs the
+    full-forward reference path). Returns the *unexpanded* prompt + new tokens like
     `k3.generate` (a GenerationOutput with return_dict=True, whose prompt_lengths are the unexpanded ones)."""
     from k3.generation import generate as _generate
     from k3.generation.generate import _as_prompts
-    if not kw.get("use_cache", True):
-        raise K3ImageError("multimodal generation needs use_cache=True (the image tokens are fed in prefill)")
     prompts = _as_prompts(input_ids)
     if images is not None:
         if pixel_values is not None or grid_thw is not None:
@@ -400,18 +370,20 @@ def generate(model: K3ForConditionalGeneration, input_ids, images=None, max_new_
         if n_ph != len(counts):
             raise K3ImageError(f"the prompts hold {n_ph} media placeholder(s) (id {pid}, one per image) but "
                                f"{len(counts)} image(s) were given")
-        expanded, k = [], 0
-        for p in prompts:
-            row = []
-            for t in p:
-                if t == pid:
-                    row.extend([pid] * counts[k])
-                    k += 1
-                else:
-                    row.append(t)
-            expanded.append(row)
+        expanded, embeds, k, r = [], [], 0, 0
+        with torch.inference_mode():
+            for p in prompts:
+                n = sum(t == pid for t in p)
+                c = list(counts[k:k + n])
+                rows = sum(c)
+                emb, exp = model.embed(torch.tensor([p], dtype=torch.long, device=model.device),
+                                       image_embeds=feats[r:r + rows] if n else None, image_counts=c if n else None)
+                expanded.append(exp.input_ids[0].tolist())
+                embeds.append(emb[0])
+                k, r = k + n, r + rows
         kw.setdefault("static", False)
-        out = _generate(_ImagePrefill(model, feats), expanded, max_new_tokens, return_dict=True, **kw)
+        out = _generate(model.language_model, expanded, max_new_tokens, return_dict=True, prompt_embeds=embeds,
+                        **kw)
     finally:
         model.train(was_training)
     pad = model.config.pad_token_id if kw.get("pad_token_id") is None else int(kw["pad_token_id"])
