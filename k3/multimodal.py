@@ -345,6 +345,9 @@ def image_prompt_embeds(model: K3ForConditionalGeneration, prompts, images=None,
     prompt_embeds=embeds)`. `prompts`: lists of ids, each with one placeholder per image; `images` (PIL / path /
     bytes, all prompts' images in order) or `pixel_values` + `grid_thw`. Each placeholder is repeated N_i times
     and those positions hold the image's projected tokens, exactly as `forward` places them."""
+    if images is not None and not isinstance(images, (str, bytes)) and hasattr(images, "__len__") and \
+            len(images) == 0:
+        images = None   # no images: text prompts
     if images is not None:
         if pixel_values is not None or grid_thw is not None:
             raise K3ImageError("pass images or pixel_values/grid_thw, not both")
