@@ -72,6 +72,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
     a("--no-samples", action="store_true", default=None, help="no sample generations at the end")
     a("--json", action="store_true", help="print the summary as JSON")
+    a("--task", default="text", choices=["text", "vision-synth", "image-text"],
+      help="text: language modelling (the trainer); vision-synth: the tiny multimodal model on the synthetic image "
+           "task; image-text: the tiny multimodal model on --data PAIRS.jsonl ({\"image\", \"text\"|\"messages\"}) "
+           "(k3.vision.train.run_train_cli) [text]")
+    a("--time-budget", type=finite_float(0, lo_open=True), default=None,
+      help="vision tasks: training seconds when --steps is not given [540]")
     s.set_defaults(fn=run)
     return s
 
@@ -112,6 +118,9 @@ def run(args) -> int:
     from k3.train.trainer import Trainer
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("k3.checkpoint").setLevel(logging.WARNING)
+    if getattr(args, "task", "text") != "text":   # the multimodal model on images: its own compact loop
+        from k3.vision.train import run_train_cli
+        return run_train_cli(args)
     cfg = build_train_config(args)
     trainer = Trainer(cfg)
     print(f"k3 train: preset {cfg.config or cfg.preset}, {cfg.steps} steps x {cfg.tokens_per_step} tokens, "
