@@ -170,10 +170,16 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
         step += 1
         batch = next(loader)
         losses.append(train_step(model, batch, optimizer, scheduler, balancer))
-        if steps is None and step == 3:  # schedule length from the measured step time
-            planned = max(warmup + 10, int(time_budget_s / ((time.time() - t0) / 3)))
-            scheduler.lr_lambdas = [cosine_with_warmup(warmup, planned)] * len(optimizer.param_groups)
-            say(f"~{(time.time() - t0) / 3:.2f} s/step: planning {planned} steps in {time_budget_s:.0f} s")
+        if steps is None and step >= 3 and step % 3 == 0:
+            # schedule length from the measured step time, re-estimated as the run goes (a busy machine's step
+            # time drifts: a plan fixed after 3 steps left the LR at its floor for a third of a run)
+            el = time.time() - t0
+            new_plan = max(warmup + 10, step + int(max(0.0, time_budget_s - el) / (el / step)))
+            if new_plan != planned:
+                planned = new_plan
+                scheduler.lr_lambdas = [cosine_with_warmup(warmup, planned)] * len(optimizer.param_groups)
+            if step == 3:
+                say(f"~{el / 3:.2f} s/step: planning {planned} steps in {time_budget_s:.0f} s")
         seen += batch["n_examples"]
         if log_every and (step % log_every == 0 or step == 1):
             say(f"step {step}: loss {losses[-1]:.4f}, {seen} examples, {time.time() - t0:.0f} s")
