@@ -15,8 +15,6 @@ import binascii
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
-
 from k3.errors import K3ConfigError
 
 __all__ = ["ImageTextPairs", "PairExample"]
@@ -24,7 +22,7 @@ __all__ = ["ImageTextPairs", "PairExample"]
 
 @dataclass
 class PairExample:
-    image: "PIL.Image.Image"  # noqa: F821
+    image: "PIL.Image.Image"  # noqa: F821  (a decoded Pillow image)
     messages: list
 
 
