@@ -26,6 +26,9 @@ def main(argv=None):
     ap.add_argument("--text-every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default="colour,shape,count,position")
+    ap.add_argument("--sizes", default=None, help="image side lengths in px, comma-separated [84,112]")
+    ap.add_argument("--adamw-lr", type=float, default=None, help="LR of the AdamW parameters (embeddings, lm_head, "
+                    "norms, the patch embedding) [--lr]")
     ap.add_argument("--micro", action="store_true", help="the micro text model (k3.vision.train.MICRO_TEXT) "
                     "instead of the tiny preset's (for a loaded CPU)")
     ap.add_argument("--json", default=None)
@@ -36,9 +39,11 @@ def main(argv=None):
     t = time.time()
     res = train_vision_synth(steps=a.steps, time_budget_s=a.time_budget, lr=a.lr, warmup=a.warmup, seq_len=a.seq_len,
                              eval_n=a.eval_n, text_every=a.text_every, seed=a.seed, tasks=a.tasks.split(","),
+                             sizes=[int(x) for x in a.sizes.split(",")] if a.sizes else None, adamw_lr=a.adamw_lr,
                              log_fn=lambda s: print(s, flush=True), **(MICRO_TEXT if a.micro else {}))
     out = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "examples_seen")}
-    out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, warmup=a.warmup, seq_len=a.seq_len,
+    out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, adamw_lr=a.adamw_lr,
+               sizes=a.sizes, load_avg=os.getloadavg(), warmup=a.warmup, seq_len=a.seq_len,
                first_losses=res["losses"][:3], last_losses=res["losses"][-3:],
                params=sum(p.numel() for p in res["model"].parameters()), torch=torch.__version__,
                command="python benchmarks/vision_synth.py " + " ".join(argv if argv is not None else sys.argv[1:]))

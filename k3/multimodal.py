@@ -44,7 +44,7 @@ from k3.vision.tower import MoonViT
 
 __all__ = ["K3ForConditionalGeneration", "K3MultimodalOutput", "ExpandedInputs", "multimodal_config",
            "vision_config_of", "media_placeholder_id", "expand_placeholders", "is_multimodal_config",
-           "MULTIMODAL_PRESETS", "generate"]
+           "MULTIMODAL_PRESETS", "generate", "image_prompt_embeds"]
 
 MEDIA_PAD_OFFSET = 21  # `<|media_pad|>` slot among the 256 specials at [V-256, V) (spec §6): 163605 at release
 MULTIMODAL_PRESETS = ("tiny", "kimi-k3")
@@ -339,33 +339,39 @@ class K3ForConditionalGeneration(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------------- generation
-class _ImagePrefill:
-    """Duck-types a K3ForCausalLM for `k3.generation.generate`: every call embeds its ids, and positions holding
-    the placeholder id take the next rows of the precomputed image tokens (prefill consumes them in prompt order,
-    chunk by chunk, row by row). Once consumed, the placeholder is an ordinary token again. Everything else
-    (config, device, the decode step's modules) is the language model's."""
-
-    def __init__(self, mm: K3ForConditionalGeneration, feats: Optional[torch.Tensor]):
-        self._mm = mm
-        self._lm = mm.language_model
-        self._feats = feats
-        self._next = 0
-
-    def __getattr__(self, name):
-        return getattr(self._lm, name)
-
-    def __call__(self, input_ids=None, cache=None, logits_to_keep: int = 0, **kw):
-        if input_ids is None or self._feats is None or self._next >= self._feats.shape[0]:
-            return self._lm(input_ids, cache=cache, logits_to_keep=logits_to_keep, **kw)
-        mask = input_ids == self._mm.media_placeholder_token_id
-        n = int(mask.sum())
-        emb = self._lm.model.embed_tokens(input_ids)
-        if n:
-            if self._next + n > self._feats.shape[0]:
-                raise K3ImageError("prompt holds more image positions than the images give")
-            emb = emb.masked_scatter(mask.unsqueeze(-1), self._feats[self._next:self._next + n].to(emb.dtype))
-            self._next += n
-        return self._lm(inputs_embeds=emb, cache=cache, logits_to_keep=logits_to_keep, **kw)
+def image_prompt_embeds(model: K3ForConditionalGeneration, prompts, images=None, *,
+                        pixel_values: Optional[torch.Tensor] = None, grid_thw: Optional[torch.Tensor] = None) -> tuple:
+    """(expanded prompts, their input embeddings): for `k3.generate(model.language_model, expanded,
+    prompt_embeds=embeds)`. `prompts`: lists of ids, each with one placeholder per image; `images` (PIL / path /
+    bytes, all prompts' images in order) or `pixel_values` + `grid_thw`. Each placeholder is repeated N_i times
+    and those positions hold the image's projected tokens, exactly as `forward` places them."""
+    if images is not None and not isinstance(images, (str, bytes)) and hasattr(images, "__len__") and \
+            len(images) == 0:
+        images = None   # no images: text prompts
+    if images is not None:
+        if pixel_values is not None or grid_thw is not None:
+            raise K3ImageError("pass images or pixel_values/grid_thw, not both")
+        from k3.vision.preprocess import preprocess
+        pixel_values, grid_thw = preprocess(images, model.processor_config)
+    pid = model.media_placeholder_token_id
+    with torch.inference_mode():
+        feats, counts = (model.encode_images(pixel_values.to(model.device), grid_thw)
+                         if pixel_values is not None or grid_thw is not None else (None, []))
+        n_ph = sum(t == pid for p in prompts for t in p)
+        if n_ph != len(counts):
+            raise K3ImageError(f"the prompts hold {n_ph} media placeholder(s) (id {pid}, one per image) but "
+                               f"{len(counts)} image(s) were given")
+        expanded, embeds, k, r = [], [], 0, 0
+        for p in prompts:
+            n = sum(t == pid for t in p)
+            c = list(counts[k:k + n])
+            rows = sum(c)
+            emb, exp = model.embed(torch.tensor([p], dtype=torch.long, device=model.device),
+                                   image_embeds=feats[r:r + rows] if n else None, image_counts=c if n else None)
+            expanded.append(exp.input_ids[0].tolist())
+            embeds.append(emb[0])
+            k, r = k + n, r + rows
+    return expanded, embeds
 
 
 def generate(model: K3ForConditionalGeneration, input_ids, images=None, max_new_tokens: int = 64, *,
@@ -375,43 +381,22 @@ def generate(model: K3ForConditionalGeneration, input_ids, images=None, max_new_
     prompts, each holding one placeholder per image (e.g. built with `k3.chat.image_placeholder_tokens`); images
     (PIL / path / bytes, all prompts' images in order) or precomputed `pixel_values` + `grid_thw`.
 
-    The prompts are pre-expanded (each placeholder repeated N_i times, vLLM style) and prefilled with the image
-    tokens scattered into the embeddings; decoding is unchanged (KV/recurrent cache, sampling, stop rules: every
-    keyword of `k3.generate`). Needs use_cache=True. Returns the *unexpanded* prompt + new tokens like
-    `k3.generate` (a GenerationOutput with return_dict=True, whose prompt_lengths are the unexpanded ones)."""
+    The prompts are pre-expanded (each placeholder repeated N_i times, vLLM style) and their embeddings (image
+    tokens scattered in, as `forward` does; `image_prompt_embeds`) are prefilled through
+    `k3.generate(prompt_embeds=...)`; decoding is unchanged (KV/recurrent cache, sampling, stop rules: every
+    keyword of `k3.generate`; use_cache=False runs the full-forward reference path). Returns the *unexpanded*
+    prompt + new tokens like `k3.generate` (a GenerationOutput with return_dict=True, whose prompt_lengths are the
+    unexpanded ones)."""
     from k3.generation import generate as _generate
     from k3.generation.generate import _as_prompts
-    if not kw.get("use_cache", True):
-        raise K3ImageError("multimodal generation needs use_cache=True (the image tokens are fed in prefill)")
     prompts = _as_prompts(input_ids)
-    if images is not None:
-        if pixel_values is not None or grid_thw is not None:
-            raise K3ImageError("pass images or pixel_values/grid_thw, not both")
-        from k3.vision.preprocess import preprocess
-        pixel_values, grid_thw = preprocess(images, model.processor_config)
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
-            feats, counts = (model.encode_images(pixel_values.to(model.device), grid_thw)
-                             if pixel_values is not None or grid_thw is not None else (None, []))
-        pid = model.media_placeholder_token_id
-        n_ph = sum(t == pid for p in prompts for t in p)
-        if n_ph != len(counts):
-            raise K3ImageError(f"the prompts hold {n_ph} media placeholder(s) (id {pid}, one per image) but "
-                               f"{len(counts)} image(s) were given")
-        expanded, k = [], 0
-        for p in prompts:
-            row = []
-            for t in p:
-                if t == pid:
-                    row.extend([pid] * counts[k])
-                    k += 1
-                else:
-                    row.append(t)
-            expanded.append(row)
+        expanded, embeds = image_prompt_embeds(model, prompts, images, pixel_values=pixel_values, grid_thw=grid_thw)
         kw.setdefault("static", False)
-        out = _generate(_ImagePrefill(model, feats), expanded, max_new_tokens, return_dict=True, **kw)
+        out = _generate(model.language_model, expanded, max_new_tokens, return_dict=True, prompt_embeds=embeds,
+                        **kw)
     finally:
         model.train(was_training)
     pad = model.config.pad_token_id if kw.get("pad_token_id") is None else int(kw["pad_token_id"])

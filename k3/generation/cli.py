@@ -16,9 +16,13 @@ from k3.errors import CheckpointError, K3Error
 
 
 def load_for_inference(ckpt: str, device: str = "auto", dtype: str = None):
-    """(model, tokenizer) from a checkpoint directory, on `device` ("auto": cuda if available)."""
+    """(model, tokenizer) from a checkpoint directory, on `device` ("auto": cuda if available). A multimodal
+    checkpoint (config with `vision_config`) gives a K3ForConditionalGeneration (k3.multimodal)."""
     import torch
     from k3.checkpoint import from_pretrained
+    from k3.checkpoint.multimodal import from_pretrained_multimodal
+    from k3.checkpoint.io import load_config
+    from k3.multimodal import is_multimodal_config
     from k3.tokenizer import check_tokenizer_matches, load_tokenizer
     if not ckpt or not os.path.isdir(ckpt):
         raise CheckpointError(f"checkpoint directory not found: {ckpt}")
@@ -28,7 +32,11 @@ def load_for_inference(ckpt: str, device: str = "auto", dtype: str = None):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        model = from_pretrained(ckpt, device=device, dtype=dtype)
+        config = load_config(ckpt)
+        if is_multimodal_config(config):
+            model = from_pretrained_multimodal(ckpt, device=device, dtype=dtype, config=config)
+        else:
+            model = from_pretrained(ckpt, device=device, dtype=dtype)
     except K3Error:
         raise
     except Exception as e:  # safetensors / json errors of a corrupt file
@@ -91,23 +99,58 @@ def _add_common(s) -> None:
                    help="prompt tokens per forward during prefill")
 
 
+def _is_multimodal(model) -> bool:
+    from k3.multimodal import K3ForConditionalGeneration
+    return isinstance(model, K3ForConditionalGeneration)
+
+
+def _load_images(paths, model, ckpt: str) -> list:
+    """Decoded, checked PIL images of `paths`; K3ImageError for a bad file, RequestError when the checkpoint
+    has no vision tower."""
+    from k3.errors import RequestError
+    if not paths:
+        return []
+    if not _is_multimodal(model):
+        raise RequestError(f"--image needs a multimodal checkpoint (config.json with `vision_config`); {ckpt} is "
+                           f"a text-only checkpoint")
+    from k3.vision.preprocess import load_image
+    return [load_image(p, model.processor_config) for p in paths]
+
+
+def _image_parts(images) -> list:
+    return [{"type": "image", "width": im.size[0], "height": im.size[1]} for im in images]
+
+
+def _stream_args(model, prompts: list, images: list) -> tuple:
+    """(the model generate runs, prompts, extra keywords): the language model with image-filled prompt
+    embeddings for a multimodal checkpoint, else the model and prompts as they are."""
+    if not _is_multimodal(model):
+        return model, prompts, {}
+    from k3.multimodal import image_prompt_embeds
+    expanded, embeds = image_prompt_embeds(model, prompts, images or None)
+    return model.language_model, expanded, {"prompt_embeds": embeds}
+
+
 def _cmd_generate(a) -> int:
     from k3.generation.generate import stream_generate
     model, tok = load_for_inference(a.ckpt, a.device, a.dtype)
-    if a.chat:
+    images = _load_images(a.image, model, a.ckpt)
+    if a.chat or images:
         from k3.chat import K3ChatFormat
-        ids = K3ChatFormat(tok).render([{"role": "user", "content": a.prompt}], thinking=False)
+        content = _image_parts(images) + [{"type": "text", "text": a.prompt}] if images else a.prompt
+        ids = K3ChatFormat(tok).render([{"role": "user", "content": content}], thinking=False)
     else:
         ids = tok.encode(a.prompt)
     if not ids:
         from k3.errors import RequestError
         raise RequestError("the prompt encodes to no tokens")
+    runner, prompts, extra = _stream_args(model, [ids], images)
     cancel = threading.Event()
     out = sys.stdout
     try:
-        for chunk in stream_generate(model, [ids], a.max_new_tokens, tokenizer=tok, stop_strings=a.stop or None,
+        for chunk in stream_generate(runner, prompts, a.max_new_tokens, tokenizer=tok, stop_strings=a.stop or None,
                                      seed=a.seed, prefill_chunk_size=a.prefill_chunk, cancel=cancel, output="text",
-                                     **_sampling(a)):
+                                     **extra, **_sampling(a)):
             out.write(chunk)
             out.flush()
     except KeyboardInterrupt:
@@ -124,7 +167,11 @@ def _cmd_chat(a) -> int:
     history = []
     if a.system:
         history.append({"role": "system", "content": a.system})
-    print("k3 chat: empty line is ignored; Ctrl-D or Ctrl-C to quit.", file=sys.stderr)
+    print("k3 chat: empty line is ignored; `/image PATH` attaches an image to your next message; Ctrl-D or "
+          "Ctrl-C to quit.", file=sys.stderr)
+    images, pending = [], []   # every image of the conversation in order; those waiting for the next message
+    import importlib
+    G = importlib.import_module("k3.generation.generate")  # (the package attribute `generate` is the function)
     while True:
         try:
             user = input("you> ")
@@ -133,14 +180,39 @@ def _cmd_chat(a) -> int:
             return 0
         if not user.strip():
             continue
-        history.append({"role": "user", "content": user})
+        if user.strip().startswith("/image"):
+            path = user.strip()[len("/image"):].strip()
+            try:
+                if not path:
+                    from k3.errors import RequestError
+                    raise RequestError("/image needs a path: /image PATH")
+                pending += _load_images([path], model, a.ckpt)
+            except K3Error as e:
+                print(f"error: {e}", file=sys.stderr)
+                continue
+            print(f"(image {path} attached to your next message)", file=sys.stderr)
+            continue
+        if pending:
+            history.append({"role": "user", "content": _image_parts(pending) + [{"type": "text", "text": user}]})
+            images, pending = images + pending, []
+        else:
+            history.append({"role": "user", "content": user})
         state: dict = {}
         sys.stdout.write("k3> ")
         sys.stdout.flush()
         try:
-            for chunk in stream_chat(model, tok, history, a.max_new_tokens, thinking=a.thinking,
+            if _is_multimodal(model):
+                ids = G._chat_ids(tok, history, a.thinking)
+                runner, prompts, extra = _stream_args(model, [ids], images)
+                chunks = G.stream_generate(runner, prompts, a.max_new_tokens, tokenizer=tok, output="text",
+                                           _state=state, stop_token_ids=[tok.eos_id], stop_strings=a.stop or None,
+                                           seed=a.seed, prefill_chunk_size=a.prefill_chunk, **extra,
+                                           **_sampling(a))
+            else:
+                chunks = stream_chat(model, tok, history, a.max_new_tokens, thinking=a.thinking,
                                      stop_strings=a.stop or None, seed=a.seed, prefill_chunk_size=a.prefill_chunk,
-                                     _state=state, **_sampling(a)):
+                                     _state=state, **_sampling(a))
+            for chunk in chunks:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
         except KeyboardInterrupt:
@@ -166,6 +238,9 @@ def add_parser(sub) -> None:
     _add_common(s)
     s.add_argument("--prompt", required=True)
     s.add_argument("--chat", action="store_true", help="wrap the prompt as one user turn of the chat format")
+    s.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for a multimodal checkpoint (repeatable; the prompt becomes one user turn with "
+                        "the images before the text)")
     s.set_defaults(fn=_cmd_generate)
     s = sub.add_parser("chat", help="interactive multi-turn chat with a checkpoint")
     _add_common(s)

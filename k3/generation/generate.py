@@ -86,11 +86,41 @@ def _chunks(n: int, chunk: Optional[int]):
     return [(s, min(n, s + c)) for s in range(0, n, c)]
 
 
+PromptEmbeds = Union[Sequence[torch.Tensor], Callable[[torch.Tensor, List[int], int], torch.Tensor], None]
+
+
+def _chunk_embeds(prompt_embeds: PromptEmbeds, ids: torch.Tensor, rows: List[int], start: int) -> torch.Tensor:
+    """[b, t, d] input embeddings of the prompt chunk `ids` [b, t] (rows `rows`, from position `start`):
+    rows of the given per-prompt tensors, or what the hook `prompt_embeds(ids, rows, start)` returns."""
+    if callable(prompt_embeds):
+        emb = prompt_embeds(ids, rows, start)
+    else:
+        emb = torch.stack([prompt_embeds[i][start:start + ids.shape[1]] for i in rows])
+    if not isinstance(emb, torch.Tensor) or emb.dim() != 3 or tuple(emb.shape[:2]) != tuple(ids.shape):
+        raise RequestError(f"prompt_embeds: expected [{ids.shape[0]}, {ids.shape[1]}, hidden] for this chunk, got "
+                           f"{getattr(emb, 'shape', type(emb).__name__)}")
+    return emb.to(ids.device)
+
+
+def _check_prompt_embeds(prompt_embeds: PromptEmbeds, prompts: List[List[int]], hidden: int) -> None:
+    if prompt_embeds is None or callable(prompt_embeds):
+        return
+    if len(prompt_embeds) != len(prompts):
+        raise RequestError(f"prompt_embeds: {len(prompt_embeds)} tensor(s) for {len(prompts)} prompt(s)")
+    for i, (e, p) in enumerate(zip(prompt_embeds, prompts)):
+        if not isinstance(e, torch.Tensor) or tuple(e.shape) != (len(p), hidden):
+            raise RequestError(f"prompt_embeds[{i}]: expected [{len(p)}, {hidden}] (prompt length, hidden), got "
+                               f"{getattr(e, 'shape', type(e).__name__)}")
+
+
 @torch.inference_mode()
 def prefill(model, cache: K3Cache, prompts: List[List[int]], chunk_size: Optional[int] = None,
-            cancel: Cancel = None) -> Optional[torch.Tensor]:
+            cancel: Cancel = None, prompt_embeds: PromptEmbeds = None) -> Optional[torch.Tensor]:
     """Feed each prompt into its cache row (chunked); return fp32 logits [B, V] of each prompt's last token
-    (None if cancelled). Equal-length prompts are fed as one batch, ragged ones row by row."""
+    (None if cancelled). Equal-length prompts are fed as one batch, ragged ones row by row.
+    `prompt_embeds`: the prompts' input embeddings instead of their ids' (images placed in them, see
+    k3.multimodal.generate): one [T_i, hidden] tensor per prompt, or a hook `fn(ids [b, t], rows, start) ->
+    [b, t, hidden]` called per chunk."""
     dev = model.device
     B = len(prompts)
     if B != cache.batch_size:
@@ -103,14 +133,17 @@ def prefill(model, cache: K3Cache, prompts: List[List[int]], chunk_size: Optiona
         for s, e in _chunks(ids.shape[1], chunk_size):
             if _cancelled(cancel):
                 return None
-            logits = model(ids[:, s:e], cache=view, logits_to_keep=1).logits
+            if prompt_embeds is None:
+                logits = model(ids[:, s:e], cache=view, logits_to_keep=1).logits
+            else:
+                emb = _chunk_embeds(prompt_embeds, ids[:, s:e], rows, s)
+                logits = model(inputs_embeds=emb, cache=view, logits_to_keep=1).logits
             view.advance(e - s)
         for j, i in enumerate(rows):
             last[i] = logits[j, -1].float()
     return torch.stack(last)
 
 
-# ---------------------------------------------------------------------------------------------------- core
 def _decode(tokenizer, ids) -> str:
     """Decode generated ids, skipping specials and ids beyond the tokenizer (a model vocab padded past it)."""
     n = tokenizer.vocab_size
@@ -260,7 +293,8 @@ def _use_static(model, use_cache: bool, static: Optional[bool], cuda_graph: Opti
 
 def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, stop_ids,
             streams: Optional[List["TextStream"]], generator, prefill_chunk_size, cancel, state: dict,
-            static: bool = False, cuda_graph: bool = False, logprobs: bool = False) -> Iterator[GenerationEvent]:
+            static: bool = False, cuda_graph: bool = False, logprobs: bool = False,
+            prompt_embeds: PromptEmbeds = None) -> Iterator[GenerationEvent]:
     """streams: one TextStream per row (stop strings / text output) or None; after each event
     state["text_delta"][i] holds the text row i may show now. logprobs=True: state["logprobs"][i] collects the
     sampler log-probability of every token of row i (`_select_with_logprobs`)."""
@@ -287,12 +321,12 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
     with torch.inference_mode():
         if use_cache:
             cache = K3Cache.for_model(model, B, max_length=max(len(p) for p in prompts) + max_new_tokens)
-            logits = prefill(model, cache, prompts, prefill_chunk_size, cancel)
+            logits = prefill(model, cache, prompts, prefill_chunk_size, cancel, prompt_embeds)
             if static and logits is not None:
                 from k3.generation.static import StaticDecoder
                 dec = StaticDecoder(model, cache, B, cuda_graph=cuda_graph)
         else:
-            logits = None if _cancelled(cancel) else _full_logits(model, prompts, list(range(B)))
+            logits = None if _cancelled(cancel) else _full_logits(model, prompts, list(range(B)), prompt_embeds)
     for step in range(max_new_tokens):
         if logits is None or _cancelled(cancel):
             for i in range(B):
@@ -338,7 +372,7 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
                     cache.advance(1)
             else:
                 active = [i for i in range(B) if reasons[i] is None]
-                sub = _full_logits(model, [prompts[i] + gen[i] for i in active], active)
+                sub = _full_logits(model, [prompts[i] + gen[i] for i in active], active, prompt_embeds)
                 logits = torch.zeros(B, sub.shape[-1], device=dev)
                 logits[active] = sub
 
@@ -361,10 +395,19 @@ def _select_with_logprobs(logits_BV: torch.Tensor, params: SamplingParams, seen_
     return nxt, lp
 
 
-def _full_logits(model, seqs, rows) -> torch.Tensor:
+def _full_logits(model, seqs, rows, prompt_embeds: PromptEmbeds = None) -> torch.Tensor:
     """No-cache path: a full forward per sequence (no padding), logits of the last position."""
-    out = [model(torch.tensor([s], dtype=torch.long, device=model.device), logits_to_keep=1).logits[0, -1].float()
-           for s in seqs]
+    out = []
+    for s, r in zip(seqs, rows):
+        ids = torch.tensor([s], dtype=torch.long, device=model.device)
+        if prompt_embeds is None:
+            out.append(model(ids, logits_to_keep=1).logits[0, -1].float())
+            continue
+        T = len(prompt_embeds[r]) if not callable(prompt_embeds) else len(s)
+        emb = _chunk_embeds(prompt_embeds, ids[:, :T], [r], 0) if T else None
+        rest = model.model.embed_tokens(ids[:, T:])
+        emb = rest if emb is None else torch.cat([emb.to(rest.dtype), rest], 1)
+        out.append(model(inputs_embeds=emb, logits_to_keep=1).logits[0, -1].float())
     return torch.stack(out)
 
 
@@ -405,7 +448,8 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
                     generator: Optional[torch.Generator] = None, lengths=None,
                     prefill_chunk_size: Optional[int] = 2048, cancel: Cancel = None, output: str = "ids",
                     static: Optional[bool] = None, cuda_graph: Optional[bool] = None,
-                    _state: Optional[dict] = None, _logprobs: bool = False, **sampling_kw):
+                    prompt_embeds: PromptEmbeds = None, _state: Optional[dict] = None, _logprobs: bool = False,
+                    **sampling_kw):
     """Yield generated tokens as they are produced.
 
     output="ids": for one prompt yields each new token id (int); for a batch yields a list with the new id of
@@ -414,10 +458,14 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
     string and what follows it are not yielded). output="events": GenerationEvent objects.
     Sampling keywords: do_sample, temperature, top_k, top_p, repetition_penalty (see generate).
     static / cuda_graph: decode with k3.generation.static.StaticDecoder (fused, shape-static step; captured as a
-    CUDA graph with cuda_graph=True). Default (None): on for CUDA models that pass the static self-check."""
+    CUDA graph with cuda_graph=True). Default (None): on for CUDA models that pass the static self-check.
+    prompt_embeds: the prompts' input embeddings (one [T_i, hidden] tensor per prompt, or a per-chunk hook, see
+    `prefill`), fed instead of the ids' embeddings (the ids still drive stop rules and the repetition penalty);
+    how k3.multimodal.generate places images."""
     sampling = _split_kw(dict(sampling_kw))
     prompts, params, stop_ids, stops, gen = _setup(model, input_ids, lengths, tokenizer, stop_token_ids,
                                                    stop_strings, seed, generator, sampling)
+    _check_prompt_embeds(prompt_embeds, prompts, model.config.hidden_size)
     state = _state if _state is not None else {}
     state["prompts"] = prompts
     static, cuda_graph = _use_static(model, use_cache, static, cuda_graph)
@@ -427,7 +475,7 @@ def stream_generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool 
     if stops or output == "text":
         streams = [TextStream(tokenizer, stops) for _ in prompts]
     events = _events(model, prompts, int(max_new_tokens), use_cache, params, stop_ids, streams, gen,
-                     prefill_chunk_size, cancel, state, static, cuda_graph, _logprobs)
+                     prefill_chunk_size, cancel, state, static, cuda_graph, _logprobs, prompt_embeds)
     if output == "events":
         yield from events
     elif output == "ids":
@@ -479,7 +527,7 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
              generator: Optional[torch.Generator] = None, lengths=None, prefill_chunk_size: Optional[int] = 2048,
              cancel: Cancel = None, pad_token_id: Optional[int] = None, return_dict: bool = False,
              static: Optional[bool] = None, cuda_graph: Optional[bool] = None, return_logprobs: bool = False,
-             record_routing: bool = False, **sampling_kw):
+             record_routing: bool = False, prompt_embeds: PromptEmbeds = None, **sampling_kw):
     """Generate up to `max_new_tokens` tokens per prompt; returns the prompt + new tokens as a LongTensor
     [B, max length] (right-padded with pad_token_id, default config.pad_token_id), or a GenerationOutput with
     return_dict=True.
@@ -492,7 +540,7 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
     forward during prefill (None = one shot). cancel: threading.Event or callable checked every step.
     use_cache=False recomputes the full forward every step (reference path). static / cuda_graph: the fused,
     shape-static decode step (k3.generation.static), CUDA-graph captured with cuda_graph=True; default (None): on
-    for CUDA models that pass its self-check, off on CPU.
+    for CUDA models that pass its self-check, off on CPU. prompt_embeds: see stream_generate.
 
     For RL and other engines (both imply return_dict=True):
     return_logprobs=True: `out.logprobs[i][s]` is the sampler's log-probability of `out.new_tokens[i][s]`, fp32:
@@ -520,7 +568,8 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed,
                                  generator=generator, lengths=lengths, prefill_chunk_size=prefill_chunk_size,
                                  cancel=cancel, output="events", static=static, cuda_graph=cuda_graph,
-                                 _state=state, _logprobs=return_logprobs, **sampling_kw):
+                                 prompt_embeds=prompt_embeds, _state=state, _logprobs=return_logprobs,
+                                 **sampling_kw):
             pass
     prompts, new = state["prompts"], state.get("new_tokens", [[] for _ in state["prompts"]])
     reasons = [r or "cancelled" for r in state.get("finish_reasons", ["cancelled"] * len(prompts))]

@@ -10,8 +10,12 @@ read as raw bytes and checked by hand (UTF-8, JSON, field types and ranges) so n
 
 Chat: messages are rendered in the K3 chat format in non-thinking mode (K3ChatFormat.render(thinking=False));
 generation stops at <|end_of_msg|>; the reply `content` is the plain text of the response block, i.e. the
-generated text up to the first special token (<|close|>). No tools / images / logprobs (rejected with a 400
-naming the field). Completions: the prompt is text (no special-token recognition) or token ids; generation stops
+generated text up to the first special token (<|close|>). No tools / logprobs (rejected with a 400 naming the
+field). Images (multimodal checkpoints): user-message `image_url` parts with base64 `data:` URIs (PNG / JPEG /
+WebP) are decoded, checked (k3.vision.load_image), encoded by the vision tower in the request's worker thread and
+placed as prompt embeddings; such a prompt prefills alone with them. Remote http(s) URLs are refused (the server
+never fetches), so are more than `max_images` images (400) or more than `max_image_bytes` decoded bytes (413) per
+request; an image that cannot be opened fails its request alone (400 naming the part). Completions: the prompt is text (no special-token recognition) or token ids; generation stops
 at the tokenizer's stop ids. Greedy when temperature (or top_p) is 0; `seed` makes sampling reproducible (the
 same tokens k3.generate gives with that seed); extensions: `top_k`, `repetition_penalty`, `ignore_eos`.
 

@@ -87,7 +87,11 @@ def build_server(a):
     cfg = ServeConfig(model_name=name, api_key=key, max_batch=a.max_batch, max_queue=a.max_queue,
                       max_context=max_context, default_max_tokens=default_max_tokens,
                       prefill_chunk=a.prefill_chunk, read_timeout=a.read_timeout,
-                      request_timeout=a.request_timeout, max_connections=a.max_connections)
+                      request_timeout=a.request_timeout, max_connections=a.max_connections,
+                      max_images=a.max_images, max_image_bytes=a.max_image_bytes)
+    from k3.multimodal import K3ForConditionalGeneration
+    if isinstance(model, K3ForConditionalGeneration):   # base64 is 4/3 of the bytes, plus the rest of the body
+        cfg.max_body_bytes = max(cfg.max_body_bytes, a.max_image_bytes * 4 // 3 + (1 << 20))
     return create_app(model, tok, cfg), cfg
 
 
@@ -139,5 +143,10 @@ def add_parser(sub) -> None:
                    help="seconds a non-streaming request may wait for its answer (else 504)")
     s.add_argument("--max-connections", type=_positive("max_connections"), default=256,
                    help="concurrent connections; beyond that the server answers 503")
+    s.add_argument("--max-images", type=_nonneg("max_images"), default=8,
+                   help="images per request (multimodal checkpoints; more: 400)")
+    s.add_argument("--max-image-bytes", type=_positive("max_image_bytes"), default=8 * 1024 * 1024,
+                   help="decoded image bytes per request, all images together (more: 413); for a multimodal "
+                        "checkpoint the request body limit grows to fit them as base64")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(fn=_cmd_serve)

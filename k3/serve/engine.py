@@ -36,6 +36,8 @@ class ServeConfig:
     read_timeout: float = 30.0             # seconds for a request body to arrive (else 408)
     request_timeout: float = 600.0         # seconds a non-streaming request may wait for its answer (else 504)
     max_connections: Optional[int] = 256   # concurrent connections (uvicorn limit_concurrency; over it: 503)
+    max_images: int = 8                    # images per request (multimodal checkpoints; over it: 400)
+    max_image_bytes: int = 8 * 1024 * 1024  # decoded image bytes per request, all images together (over it: 413)
 
 
 def _unavailable(msg: str = "the generation scheduler is not running") -> APIError:
@@ -49,9 +51,13 @@ def _usage(ev) -> dict:
 class Engine:
     def __init__(self, model, tokenizer, cfg: ServeConfig):
         from k3.chat import K3ChatFormat
+        from k3.multimodal import K3ForConditionalGeneration
         self.model, self.tok, self.cfg = model, tokenizer, cfg
         self.chat_format = K3ChatFormat(tokenizer)
-        self.scheduler = Scheduler(model, tokenizer, cfg.max_batch, cfg.max_queue, cfg.max_context,
+        # a multimodal model: the scheduler runs its language model; images become prompt embeddings here
+        self.mm = model if isinstance(model, K3ForConditionalGeneration) else None
+        lm = model.language_model if self.mm is not None else model
+        self.scheduler = Scheduler(lm, tokenizer, cfg.max_batch, cfg.max_queue, cfg.max_context,
                                    cfg.prefill_chunk)
         self.created = int(time.time())
         # ids the model may emit that the tokenizer cannot decode are skipped; prompts must fit both
@@ -87,14 +93,61 @@ class Engine:
                 "max_context": self.cfg.max_context}
 
     # ------------------------------------------------------------------ request -> GenRequest
+    def _images(self, p: ParsedRequest) -> tuple:
+        """(messages with each image part as {"type": "image", "width", "height"}, decoded PIL images in order).
+        Limits: `max_images` per request (400), `max_image_bytes` decoded bytes per request (413); an image that
+        cannot be opened is a 400 naming its part."""
+        from k3.serve.protocol import ImagePart
+        found = [(i, j, x) for i, m in enumerate(p.messages) if isinstance(m["content"], list)
+                 for j, x in enumerate(m["content"]) if isinstance(x, ImagePart)]
+        if not found:
+            return p.messages, []
+        first = found[0][2].param
+        if self.mm is None:
+            raise bad(f"'{first}': this model takes no images (a text-only checkpoint)", first, "unsupported_value")
+        if len(found) > self.cfg.max_images:
+            over = found[self.cfg.max_images][2].param
+            raise bad(f"'messages' holds {len(found)} images; this server takes at most {self.cfg.max_images} per "
+                      f"request", over, "too_many_images")
+        total = sum(len(x.data) for _, _, x in found)
+        if total > self.cfg.max_image_bytes:
+            raise APIError(413, f"the request's images hold {total} bytes (decoded); this server takes at most "
+                                f"{self.cfg.max_image_bytes} bytes of images per request", "invalid_request_error",
+                           "messages", "images_too_large")
+        from k3.vision import K3ImageError
+        from k3.vision.preprocess import load_image
+        cfg = self.mm.processor_config
+        msgs = [dict(m, content=list(m["content"])) if isinstance(m["content"], list) else m for m in p.messages]
+        images = []
+        for i, j, x in found:
+            try:
+                img = load_image(x.data, cfg)
+            except K3ImageError as e:
+                raise bad(f"'{x.param}': the image cannot be used: {e}"[:500], x.param, "invalid_image") from None
+            msgs[i]["content"][j] = {"type": "image", "width": img.size[0], "height": img.size[1]}
+            images.append(img)
+        return msgs, images
+
     def tokenize(self, p: ParsedRequest):
-        """(prompt ids, error param name). Runs in a worker thread (tokenising can take a while)."""
+        """(prompt ids, error param name[, prompt embeddings]). Runs in a worker thread (tokenising, image
+        decoding and the vision tower can take a while). With images the ids are the expanded prompt (each
+        placeholder repeated per image token) and the embeddings hold the image tokens."""
         if p.kind == "chat":
             from k3.chat import ChatFormatError
+            messages, images = self._images(p)
             try:
-                ids = self.chat_format.render(p.messages, thinking=False, add_generation_prompt=True)
+                ids = self.chat_format.render(messages, thinking=False, add_generation_prompt=True)
             except ChatFormatError as e:
                 raise bad(f"'messages' cannot be rendered: {e}", "messages") from None
+            if images:
+                from k3.multimodal import image_prompt_embeds
+                from k3.vision import K3ImageError
+                try:
+                    expanded, embeds = image_prompt_embeds(self.mm, [ids], images)
+                except K3ImageError as e:
+                    raise bad(f"'messages': the images cannot be used: {e}"[:500], "messages",
+                              "invalid_image") from None
+                return expanded[0], "messages", embeds[0]
             return ids, "messages"
         if isinstance(p.prompt, str):
             ids = self.tok.encode(p.prompt)
@@ -122,7 +175,7 @@ class Engine:
                       "context_length_exceeded")
         return p.max_tokens
 
-    def build(self, p: ParsedRequest, ids, where: str, sink) -> GenRequest:
+    def build(self, p: ParsedRequest, ids, where: str, sink, embeds=None) -> GenRequest:
         max_tokens = self._max_tokens(p, len(ids), where)
         do_sample = p.temperature > 0 and p.top_p > 0
         params = SamplingParams(do_sample=do_sample, temperature=p.temperature if do_sample else 1.0,
@@ -133,6 +186,7 @@ class Engine:
             stop_ids = frozenset()
         return GenRequest(prompt=list(ids), max_tokens=max_tokens, sink=sink, params=params, seed=p.seed,
                           stop_ids=stop_ids, stop_strings=list(p.stop), text_ends_at_special=p.kind == "chat",
+                          embeds=embeds,
                           id=("chatcmpl-" if p.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24])
 
     async def prepare(self, request: Request, parse):
@@ -144,14 +198,14 @@ class Engine:
         p = parse(body)
         self.check_model(p.model)
         self.check_room()
-        ids, where = await run_in_threadpool(self.tokenize, p)
+        ids, where, *embeds = await run_in_threadpool(self.tokenize, p)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
 
         def sink(ev, _loop=loop, _q=q):
             _loop.call_soon_threadsafe(_q.put_nowait, ev)
 
-        req = self.build(p, ids, where, sink)
+        req = self.build(p, ids, where, sink, embeds[0] if embeds else None)
         try:
             self.scheduler.submit(req)
         except QueueFull as e:

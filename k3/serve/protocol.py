@@ -11,13 +11,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
-__all__ = ["APIError", "ParsedRequest", "parse_json_body", "parse_chat", "parse_completion", "MAX_BODY_BYTES",
+__all__ = ["APIError", "ParsedRequest", "ImagePart", "parse_json_body", "parse_chat", "parse_completion", "MAX_BODY_BYTES",
            "MAX_STOP", "MAX_STOP_CHARS"]
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_STOP = 4                 # stop strings per request (as OpenAI)
 MAX_STOP_CHARS = 256         # characters per stop string (bounds the per-token stop scan)
 MAX_TOKENS_LIMIT = 1 << 31
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp")
 
 
 class APIError(Exception):
@@ -289,14 +290,21 @@ def _messages(f: _Fields) -> List[dict]:
                 pw = f"{where}.content[{j}]"
                 if not isinstance(part, dict):
                     raise bad(f"'{pw}' must be an object, got {_tname(part)}", pw, "invalid_type")
+                if part.get("type") == "image_url" and role == "user":
+                    parts.append(_image_part(part, pw))
+                    continue
                 if part.get("type") != "text":
-                    raise bad(f"'{pw}.type' must be 'text' (this server takes text only), got "
-                              f"{json.dumps(part.get('type'))[:40]}", f"{pw}.type", "unsupported_value")
+                    what = "'text' or (in user messages) 'image_url'" if role == "user" else "'text'"
+                    raise bad(f"'{pw}.type' must be {what}, got {json.dumps(part.get('type'))[:40]}",
+                              f"{pw}.type", "unsupported_value")
                 t = part.get("text")
                 if not isinstance(t, str):
                     raise bad(f"'{pw}.text' must be a string, got {_tname(t)}", f"{pw}.text", "invalid_type")
                 parts.append(_check_str(t, f"{pw}.text"))
-            text = "".join(parts)
+            if any(isinstance(x, ImagePart) for x in parts):   # images: keep the parts in order
+                text = [{"type": "text", "text": x} if isinstance(x, str) else x for x in parts]
+            else:
+                text = "".join(parts)
         else:
             raise bad(f"'{where}.content' must be a string or an array of content parts, got {_tname(content)}",
                       f"{where}.content", "invalid_type")
@@ -308,6 +316,63 @@ def _messages(f: _Fields) -> List[dict]:
             msg["name"] = _check_str(name, f"{where}.name")
         out.append(msg)
     return out
+
+
+@dataclass
+class ImagePart:
+    """An `image_url` content part whose `data:` URI was decoded (not yet opened: engine.py does that)."""
+    data: bytes
+    mime: str
+    param: str                       # the field that named it, e.g. "messages[0].content[1].image_url.url"
+    detail: Optional[str] = None
+
+
+def _image_part(part: dict, pw: str) -> ImagePart:
+    """An OpenAI `image_url` part with a base64 `data:` URI (PNG / JPEG / WebP). Remote URLs are refused: the
+    server never fetches anything."""
+    iu = part.get("image_url")
+    where = f"{pw}.image_url"
+    if isinstance(iu, str):
+        url, detail = iu, None
+    elif isinstance(iu, dict):
+        url, detail = iu.get("url"), iu.get("detail")
+        where += ".url"
+        if detail is not None and detail not in ("auto", "low", "high"):
+            raise bad(f"'{pw}.image_url.detail' must be 'auto', 'low' or 'high', got {json.dumps(detail)[:40]}",
+                      f"{pw}.image_url.detail")
+    else:
+        raise bad(f"'{pw}.image_url' is required and must be an object {{\"url\": ...}}, got {_tname(iu)}", where,
+                  "missing_required_parameter" if iu is None else "invalid_type")
+    if not isinstance(url, str):
+        raise bad(f"'{where}' must be a string, got {_tname(url)}", where, "invalid_type")
+    head = url[:16].lower()
+    if head.startswith(("http://", "https://")):
+        raise bad(f"'{where}': remote image URLs are not fetched by this server; send the image inline as a "
+                  f"base64 data URI (data:image/png;base64,...)", where, "unsupported_value")
+    if not head.startswith("data:"):
+        raise bad(f"'{where}' must be a base64 data URI (data:image/png|jpeg|webp;base64,...), got "
+                  f"{json.dumps(url[:30])}...", where)
+    meta, sep, payload = url[5:].partition(",")
+    if not sep:
+        raise bad(f"'{where}': malformed data URI (no ',' before the data)", where)
+    bits = [b.strip().lower() for b in meta.split(";")]
+    mime = bits[0]
+    if mime == "image/jpg":
+        mime = "image/jpeg"
+    if mime not in IMAGE_MIME_TYPES:
+        raise bad(f"'{where}': unsupported image type {json.dumps(bits[0][:40])}; expected one of "
+                  f"{', '.join(IMAGE_MIME_TYPES)}", where, "unsupported_value")
+    if "base64" not in bits[1:]:
+        raise bad(f"'{where}': the data URI must be base64 encoded (';base64,')", where)
+    import base64
+    import binascii
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise bad(f"'{where}': the data URI's base64 payload is not valid base64", where) from None
+    if not data:
+        raise bad(f"'{where}': the image is empty (no bytes)", where)
+    return ImagePart(data, mime, where, detail)
 
 
 def parse_chat(body: dict) -> ParsedRequest:

@@ -66,6 +66,7 @@ class GenRequest:
     stop_ids: frozenset = frozenset()
     stop_strings: List[str] = field(default_factory=list)
     text_ends_at_special: bool = False   # chat: the reply text ends at the first special token (<|close|> ...)
+    embeds: Optional[torch.Tensor] = None  # [len(prompt), hidden] prompt embeddings (images placed), else None
     cancel: threading.Event = field(default_factory=threading.Event)
     id: str = ""
     # ---- scheduler state
@@ -352,12 +353,17 @@ class Scheduler:
         each document starts from / writes back its own row's KDA state and conv history (reset at document
         boundaries, never seeing another prompt or padding) and attends only to its own row's MLA latents."""
         model, cache = self.model, self.cache
-        if len(batch) == 1 or not self.pack_prefill:
-            logits = []
+        if len(batch) == 1 or not self.pack_prefill or any(r.embeds is not None for r, _ in batch):
+            logits = []   # one forward per prompt (always so for prompts with images: their embeddings)
             for r, n in batch:
                 view = cache.rows(r.slot)
-                ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
-                logits.append(model(ids, cache=view, logits_to_keep=1).logits[:, -1].float())
+                if r.embeds is not None:
+                    emb = r.embeds[r.pos:r.pos + n].unsqueeze(0).to(self.device)
+                    out = model(inputs_embeds=emb, cache=view, logits_to_keep=1)
+                else:
+                    ids = torch.tensor([r.prompt[r.pos:r.pos + n]], dtype=torch.long, device=self.device)
+                    out = model(ids, cache=view, logits_to_keep=1)
+                logits.append(out.logits[:, -1].float())
                 view.advance(n)
                 self.stats["prefill_forwards"] += 1
             logits = torch.cat(logits, 0)
@@ -378,6 +384,7 @@ class Scheduler:
             r.pos += n
             if r.pos == len(r.prompt):
                 r.state = "decode"
+                r.embeds = None
                 r.t_first = time.perf_counter()
                 self._guarded(r, lambda r=r, j=j: self._accept(r, self._pick(r, logits[j:j + 1])))
 

@@ -78,6 +78,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
     a("--no-samples", action="store_true", default=None, help="no sample generations at the end")
     a("--json", action="store_true", help="print the summary as JSON")
+    a("--task", default="text", choices=["text", "vision-synth", "image-text"],
+      help="text: language modelling (the trainer); vision-synth: the tiny multimodal model on the synthetic image "
+           "task; image-text: the tiny multimodal model on --data PAIRS.jsonl ({\"image\", \"text\"|\"messages\"}) "
+           "(k3.vision.train.run_train_cli) [text]")
+    a("--time-budget", type=finite_float(0, lo_open=True), default=None,
+      help="vision tasks: training seconds when --steps is not given [540]")
     m = s.add_argument_group("distributed (under torchrun; docs/parallelism.md)")
     m.add_argument("--dp-replicate", type=int_at_least(1), default=None, help="HSDP replicas [1]")
     m.add_argument("--dp-shard", type=int_at_least(1), default=None,
@@ -197,6 +203,9 @@ def build_train_config(args) -> TrainConfig:
 
 
 def run(args) -> int:
+    if getattr(args, "task", "text") != "text":   # the multimodal model on images: its own compact loop
+        from k3.vision.train import run_train_cli
+        return run_train_cli(args)
     return _run(args, build_train_config(args), "k3 train")
 
 

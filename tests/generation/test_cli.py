@@ -126,3 +126,83 @@ def test_bad_flags_are_clear_errors_before_loading(cmd, flag, value, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert f"argument {flag}:" in err and flag.lstrip("-").replace("-", "_") in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------ images
+@pytest.fixture(scope="module")
+def mm_ckpt(tmp_path_factory):
+    from k3.multimodal import K3ForConditionalGeneration, multimodal_config
+    root = tmp_path_factory.mktemp("gen_cli_mm")
+    tok = build_toy_tokenizer(str(root / "tok"), num_merges=100)
+    text = micro_config(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                        pad_token_id=tok.pad_id, dtype="float32")
+    cfg = multimodal_config(text, "tiny", media_placeholder_token_id=tok.token_to_id("<|media_pad|>"))
+    torch.manual_seed(0)
+    model = K3ForConditionalGeneration(cfg).eval()
+    d = str(root / "ckpt")
+    model.save_pretrained(d, tokenizer=tok)
+    from PIL import Image
+    img = Image.new("RGB", (40, 30), (200, 30, 30))
+    img.paste((20, 200, 40), (0, 0, 20, 15))
+    png = str(root / "a.png")
+    img.save(png)
+    return d, tok, model, png
+
+
+def test_generate_cli_with_image(mm_ckpt, capsys, monkeypatch):
+    d, tok, model, png = mm_ckpt
+    rc, out, err = _run(["generate", "--ckpt", d, "--image", png, "--image", png, "--prompt", "What is it?",
+                         "--max-new-tokens", "6", "--device", "cpu"], capsys, monkeypatch)
+    assert rc == 0, err
+    from k3.chat import K3ChatFormat
+    from k3.multimodal import generate as mm_generate
+    from PIL import Image
+    parts = [{"type": "image", "width": 40, "height": 30}] * 2 + [{"type": "text", "text": "What is it?"}]
+    ids = K3ChatFormat(tok).render([{"role": "user", "content": parts}], thinking=False)
+    ref = mm_generate(model, ids, [Image.open(png)] * 2, 6, tokenizer=tok, return_dict=True)
+    assert out == ref.texts[0] + "\n"
+    # a multimodal checkpoint still answers text prompts
+    rc, out, err = _run(["generate", "--ckpt", d, "--prompt", "Hello", "--max-new-tokens", "3", "--device", "cpu"],
+                        capsys, monkeypatch)
+    assert rc == 0, err
+
+
+def test_image_errors_are_one_line(ckpt, mm_ckpt, tmp_path, capsys, monkeypatch):
+    d_text = ckpt[0]
+    d, tok, model, png = mm_ckpt
+    rc, out, err = _run(["generate", "--ckpt", d_text, "--image", png, "--prompt", "x"], capsys, monkeypatch)
+    assert rc == 2 and err.count("\n") == 1 and "text-only checkpoint" in err and "--image" in err
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(open(png, "rb").read()[:40])
+    for path, want in ((str(bad), "bad.png"), (str(tmp_path / "missing.png"), "no such file")):
+        rc, out, err = _run(["generate", "--ckpt", d, "--image", path, "--prompt", "x"], capsys, monkeypatch)
+        assert rc == 2 and err.startswith("k3: error:") and err.count("\n") == 1 and want in err, err
+
+
+def test_chat_cli_image_command(mm_ckpt, ckpt, capsys, monkeypatch):
+    d, tok, model, png = mm_ckpt
+    seen = []
+    import sys
+    G = sys.modules["k3.generation.generate"]
+    orig = G._chat_ids
+
+    def spy(tokenizer, messages, thinking, **kw):
+        seen.append([dict(m) for m in messages])
+        return orig(tokenizer, messages, thinking, **kw)
+
+    monkeypatch.setattr(G, "_chat_ids", spy)
+    rc, out, err = _run(["chat", "--ckpt", d, "--max-new-tokens", "3", "--device", "cpu"], capsys, monkeypatch,
+                        stdin=f"/image {png}\n/image {tmp_path_nope()}\nwhat is this?\nand now?\n")
+    assert rc == 0, err
+    assert out.count("k3> ") == 2 and "no such file" in err
+    first = seen[0][0]["content"]
+    assert first[0] == {"type": "image", "width": 40, "height": 30} and first[-1]["text"] == "what is this?"
+    assert len(first) == 2 and seen[1][2]["content"] == "and now?"
+    # a text-only checkpoint refuses /image with a clear line and goes on
+    rc, out, err = _run(["chat", "--ckpt", ckpt[0], "--max-new-tokens", "2", "--device", "cpu"], capsys,
+                        monkeypatch, stdin=f"/image {png}\nhi\n")
+    assert rc == 0 and "text-only checkpoint" in err and out.count("k3> ") == 1
+
+
+def tmp_path_nope():
+    return "/nonexistent/k3-no-image.png"

@@ -326,3 +326,51 @@ def test_generate_with_images_matches_full_forward(mm):
     assert out.new_tokens[0] == seq[len(prompt):]
     with pytest.raises(K3ImageError, match="2 media placeholder.*1 image"):
         generate(mm, prompt, pixel_values=pv[:8], grid_thw=grid[:1], max_new_tokens=1)
+
+
+def _greedy_reference(mm, prompt, pv, grid, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(mm(torch.tensor([seq]), pv, grid).logits[0, -1].argmax()))
+    return seq[len(prompt):]
+
+
+def test_generate_images_batch_chunked_and_no_cache(mm):
+    """Two ragged prompts with their own images, the prefill chunked across the image positions, and the
+    no-cache path: all equal one full multimodal forward per step."""
+    pid = mm.media_placeholder_token_id
+    pv, grid = _images((1, 2, 4), (1, 2, 2), (1, 4, 2), seed=7)
+    a, b = [3, pid, 5, pid, 6], [7, 8, pid, 9]
+    n0 = 2 * 4 + 2 * 2
+    ref_a = _greedy_reference(mm, a, pv[:n0], grid[:2], 3)
+    ref_b = _greedy_reference(mm, b, pv[n0:], grid[2:], 3)
+    for kw in (dict(prefill_chunk_size=2), dict(prefill_chunk_size=None), dict(use_cache=False)):
+        out = generate(mm, [a, b], pixel_values=pv, grid_thw=grid, max_new_tokens=3, stop_token_ids=[],
+                       return_dict=True, **kw)
+        assert out.new_tokens == [ref_a, ref_b], kw
+        assert out.prompt_lengths == [len(a), len(b)]
+
+
+def test_prompt_embeds_text_path_and_errors(mm):
+    """prompt_embeds = the ids' own embeddings gives the plain text result; a hook works too; bad shapes fail."""
+    from k3.errors import RequestError
+    from k3.generation import generate as text_generate
+    lm = mm.language_model
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    ref = text_generate(lm, prompts, 3, stop_token_ids=[], return_dict=True).new_tokens
+    with torch.no_grad():
+        embeds = [lm.model.embed_tokens(torch.tensor(p)) for p in prompts]
+    got = text_generate(lm, prompts, 3, stop_token_ids=[], return_dict=True, prompt_embeds=embeds,
+                        prefill_chunk_size=2).new_tokens
+    assert got == ref
+    calls = []
+
+    def hook(ids, rows, start):
+        calls.append((tuple(rows), start, ids.shape[1]))
+        return lm.model.embed_tokens(ids)
+    assert text_generate(lm, prompts, 3, stop_token_ids=[], return_dict=True, prompt_embeds=hook).new_tokens == ref
+    assert calls == [((0,), 0, 4), ((1,), 0, 3)]
+    with pytest.raises(RequestError, match=r"prompt_embeds\[1\]: expected \[3, "):
+        text_generate(lm, prompts, 1, prompt_embeds=[embeds[0], embeds[0]])
+    with pytest.raises(RequestError, match="1 tensor"):
+        text_generate(lm, prompts, 1, prompt_embeds=embeds[:1])
