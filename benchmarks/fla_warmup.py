@@ -7,6 +7,7 @@ every later call of that key. Each key runs in its own process (compiles are sin
 TRITON_CACHE_DIR; fla sets cache_results=True, so the winners land there as `*.autotune.json`.
 
   python benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 [--pack $OUT/autotune.tgz]
+  python benchmarks/fla_warmup.py --no-warm --pack $OUT/autotune.tgz  # only pack what this machine's cache holds
   python benchmarks/fla_warmup.py --unpack .tcache/autotune.tgz     # before the next run on a fresh machine
 
 Also warms our own Triton kernels' compile (decode kernel) and fla's fused AttnRes at the given widths.
@@ -100,6 +101,7 @@ def main():
     ap.add_argument("--attnres", default="1024,2048,7168")
     ap.add_argument("--pack", default=None)
     ap.add_argument("--unpack", default=None)
+    ap.add_argument("--no-warm", action="store_true", help="warm nothing (with --pack: pack the cache as it is)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=420.0)
     a = ap.parse_args()
@@ -110,6 +112,10 @@ def main():
         spec = json.loads(a.child)
         out = child_attnres(spec["attnres"]) if "attnres" in spec else child(**spec)
         print("RESULT " + json.dumps(out), flush=True)
+        return
+    if a.no_warm:
+        if a.pack:
+            print(json.dumps(dict(packed=pack(a.pack), to=a.pack)), flush=True)
         return
     jobs = []
     for s in a.shapes.split(","):

@@ -40,8 +40,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 PREDICTED_MS_B8_T8K = {"fla": 19.7, "fwd": 9.5}  # measured 10.97 (third session)
 # prep option sets (overrides of fwd.PREP_DEFAULT = c=1, 2 warps, maxnreg=None, block inverse, tf32 Aqk/Akk,
