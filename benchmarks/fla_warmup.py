@@ -22,8 +22,6 @@ import sys
 import tarfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def cache_dir() -> str:
     d = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
@@ -124,9 +122,8 @@ def main():
             jobs.append(dict(H=H, K=D, V=D, varlen=varlen, T=a.T))
     if a.attnres:
         jobs.append(dict(attnres=[int(x) for x in a.attnres.split(",")]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
-    procs = [(j, subprocess.Popen([sys.executable, __file__, "--child", json.dumps(j)], env=env,
+    procs = [(j, subprocess.Popen([sys.executable, __file__, "--child", json.dumps(j)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for j in jobs]
     for j, p in procs:
         try:
