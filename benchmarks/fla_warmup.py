@@ -7,6 +7,7 @@ every later call of that key. Each key runs in its own process (compiles are sin
 TRITON_CACHE_DIR; fla sets cache_results=True, so the winners land there as `*.autotune.json`.
 
   python benchmarks/fla_warmup.py --shapes 96x128,8x128,4x64 [--pack $OUT/autotune.tgz]
+  python benchmarks/fla_warmup.py --no-warm --pack $OUT/autotune.tgz  # only pack what this machine's cache holds
   python benchmarks/fla_warmup.py --unpack .tcache/autotune.tgz     # before the next run on a fresh machine
 
 Also warms our own Triton kernels' compile (decode kernel) and fla's fused AttnRes at the given widths.
@@ -20,8 +21,6 @@ import subprocess
 import sys
 import tarfile
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def cache_dir() -> str:
@@ -100,6 +99,7 @@ def main():
     ap.add_argument("--attnres", default="1024,2048,7168")
     ap.add_argument("--pack", default=None)
     ap.add_argument("--unpack", default=None)
+    ap.add_argument("--no-warm", action="store_true", help="warm nothing (with --pack: pack the cache as it is)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=420.0)
     a = ap.parse_args()
@@ -111,6 +111,10 @@ def main():
         out = child_attnres(spec["attnres"]) if "attnres" in spec else child(**spec)
         print("RESULT " + json.dumps(out), flush=True)
         return
+    if a.no_warm:
+        if a.pack:
+            print(json.dumps(dict(packed=pack(a.pack), to=a.pack)), flush=True)
+        return
     jobs = []
     for s in a.shapes.split(","):
         H, D = (int(x) for x in s.lower().split("x"))
@@ -118,9 +122,8 @@ def main():
             jobs.append(dict(H=H, K=D, V=D, varlen=varlen, T=a.T))
     if a.attnres:
         jobs.append(dict(attnres=[int(x) for x in a.attnres.split(",")]))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     t0 = time.time()
-    procs = [(j, subprocess.Popen([sys.executable, __file__, "--child", json.dumps(j)], env=env,
+    procs = [(j, subprocess.Popen([sys.executable, __file__, "--child", json.dumps(j)],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)) for j in jobs]
     for j, p in procs:
         try:

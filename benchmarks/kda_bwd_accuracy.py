@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
 # (name, B, T, H, K, V, h0 scale, cu_seqlens): the interpreter's bf16 case (tests/ops/test_kda_triton_bwd.py `bf16`:

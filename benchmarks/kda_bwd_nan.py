@@ -2,11 +2,10 @@
 kda_bwd_sweep.py) and smaller T / H / milder gates, with each intermediate's count (bwd.CHECK_NONFINITE).
 Launch options come from $K3_KDA_BWD_LAUNCH. Usage: python benchmarks/kda_bwd_nan.py [T,H,ALOG_HI,STATES ...]
 (STATES 1: with an initial state and a final-state gradient, as gpu_selfcheck has them)."""
-import os
 import sys
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch  # noqa: E402
-from k3.ops.kda.triton import bwd as ops_bwd  # noqa: E402
+
+import torch
+from k3.ops.kda.triton import bwd as ops_bwd
 
 ops_bwd.CHECK_NONFINITE = True
 

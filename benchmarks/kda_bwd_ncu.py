@@ -3,7 +3,8 @@ backward at a K3 head shape, then runs ONE more backward between cudaProfilerSta
 
     ncu --clock-control none --profile-from-start off --set full -o REPORT python3 benchmarks/kda_bwd_ncu.py
 
-profiles exactly that call's kernels (benchmarks/gpu_run.sh stage `ncu` does this and prints the report's pages).
+profiles exactly that call's kernels (then `ncu -i REPORT --page details` / `--page source --csv --print-source
+sass` print the report's pages).
 $K3_KDA_BWD_LAUNCH applies as everywhere (bwd_config.env_launch). --fwd profiles our forward instead.
 
     python benchmarks/kda_bwd_ncu.py [--B 1] [--T 8192] [--H 96] [--D 128] [--fwd]
@@ -12,14 +13,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def _sibling(name: str):
+    """The benchmark script benchmarks/<name>.py as a module, loaded by its path (benchmarks/ is no package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                      name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def main():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kda_bwd_sweep import k3_inputs, shape_args
+    sweep = _sibling("kda_bwd_sweep")
+    k3_inputs, shape_args = sweep.k3_inputs, sweep.shape_args
     ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--fwd", action="store_true", help="profile the forward instead of the backward")
     args = ap.parse_args()

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (main-stream kernels, side-stream kernels): what a pipelined backward would run at once
 PAIRS = [
@@ -25,9 +23,19 @@ PAIRS = [
 ]
 
 
+def _sibling(name: str):
+    """The benchmark script benchmarks/<name>.py as a module, loaded by its path (benchmarks/ is no package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                      name + ".py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main():
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from kda_bwd_sweep import k3_inputs, shape_args
+    sweep = _sibling("kda_bwd_sweep")
+    k3_inputs, shape_args = sweep.k3_inputs, sweep.shape_args
     ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "kda_bwd_overlap.json"))

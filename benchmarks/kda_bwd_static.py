@@ -81,12 +81,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 F32_PTRS = {"A_log", "dt_bias", "eg", "eg_out", "h0", "dht", "states", "dstates", "dh0", "dal_part", "ddt_part",
             "ws", "ks", "uns", "dus", "cmat", "cdb", "x1s", "x2s", "dgis", "nkp", "dbp", "aqf", "gcs", "rqk", "sqk"}

@@ -40,8 +40,6 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 PREDICTED_MS_B8_T8K = {"fla": 19.7, "fwd": 9.5}  # measured 10.97 (third session)
 # prep option sets (overrides of fwd.PREP_DEFAULT = c=1, 2 warps, maxnreg=None, block inverse, tf32 Aqk/Akk,
@@ -641,7 +639,9 @@ STATE_SWEEP = [
     ("base_w8_s3", dict(num_warps=8, num_stages=3), 5.9, "+ a 3-stage cp.async pipeline (loads 2 steps ahead)"),
     ("base_bv64_w4", dict(bv=64, num_warps=4), 6.4, "BV 64 on 4 warps (1,536 programs; K-wide tiles read twice)"),
 ]
-STATE_SWEEP += [  # long sequences (B x H < 2 x SMs): more, smaller value blocks (fourth session; `kdafwdlong`)
+# long sequences (B x H < 2 x SMs): more, smaller value blocks (fourth session), e.g.
+#   --state-configs long_bv32_s3,long_bv64_s3,long_bv16_s3,base_s3 --shapes B1_T128K,B2_T32K
+STATE_SWEEP += [
     ("long_bv16_s3", dict(bv=16, num_stages=3), None, "BV 16: 4x the programs of BV 64 at N*H = 192, 2x of BV 32"),
     ("long_bv16_w2_s3", dict(bv=16, num_warps=2, num_stages=3), None, "BV 16 on 2 warps: more programs per SM"),
     ("long_bv64_s3", dict(bv=64, num_stages=3), None, "BV 64 (the pick at N*H = 192): control"),

@@ -20,7 +20,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MICRO = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32,
              kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_experts=4,

@@ -49,12 +49,9 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 B1_DEFAULT, B2_DEFAULT = 4.0, 25.0
 

@@ -7,11 +7,8 @@ before and after, the chance level, steps and times. Results: benchmarks/RESULTS
 """
 import argparse
 import json
-import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None):

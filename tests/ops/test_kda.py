@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import max_rel_err
 from k3.ops import dispatch
 from k3.ops.kda import chunk_kda, kda_gate, recurrent_kda, register_kda_backend
 from k3.ops.kda import _IMPLS
@@ -21,10 +22,6 @@ def make(B=1, T=70, H=2, K=16, V=8, dtype=F64, g_lo=-5.0, g_hi=0.0, seed=0, unit
     g = g_lo + (g_hi - g_lo) * torch.rand(B, T, H, K, generator=gen, dtype=F64)
     beta = torch.rand(B, T, H, generator=gen, dtype=F64)
     return [x.to(dtype) for x in (q, k, v, g, beta)]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
 def both(*args, **kw):
@@ -58,7 +55,7 @@ def test_chunk_matches_recurrent_fp32_inkernel():
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
     o1, s1, o2, s2 = both(q, k, v, f, beta, **kw)
     assert o2.dtype == torch.float32 and s2.dtype == torch.float32
-    assert rel(o2, o1) < 1e-4 and rel(s2, s1) < 1e-4
+    assert max_rel_err(o2, o1) < 1e-4 and max_rel_err(s2, s1) < 1e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -80,7 +77,7 @@ def test_extreme_gates(dtype, mode):
     o1, s1, o2, s2 = both(q, k, v, g, beta, initial_state=h0)
     assert torch.isfinite(o2).all() and torch.isfinite(s2).all()
     tol = 1e-10 if dtype == F64 else 1e-5
-    assert rel(o2, o1) < tol and rel(s2, s1) < tol
+    assert max_rel_err(o2, o1) < tol and max_rel_err(s2, s1) < tol
 
 
 def test_tile_size_bound():
@@ -248,7 +245,7 @@ def test_bf16_close_to_fp32_reference():
     o, s = chunk_kda(q, k, v, f, beta, **kw)
     assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
     o_ref, s_ref = recurrent_kda(*(x.float() for x in (q, k, v, f, beta)), **kw)
-    assert rel(o, o_ref) < 1e-2 and rel(s, s_ref) < 1e-4
+    assert max_rel_err(o, o_ref) < 1e-2 and max_rel_err(s, s_ref) < 1e-4
     o_rec, s_rec = recurrent_kda(q, k, v, f, beta, **kw)
     assert o_rec.dtype == torch.bfloat16 and s_rec.dtype == torch.float32
 

@@ -14,12 +14,20 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
+if __name__ == "__main__":  # the TRITON_INTERPRET=1 child: tests/ (helpers.py) on the path, as pytest has it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import max_rel_err, rel_err  # noqa: E402
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOL_OUT, TOL_DQKV, TOL_DGB = 5e-3, 8e-3, 2e-2
+# fp32 inputs: forward output / final state (<= 4.3e-7 measured) and gradients against fp64 (<= 4.9e-6)
+TOL_OUT, TOL_GRAD = 1e-5, 5e-5
+# the prep's `qk="bf16"` option at fp32 inputs: bf16 Aqk / Akk operands, so bf16-level error (6.5e-3 measured)
+TOL_QK_BF16 = 1e-2
 # bf16 inputs vs the fp32 loop on the same (rounded) inputs: o is rounded to bf16 (1.6e-3 alone) and the WY
 # intermediates and the state operand of the dots are bf16, as in fla; ~1e-2 at these small K, V (3.3e-3 at
 # D=128 on the H200).
@@ -57,10 +65,7 @@ D128_CASES = ("random", "hard")
 D128_RUNS = {"default": {}, "ieee": dict(inv="ieee"), "blkn": dict(inv="blkn"), "kb32": dict(kb=32, num_warps=1)}
 
 
-def _rr(a, b) -> float:
-    """Relative RMSE of a against reference b."""
-    a, b = a.double(), b.double()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
+_rr = rel_err  # relative RMSE of a against reference b (tests/helpers.py)
 
 
 from k3.ops.triton_interp import emulate_gpu, fix_interpreter_bf16_dot, run_interpreted  # noqa: E402,F401
@@ -143,8 +148,7 @@ def _checks() -> dict:
     v2 = v.clone()
     v2[:, t0 + 1:] += 1.0
     o_b, _ = chunk_kda(q, k, v2, f2, beta, backend="triton", **gk)
-    res["fwd.causal.max_abs_diff_before"] = float(
-        (o_a[:, :t0 + 1] - o_b[:, :t0 + 1]).abs().max() / o_a.abs().max())
+    res["fwd.causal.max_abs_diff_before"] = max_rel_err(o_b[:, :t0 + 1], o_a[:, :t0 + 1])
     res["fwd.causal.changed_after"] = float((o_a[:, t0 + 1:] - o_b[:, t0 + 1:]).abs().max())
 
     def option_sweep(label, field, option_sets, fwd_cases):
@@ -283,7 +287,7 @@ def test_prep_options(results, option, name):
     tol = results["tol"][name]
     key = f"prep[{option}].{name}"
     if option == "qk_bf16" and tol < TOL_BF16:  # bf16 Aqk/Akk operands: bf16-level error even for fp32 inputs
-        tol = 2 * TOL_OUT
+        tol = TOL_QK_BF16
     _assert_o_and_state(results, key, tol)
 
 
@@ -344,11 +348,9 @@ def test_decode_updates_state_in_place(results):
     assert results["decode_inplace.same_tensor"] == 0.0
 
 
-@pytest.mark.parametrize("name,tol", [("dq", TOL_DQKV), ("dk", TOL_DQKV), ("dv", TOL_DQKV), ("dh0", TOL_DQKV),
-                                      ("dg", TOL_DGB), ("dbeta", TOL_DGB), ("dA_log", TOL_DGB),
-                                      ("ddt_bias", TOL_DGB)])
-def test_gradients(results, name, tol):
-    assert results["grad." + name] <= tol, results
+@pytest.mark.parametrize("name", ["dq", "dk", "dv", "dh0", "dg", "dbeta", "dA_log", "ddt_bias"])
+def test_gradients(results, name):
+    assert results["grad." + name] <= TOL_GRAD, results
 
 
 def test_registered_without_importing_triton():

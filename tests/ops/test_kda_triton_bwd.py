@@ -16,7 +16,7 @@ import pytest
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TOL_FP32 = 1e-4
+TOL_FP32 = 2e-5  # fp32 cases: <= 5.4e-6 measured
 # g == -5 everywhere: dg is a small difference of large terms; the fp32 torch chunk path (fp64 cumsums) is itself
 # ~5e-5 from the fp64 reference there, so fp32 dg gets a little more room in that case only.
 TOL_FP32_DG_BOUND = 2.5e-4

@@ -33,4 +33,4 @@ def test_loss_matches_torch_paths(res):
 def test_every_gradient_matches_torch_paths(res):
     g = row(res, "gradients")
     assert g["same_params"] and g["n"] > 100, g
-    assert g["worst"] < 1e-3, g     # fp32; SiTU's tanh formula differs in rounding
+    assert g["worst"] < 2e-4, g     # fp32 (measured 5.5e-5); SiTU's tanh formula differs in rounding

@@ -22,7 +22,7 @@ def test_situ_node_matches_autograd_formula_fp64():
     torch.manual_seed(1)
     g = (torch.randn(37, 24, dtype=torch.float64) * 6).requires_grad_()
     u = (torch.randn(37, 24, dtype=torch.float64) * 40).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b, 4.0, 25.0), (g, u))
+    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b, 4.0, 25.0), (g, u), rtol=1e-7)
     do = torch.randn(37, 24, dtype=torch.float64)
     ref = torch.autograd.grad(situ_glu_reference(g, u), (g, u), do)
     got = torch.autograd.grad(situ_glu(g, u), (g, u), do)
@@ -52,7 +52,7 @@ def test_situ_bf16_grads_close_to_fp32():
     situ_glu(gb, ub).backward(do.bfloat16())
     situ_glu_reference(g32, u32).backward(do)
     for name, a, b in (("dg", gb.grad, g32.grad), ("du", ub.grad, u32.grad)):
-        assert_close(a, b, rel=1e-2, what=name)
+        assert_close(a, b, rel=4e-3, what=name)
 
 
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_situ_triton_child.py")
