@@ -1,6 +1,6 @@
 """`k3 train` under torchrun (k3/parallel/training.py) and `k3 plan`, through the real CLI entry point.
 
-Each rank runs `k3.cli.main([...])` with torchrun's RANK / WORLD_SIZE / LOCAL_RANK (tests/dist/launcher.py), on a
+Each rank runs `k3.cli.main([...])` with torchrun's RANK / WORLD_SIZE / LOCAL_RANK (tests/parallel/launcher.py), on a
 micro model and a small corpus; the single-process reference is `python -m k3.cli train` with the same flags. The
 same losses (train loss and gradient norm per step, validation loss) up to fp32 reduction order; a run stopped on
 one mesh resumes on another and continues exactly; every bad mesh is refused before any work."""
@@ -13,7 +13,7 @@ import pytest
 
 from launcher import ROOT, run_dist
 
-WORKER = "tests/dist/train_cli_cases.py:train_cli"
+WORKER = "tests/parallel/train_cli_cases.py:train_cli"
 QUIET = ["--no-progress", "--no-tensorboard", "--no-samples", "--device", "cpu", "--threads", "1"]
 
 
@@ -22,7 +22,7 @@ def env(tmp_path_factory):
     """micro config + corpus + a tokenizer cache shared by every run (K3_CACHE, inherited by the ranks)."""
     from launcher import _load
     d = tmp_path_factory.mktemp("train_cli")
-    cfg = _load("tests/dist/cases.py:micro_config")(vocab_size=1024, pad_token_id=1023)
+    cfg = _load("tests/parallel/cases.py:micro_config")(vocab_size=1024, pad_token_id=1023)
     cfg.save_json(str(d / "micro.json"))
     text = []
     for name in ("context.py", "mesh.py", "parallelize.py", "checkpoint.py"):
@@ -224,7 +224,7 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(env):
     run = base + ["--steps", "3", "--stages", "64"]
     single_process(["train", *run, "--out", str(d / "ref_c")])
     out = str(d / "ctrl_c")
-    res = run_dist("tests/dist/train_cli_cases.py:train_cli_ctrl_c", 2,
+    res = run_dist("tests/parallel/train_cli_cases.py:train_cli_ctrl_c", 2,
                    {"argv": ["train", *run, "--out", out, "--dp-shard", "2"], "signal_rank": 1, "after_step": 1},
                    timeout=300)
     assert [r["rc"] for r in res] == [130, 130], res[0]["stderr"][-3000:]

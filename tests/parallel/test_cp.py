@@ -5,7 +5,7 @@ halo, lengths not divisible by cp (padded) or the chunk size; cp x dp x ep with 
 import pytest
 import torch
 
-from launcher import run_dist  # noqa: E402  (tests/dist/conftest.py puts this folder on sys.path)
+from launcher import run_dist  # noqa: E402  (tests/parallel/conftest.py puts this folder on sys.path)
 
 C3 = [0, 5, 35, 37]        # cp=3, L=13 (+2 pad): doc [5, 35) spans all three slices, starts/ends inside one
 C2 = [0, 9, 30, 37]        # cp=2, L=19 (+1 pad): doc [9, 30) crosses the boundary
@@ -21,7 +21,7 @@ MODELS = [dict(cp=3, seqs=[(37, C3)], sub=True),
 
 @pytest.fixture(scope="module")
 def cp_results():
-    res = run_dist("tests/dist/_cp_cases.py:suite", 4, {"layers": LAYERS, "models": MODELS, "balance": True})
+    res = run_dist("tests/parallel/_cp_cases.py:suite", 4, {"layers": LAYERS, "models": MODELS, "balance": True})
     return {"layers": [x for r in res for x in r["layers"] if x is not None],
             "models": [x for r in res for x in r["models"] if x is not None],
             "balance": [r["balance"] for r in res]}
@@ -69,7 +69,7 @@ def test_balancer_statistics_reduce_over_dp_and_cp(cp_results):
     """QB and the sign rule after one step on 2 sequences x 2 slices (4 ranks) = one process on the whole
     sequences: the statistics of every slice reach the (identical) bias of every rank."""
     from launcher import _load
-    ref = _load("tests/dist/_cp_cases.py:balance_case")(distributed=False)   # no process group here
+    ref = _load("tests/parallel/_cp_cases.py:balance_case")(distributed=False)   # no process group here
     res = cp_results["balance"]
     for name, r in ref.items():
         assert r and res[0][name].keys() == r.keys()

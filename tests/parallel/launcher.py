@@ -1,7 +1,7 @@
 """The one helper the distributed tests share: run a function on N gloo processes and collect what each returns.
 
     from launcher import run_dist
-    results = run_dist("tests/dist/cases.py:fsdp_step", world_size=2, kwargs={"steps": 2})
+    results = run_dist("tests/parallel/cases.py:fsdp_step", world_size=2, kwargs={"steps": 2})
 
 Each rank is a fresh `python` subprocess (spawned, not forked: the parent has live OpenMP/intra-op threads) with
 the repository root on PYTHONPATH, one intra-op thread, a `gloo` default process group rendezvousing through a

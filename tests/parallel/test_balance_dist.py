@@ -7,7 +7,7 @@ import torch
 @pytest.mark.usefixtures("one_torch_thread")   # the in-process reference: tiny ops, one thread is much faster
 def test_balancer_bias_two_ranks_equals_one_process(two_rank_results):
     from launcher import _load
-    ref = _load("tests/dist/cases.py:balancer_bias")(distributed=False)   # no process group in this process
+    ref = _load("tests/parallel/cases.py:balancer_bias")(distributed=False)   # no process group in this process
     res = [r["balance"] for r in two_rank_results]
     for name, r in ref.items():
         got = res[0][name]

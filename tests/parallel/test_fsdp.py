@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
-from launcher import run_dist  # noqa: E402  (tests/dist/conftest.py puts this folder on sys.path)
+from launcher import run_dist  # noqa: E402  (tests/parallel/conftest.py puts this folder on sys.path)
 
-CASES = "tests/dist/cases.py"
+CASES = "tests/parallel/cases.py"
 
 
 def _close_dicts(a, b, atol, rtol, what):

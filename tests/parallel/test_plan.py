@@ -10,7 +10,7 @@ from k3.parallel.plan import estimate, plan, verify_with_fake_pg
 
 def _cfg():
     from launcher import _load
-    return _load("tests/dist/cases.py:micro_config")()
+    return _load("tests/parallel/cases.py:micro_config")()
 
 
 @pytest.mark.parametrize("kw", [dict(world_size=3), dict(world_size=4, ep=2), dict(world_size=8, ep=4),
