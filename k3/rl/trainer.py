@@ -181,17 +181,8 @@ class RLConfig:
 
 
 def stored_config(out_dir: str) -> Optional[dict]:
-    p = os.path.join(out_dir, CONFIG_NAME)
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p) as f:
-            d = json.load(f)
-    except (OSError, ValueError) as e:
-        raise K3ConfigError(f"{p}: cannot read the run's stored arguments: {e}") from None
-    if not isinstance(d, dict):
-        raise K3ConfigError(f"{p}: expected a JSON object")
-    return d
+    from k3.train.config import stored_train_config
+    return stored_train_config(out_dir, CONFIG_NAME)
 
 
 def resume_rl_config(out_dir: str, overrides: Optional[dict] = None) -> RLConfig:

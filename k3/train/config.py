@@ -321,9 +321,10 @@ def resolve_compile_checked(mode) -> None:
         raise K3ConfigError(f"--{e}") from None
 
 
-def stored_train_config(out_dir: str) -> Optional[dict]:
-    """The run's stored arguments (RUN/train_config.json) as a dict, None when there are none."""
-    p = os.path.join(out_dir, TRAIN_CONFIG_NAME)
+def stored_train_config(out_dir: str, name: str = TRAIN_CONFIG_NAME) -> Optional[dict]:
+    """A run's stored arguments (RUN/train_config.json, or `name` for other run kinds) as a dict, None when there
+    are none."""
+    p = os.path.join(out_dir, name)
     if not os.path.isfile(p):
         return None
     try:
