@@ -135,6 +135,8 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   moe) step moe 150 python3 benchmarks/moe_gpu.py --json "$OUT/moe_gpu.json" ;;
   # the SiTU-GLU kernels (hardware and exact tanh) against torch eager
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
+  # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
+  claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache
   pack) step pack 60 python3 benchmarks/fla_warmup.py --no-warm --pack "$OUT/autotune.tgz" ;;
   *) echo "unknown stage $stage" ;;

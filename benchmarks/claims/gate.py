@@ -100,6 +100,7 @@ def main(argv=None):
     p.add_argument("--kernel-iters", type=int, default=5)
     p.add_argument("--kernel-dtype", default=None, choices=["fp32", "bf16"], help="[bf16 on CUDA, fp32 on CPU]")
     p.add_argument("--no-train", action="store_true", help="kernel timing only")
+    p.add_argument("--no-kernel", action="store_true", help="training runs only")
     args = p.parse_args(argv)
     import torch
     if args.threads:
@@ -107,8 +108,8 @@ def main(argv=None):
     cuda = torch.cuda.is_available() and args.device != "cpu"
     backends = (args.backends or ("fla,triton,torch" if cuda else "torch")).split(",")
     shape = [int(x) for x in args.kernel_shape.split(",")]
-    kt = kernel_times(shape, backends, args.lower_bound, args.device, args.kernel_iters,
-                      args.kernel_dtype or ("bf16" if cuda else "fp32"))
+    kt = [] if args.no_kernel else kernel_times(shape, backends, args.lower_bound, args.device, args.kernel_iters,
+                                                args.kernel_dtype or ("bf16" if cuda else "fp32"))
     kmd = (f"kernel time, chunk_kda fwd+bwd with the gate in-kernel, B,T,H,K = {shape}, "
            f"{kt[0]['dtype'] if kt else ''} on {kt[0]['device'] if kt else ''}, {torch.get_num_threads()} thread(s), "
            f"median of {args.kernel_iters}:\n\n| backend | gate | median ms | min ms | finite | fell back / error |\n"
