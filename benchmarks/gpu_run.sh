@@ -4,8 +4,9 @@
 # Every step runs under its own timeout and appends to $OUT/log.txt; results land in $OUT/*.json.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 || echo "wheel install failed"
+# (once per machine: a second gpu_run.sh running beside the first leaves the installed wheels alone)
+[ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 mkdir -p $TRITON_CACHE_DIR
 # fla autotune winners from an earlier H200 run (fla 0.6.0, triton 3.6.0): a fresh carried pack wins over the
