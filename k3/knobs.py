@@ -4,7 +4,7 @@ Each knob has a name, the values it takes, a default and what it trades (`docs/k
 table by `table_markdown()`; a test keeps the two equal). Reading a knob:
 
     from k3 import knobs
-    knobs.get("K3_CONV_BWD")            # -> "auto" | "tiles" | "roll", parsed and validated
+    knobs.get("K3_SITU_TANH")           # -> "auto" | "approx" | "exact", parsed and validated
 
 Precedence, highest first:
 
@@ -21,8 +21,8 @@ Values are read at call time (a changed variable or setting applies to the next 
 set knobs before compiling. A bad value raises `K3ConfigError` (a ValueError) naming the variable, where it came from
 and the allowed values. Python settings are process-wide (not per thread).
 
-Kinds: "user" knobs trade speed, memory or accuracy for users; "experiment" knobs exist to measure alternatives
-(the benchmark scripts set them); "debug" knobs print or check; "external" variables belong to another tool and
+Kinds: "user" knobs trade speed, memory or accuracy for users; "debug" knobs print, check, or select the
+reference path a fast one is checked against; "external" variables belong to another tool and
 are only read here (they cannot be set from Python).
 
 Only this module reads `os.environ` (tests/test_knobs.py checks it). It imports nothing from k3 but the errors,
@@ -52,7 +52,7 @@ class Knob:
     check: Callable[[Any], Any]  # Python value -> value; raises ValueError(allowed)
     readers: tuple              # the modules that read it
     python: str                 # how to choose the same from Python besides knobs.set (call arguments, attributes)
-    kind: str = "user"          # user | experiment | debug | external
+    kind: str = "user"          # user | debug | external
     settable: bool = True       # False: only the environment (a variable of another tool)
     strip: bool = True          # the environment value is stripped of surrounding whitespace (not for free text)
 
@@ -199,29 +199,26 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
           _choice("torch", "triton", lower=False), ["k3/generation/static.py"], "`StaticDecoder(mla_kernel=)`"),
     _knob("K3_KDA_TRITON_BWD", "`triton`, `torch`", None, "`triton`",
           "Backward of the Triton KDA backend: its Triton kernels, or a recompute through the torch path and "
-          "autograd (slower, more memory; a fallback to compare against).",
+          "autograd (slower, more memory): the reference to check the kernels against, and a fallback.",
           _choice("triton", "torch"), ["k3/ops/kda/triton/chunk.py"], "`TritonKDAConfig(bwd=)` / `triton_config(bwd=)`",
-          kind="experiment"),
+          kind="debug"),
     _knob("K3_KDA_STATE_CFG", "JSON object of `state_cfg` keys", None, "none (the measured defaults)",
           "Launch configuration of the Triton KDA forward's sequential pass for every call (a call's own "
-          "`state_cfg` wins): kernel tuning.",
-          _json_object("state_cfg keys"), ["k3/ops/kda/triton/fwd.py"], "`TritonKDAConfig(state_cfg=)`",
-          kind="experiment"),
+          "`state_cfg` wins): tuning for GPUs other than the H200 the defaults were measured on.",
+          _json_object("state_cfg keys"), ["k3/ops/kda/triton/fwd.py"], "`TritonKDAConfig(state_cfg=)`"),
     _knob("K3_KDA_BWD_LAUNCH", "JSON `{kernel: {param: value}}`", None, "none (the measured defaults)",
-          "Launch overrides of the Triton KDA backward kernels (under a call's own `launch`): kernel tuning.",
+          "Launch overrides of the Triton KDA backward kernels (under a call's own `launch`): tuning for GPUs other "
+          "than the H200 the defaults were measured on, and memory (`{\"scratch\": {\"FWD\": false}}`).",
           _json_object("{kernel: {param: value}}", nested=True), ["k3/ops/kda/triton/bwd_config.py"],
-          "`TritonKDAConfig(bwd_launch=)`", kind="experiment"),
-    _knob("K3_CONV_BWD", "`auto`, `tiles`, `roll`", "auto", "`auto`",
-          "Launch options the short-conv Triton backward's autotune picks from: all (`auto`), only tiled or only "
-          "rolling ones (to time each kind). Read when k3.ops.conv_triton is imported.",
-          _choice("auto", "tiles", "roll"), ["k3/ops/conv_triton.py"], "`bwd_configs(kind)`", kind="experiment"),
+          "`TritonKDAConfig(bwd_launch=)`"),
     _knob("K3_SITU_TRITON", "`0`, `1`", True, "`1`",
-          "SiTU-GLU on CUDA through its Triton kernels (`1`) or the eager torch formula (`0`, slower, to compare).",
-          _flag(), ["k3/ops/activations.py"], "none besides knobs.set", kind="experiment"),
+          "SiTU-GLU on CUDA through its Triton kernels (`1`) or the eager torch formula (`0`, slower: the reference "
+          "to check the kernels against).",
+          _flag(), ["k3/ops/activations.py"], "none besides knobs.set", kind="debug"),
     _knob("K3_SITU_NODE", "`0`, `1`", False, "`0` (CUDA always uses the node)",
           "SiTU-GLU on CPU as the memory-saving autograd node that recomputes in backward (`1`) or the plain "
           "formula under autograd (`0`, 1.6x faster on CPU, more memory).",
-          _flag(), ["k3/ops/activations.py"], "none besides knobs.set", kind="experiment"),
+          _flag(), ["k3/ops/activations.py"], "none besides knobs.set"),
     # -- paths and serving
     _knob("K3_CACHE", "a directory", None, "`~/.cache/k3`",
           "Where tokenized corpora and other derived data are cached.",
@@ -365,8 +362,9 @@ def table_markdown() -> str:
         'knobs.get("K3_BACKEND"), knobs.source("K3_BACKEND")  # value, and "environment" | "python" | "default"',
         "```",
         "",
-        "Kinds: **user** knobs trade speed, memory or accuracy; **experiment** knobs exist to measure alternatives "
-        "(benchmarks set them); **debug** knobs check or print; **external** variables belong to another tool.",
+        "Kinds: **user** knobs trade speed, memory or accuracy; **debug** knobs check, print or select the reference "
+        "path a fast one is checked against; **external** variables belong to another tool. Alternatives that exist "
+        "only to be measured are flags of the benchmark scripts, not knobs.",
         "",
         "| name | kind | values | default | what it trades | also from Python | read in |",
         "|---|---|---|---|---|---|---|",

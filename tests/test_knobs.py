@@ -65,29 +65,27 @@ def test_every_knob_is_documented_and_read_where_it_says():
 
 
 def test_allowed_values_match_the_modules():
-    from k3.ops import conv_triton
     from k3.ops.kda.triton.chunk import BWD_IMPLS
-    assert set(knobs.KNOBS["K3_CONV_BWD"].values.replace("`", "").split(", ")) == set(conv_triton.BWD_KINDS)
     assert set(knobs.KNOBS["K3_KDA_TRITON_BWD"].values.replace("`", "").split(", ")) == set(BWD_IMPLS)
 
 
 def test_precedence_set_override_reset(monkeypatch):
-    assert knobs.get("K3_CONV_BWD") == "auto" and knobs.source("K3_CONV_BWD") == "default"
-    knobs.set(K3_CONV_BWD="tiles")
-    assert knobs.get("K3_CONV_BWD") == "tiles" and knobs.source("K3_CONV_BWD") == "python"
-    with knobs.override(K3_CONV_BWD="roll"):
-        assert knobs.get("K3_CONV_BWD") == "roll"
-        with knobs.override(K3_CONV_BWD=None):        # None: no Python setting inside the block
-            assert knobs.get("K3_CONV_BWD") == "auto"
-        assert knobs.get("K3_CONV_BWD") == "roll"
-    assert knobs.get("K3_CONV_BWD") == "tiles"
-    monkeypatch.setenv("K3_CONV_BWD", " Roll ")        # the environment overrides (stripped, case-folded)
-    assert knobs.get("K3_CONV_BWD") == "roll" and knobs.source("K3_CONV_BWD") == "environment"
-    assert knobs.python_value("K3_CONV_BWD") == "tiles"
-    monkeypatch.setenv("K3_CONV_BWD", "")              # empty counts as unset
-    assert knobs.get("K3_CONV_BWD") == "tiles"
-    knobs.reset("K3_CONV_BWD")
-    assert knobs.get("K3_CONV_BWD") == "auto"
+    assert knobs.get("K3_SITU_TANH") == "auto" and knobs.source("K3_SITU_TANH") == "default"
+    knobs.set(K3_SITU_TANH="approx")
+    assert knobs.get("K3_SITU_TANH") == "approx" and knobs.source("K3_SITU_TANH") == "python"
+    with knobs.override(K3_SITU_TANH="exact"):
+        assert knobs.get("K3_SITU_TANH") == "exact"
+        with knobs.override(K3_SITU_TANH=None):        # None: no Python setting inside the block
+            assert knobs.get("K3_SITU_TANH") == "auto"
+        assert knobs.get("K3_SITU_TANH") == "exact"
+    assert knobs.get("K3_SITU_TANH") == "approx"
+    monkeypatch.setenv("K3_SITU_TANH", " Exact ")        # the environment overrides (stripped, case-folded)
+    assert knobs.get("K3_SITU_TANH") == "exact" and knobs.source("K3_SITU_TANH") == "environment"
+    assert knobs.python_value("K3_SITU_TANH") == "approx"
+    monkeypatch.setenv("K3_SITU_TANH", "")              # empty counts as unset
+    assert knobs.get("K3_SITU_TANH") == "approx"
+    knobs.reset("K3_SITU_TANH")
+    assert knobs.get("K3_SITU_TANH") == "auto"
 
 
 def test_unknown_names_bad_values_and_external_variables():
@@ -95,14 +93,14 @@ def test_unknown_names_bad_values_and_external_variables():
         knobs.get("K3_NOPE")
     with pytest.raises(K3ConfigError, match="unknown knob"):
         knobs.set(K3_NOPE=1)
-    with pytest.raises(K3ConfigError, match=r"K3_CONV_BWD must be one of auto, tiles, roll, got 'fast' \(from knobs"):
-        knobs.set(K3_CONV_BWD="fast")
+    with pytest.raises(K3ConfigError, match=r"K3_SITU_TANH must be one of auto, approx, exact, got 'fast' \(from knobs"):
+        knobs.set(K3_SITU_TANH="fast")
     with pytest.raises(K3ConfigError, match="K3_FUSED_CE must be 0 or 1"):
         knobs.set(K3_FUSED_CE="yes")
     with pytest.raises(K3ConfigError, match="TRITON_INTERPRET is read from the environment only"):
         knobs.set(TRITON_INTERPRET=True)
     with pytest.raises(K3ConfigError):   # a failed set changes nothing
-        knobs.set(K3_SITU_NODE=True, K3_CONV_BWD="fast")
+        knobs.set(K3_SITU_NODE=True, K3_SITU_TANH="fast")
     assert knobs.source("K3_SITU_NODE") == "default"
     with pytest.raises(K3ConfigError, match="K3_KDA_STATE_CFG must be a JSON object"):
         knobs.set(K3_KDA_STATE_CFG="[1]")
@@ -199,18 +197,6 @@ def test_situ_tanh(monkeypatch):
     monkeypatch.setenv("K3_SITU_TANH", "fast")
     with pytest.raises(K3ConfigError, match=r"K3_SITU_TANH must be one of auto, approx, exact, got 'fast'"):
         at._approx(x)
-
-
-def test_conv_bwd(monkeypatch):
-    pytest.importorskip("triton")
-    from k3.ops import conv_triton as ct
-    with knobs.override(K3_CONV_BWD="tiles"):
-        assert ct.bwd_configs() == ct.bwd_configs("tiles")
-        monkeypatch.setenv("K3_CONV_BWD", "roll")
-        assert ct.bwd_configs() == ct.bwd_configs("roll")
-        assert sorted(ct.bwd_configs("auto")) == sorted(ct.BWD_CONFIGS)      # the argument wins
-    with pytest.raises(ValueError, match="bwd_configs: kind must be one of"):
-        ct.bwd_configs("fast")
 
 
 def test_cache_dir(monkeypatch, tmp_path):

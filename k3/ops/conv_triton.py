@@ -11,8 +11,8 @@ sequence), BT tokens at a time: the x tiles at t-3 .. t+3 loaded once, the pre-a
 dx[t] = sum_m W[:, 3-m] * dpre[t + m] (same document), and the program's partial dW[c, j] = sum_t dpre[t, c] *
 x[t - 3 + j, c], summed over programs in fp32 afterwards (deterministic, no atomics). Launch options with BT = 1
 run the same math one token row at a time with a rolling window of four x rows and four dpre rows in registers
-(each x and dy row read once); triton.autotune picks among both kinds on the first GPU call (knob K3_CONV_BWD=tiles or
-roll restricts it). Math in fp32; x, y, dx in the activation dtype, dW in the weight's.
+(each x and dy row read once); triton.autotune picks among both kinds on the first GPU call (`bwd_configs(kind)` lists
+each kind, for timing). Math in fp32; x, y, dx in the activation dtype, dW in the weight's.
 Opaque custom ops (`torch.ops.k3.conv1d_fwd/conv1d_bwd`): torch.compile launches them as written (see
 activations_triton for why that matters). The CUDA default of k3.ops.conv (`K3_BACKEND=conv:torch` for the torch
 path).
@@ -25,7 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from k3 import knobs
 
 # (tokens, channels, warps) per program. sm_90 static counts (tests/ops/test_triton_sm90_compile.py compiles
 # them; k3.ops.triton_sm90.stats): forward 114 registers, no spills; 64 x 128 tiles spilled.
@@ -259,16 +258,12 @@ def _conv4_bwd_tiles(x, dy, dx, dwp, starts, T, C, sxb, sdb, sob, b, c, cm, w0, 
 BWD_KINDS = {"auto": lambda bt: True, "tiles": lambda bt: bt > 1, "roll": lambda bt: bt == 1}
 
 
-def bwd_configs(kind: Optional[str] = None) -> list:
-    """The launch options the backward's autotune chooses from: all of BWD_CONFIGS ("auto"), only the tiled ones
-    ("tiles") or only the rolling ones ("roll"); kind defaults to the K3_CONV_BWD knob (k3/knobs.py; the autotuned
-    kernel below takes it when this module is imported)."""
-    if kind is None:
-        kind = knobs.get("K3_CONV_BWD")
-    else:
-        kind = kind.strip().lower() or "auto"
-        if kind not in BWD_KINDS:
-            raise ValueError(f"bwd_configs: kind must be one of {sorted(BWD_KINDS)}, got {kind!r}")
+def bwd_configs(kind: str = "auto") -> list:
+    """The launch options of the backward: all of BWD_CONFIGS ("auto", what the autotuned kernel below chooses
+    from), only the tiled ones ("tiles") or only the rolling ones ("roll", for timing each kind)."""
+    kind = kind.strip().lower() or "auto"
+    if kind not in BWD_KINDS:
+        raise ValueError(f"bwd_configs: kind must be one of {sorted(BWD_KINDS)}, got {kind!r}")
     return [cfg for cfg in BWD_CONFIGS if BWD_KINDS[kind](cfg[0])]
 
 

@@ -73,8 +73,6 @@ def test_conv_bwd_config_kinds(monkeypatch):
     tiles, roll = ct.bwd_configs("tiles"), ct.bwd_configs("roll")
     assert tiles and roll and all(c[0] > 1 for c in tiles) and all(c[0] == 1 for c in roll)
     assert sorted(tiles + roll) == sorted(ct.bwd_configs("auto")) == sorted(ct.BWD_CONFIGS)
-    monkeypatch.setenv("K3_CONV_BWD", "roll")
-    assert ct.bwd_configs() == roll
-    monkeypatch.setenv("K3_CONV_BWD", "fast")
-    with pytest.raises(ValueError, match="K3_CONV_BWD"):
-        ct.bwd_configs()
+    assert ct.bwd_configs() == ct.bwd_configs(" Auto ") == ct.BWD_CONFIGS
+    with pytest.raises(ValueError, match="kind must be one of.*'fast'"):
+        ct.bwd_configs("fast")
