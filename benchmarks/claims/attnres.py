@@ -11,11 +11,9 @@ count, and the RMS of each layer's input on fixed validation rows after training
     python benchmarks/claims/attnres.py --micro --steps 6 --seeds 2 --block-sizes 1,2,4   # smoke run
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import claim_probes  # noqa: E402
+import common
+import claim_probes
 
 
 def main(argv=None):

@@ -8,10 +8,8 @@ update) and `aux_loss` (a load-balancing auxiliary loss), optionally `none`. A `
     python benchmarks/claims/balancing.py --micro --steps 20 --seeds 2   # smoke run
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 
 def steps_to_balance(steps, ys, threshold):

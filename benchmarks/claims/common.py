@@ -18,14 +18,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:
-    sys.path.insert(0, _HERE)
 
-from k3 import sweep as ksweep  # noqa: E402
+from k3 import sweep as ksweep
 
 # the trainer tests' micro model (tests/conftest.py): for smoke runs of the scripts only
 MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=768, eos_token_id=770,

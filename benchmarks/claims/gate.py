@@ -16,11 +16,9 @@ Measured:
 import logging
 import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 
 class _Catch(logging.Handler):

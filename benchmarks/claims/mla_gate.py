@@ -10,11 +10,9 @@ final validation loss.
     python benchmarks/claims/mla_gate.py --micro --steps 6 --seeds 2   # smoke run
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
-import claim_probes  # noqa: E402
+import common
+import claim_probes
 
 
 def main(argv=None):

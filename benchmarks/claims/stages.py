@@ -12,10 +12,8 @@ in the staged run's mean training time (equal cost) from a first calibration pas
     python benchmarks/claims/stages.py --micro --steps 6 --seeds 2 --short 64 --long 128 --batch-tokens 256
 """
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import common  # noqa: E402
+import common
 
 
 def main(argv=None):
