@@ -37,7 +37,7 @@ log = logging.getLogger("k3.export")
 RELEASE_TEXT_ARCH = "KimiLinearForCausalLM"
 RELEASE_CONTAINER_ARCH = "KimiK3ForConditionalGeneration"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
-_K3_ONLY_TEXT_KEYS = ("a_log_storage_size", "auto_map")
+_K3_ONLY_TEXT_KEYS = ("a_log_storage_size", "auto_map", "mtp_loss_weight")
 
 
 def release_config_dict(config, *, quantize: Optional[str] = None, dtype: str = "bfloat16",
