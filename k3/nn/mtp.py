@@ -178,3 +178,21 @@ def mtp_key_shapes(config) -> dict:
                 out[name] = (tuple(t.shape), torch.float32 if is_fp32_key(name) else
                              (dt if t.is_floating_point() else t.dtype))
     return out
+
+
+def mtp_released_key_shapes(config, quantize_experts: bool = False, prefix: str = "language_model.") -> dict:
+    """`{released name: (shape, dtype)}` of the MTP blocks in the released layout (per-expert w1/w2/w3, MXFP4
+    parts with `quantize_experts`, the per-block copies of lm_head / embedding), computed on the meta device."""
+    from k3.checkpoint.adapter import released_plan, torch_dtype
+    n = int(config.num_nextn_predict_layers or 0)
+    if n == 0:
+        return {}
+    dt = torch_dtype(config.dtype)
+    with torch.device("meta"):
+        sd = {k: torch.empty(s, dtype=d) for k, (s, d) in mtp_key_shapes(config).items()}
+        V, d = config.vocab_size, config.hidden_size
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"] = torch.empty(V, d, dtype=dt)
+    sd = mtp_released_state_dict(sd, config)
+    sd.pop("lm_head.weight")
+    sd.pop("model.embed_tokens.weight")
+    return {e.key: (tuple(e.shape), e.dtype) for e in released_plan(sd, config, quantize_experts, prefix)}
