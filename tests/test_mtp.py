@@ -250,3 +250,25 @@ def test_speculative_stop_token_and_refusals(micro):
         k3.generate(m, ids, 4, speculative="eagle")
     with pytest.raises(RequestError, match="num_nextn_predict_layers"):
         k3.generate(K3ForCausalLM(micro(0)).eval(), ids, 4, speculative="mtp")
+
+
+# ------------------------------------------------------------------------------------------------ trainer
+def test_trainer_logs_mtp_losses_and_resumes_checkpoint(micro_corpus, micro_model_overrides, tmp_path):
+    from k3.train.trainer import TrainConfig, Trainer
+    out = tmp_path / "run"
+    ov = dict(micro_model_overrides, num_nextn_predict_layers=1, mtp_loss_weight=0.5)
+    cfg = TrainConfig(out_dir=str(out), preset="tiny", model_overrides=ov, steps=4, tokens_per_step=256,
+                      stages=[(64, 1.0)], data=micro_corpus["data"], cache_dir=micro_corpus["cache"], lr=1e-2,
+                      val_tokens=256, recall_examples=0, progress=False, tensorboard=False, samples=False,
+                      plot=False, seed=0, device="cpu", eval_every=4, save_every=2)
+    s = Trainer(cfg).train()
+    assert s["status"] == "completed"
+    recs = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    tr = [r for r in recs if r["type"] == "train"]
+    for r in tr:
+        assert abs(r["loss"] - (r["main_loss"] + 0.5 * r["mtp_loss"])) < 1e-4 * r["loss"], r
+        assert len(r["mtp_losses"]) == 1
+    ev = [r for r in recs if r["type"] == "eval"]
+    assert "val_mtp_loss" in ev[-1]
+    m = from_pretrained(str(out / "final"))
+    assert m.mtp is not None and m.config.mtp_loss_weight == 0.5
