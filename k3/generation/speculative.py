@@ -8,10 +8,11 @@ Each round (batch 1):
 2. Verify: ONE forward of the main model over [newest token, draft_1..draft_k] with the cache; its greedy choices
    g_0..g_k accept the longest prefix with draft_j == g_{j-1}, plus the bonus token g_a.
 3. Roll back (only when a draft was rejected): the KDA recurrent + conv states are snapshotted before the verify
-   forward and restored, the MLA caches are cut back to the verified prefix, and the accepted tokens are fed again
-   (a second, shorter forward). This is the simplest exact rollback: KDA's state after a prefix is not
-   recoverable from the state after the longer input, and per-token state snapshots would need the KDA kernels to
-   emit them.
+   forward and restored, the MLA caches are cut back after the accepted tokens (whose latents the verify forward wrote), and each KDA layer re-runs its
+   attention on the accepted prefix of its own input, captured during the verify forward (the model is causal, so
+   those inputs are exactly what a forward of the accepted tokens alone computes). KDA's state after a prefix is
+   not recoverable from the state after the longer input, and per-token state snapshots would need the KDA
+   kernels to emit them; this costs only the KDA attention of <= k+1 tokens, not a second full forward.
 
 The main model sees exactly the accepted tokens and greedy-selects every emitted token from its own logits at a
 position whose inputs are all accepted tokens, so the output is the greedy output (same argmax rule as
@@ -20,6 +21,7 @@ tokens) run the same recurrent-KDA / absorbed-MLA paths as one-token decode step
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import List, Optional
 
@@ -104,6 +106,23 @@ def _restore(cache: K3Cache, snap, n: int) -> None:
             _truncate_mla(lc, n)
 
 
+@contextlib.contextmanager
+def _capture_kda_inputs(model, on: bool):
+    """{layer index: input [1, T, d] of its KDA attention} of the forward run inside the block."""
+    got: dict = {}
+    hooks = []
+    if on:
+        for i, layer in enumerate(model.model.layers):
+            if layer.layer_type == "kda":
+                hooks.append(layer.self_attn.register_forward_pre_hook(
+                    lambda mod, args, i=i: got.__setitem__(i, args[0])))
+    try:
+        yield got
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.inference_mode()
 def speculative_generate(model, prompt: List[int], max_new_tokens: int, stop_ids, method: str = "mtp",
                          prefill_chunk_size: Optional[int] = 2048):
@@ -149,7 +168,8 @@ def speculative_generate(model, prompt: List[int], max_new_tokens: int, stop_ids
         drafts = drafter.draft(tokens)[:max(budget - 1, 0)]
         feed = [tokens[N]] + drafts
         snap = _snapshot(cache) if drafts else None
-        out = model(torch.tensor([feed], dtype=torch.long, device=dev), cache=cache, logits_to_keep=len(feed))
+        with _capture_kda_inputs(model, bool(drafts)) as kda_in:
+            out = model(torch.tensor([feed], dtype=torch.long, device=dev), cache=cache, logits_to_keep=len(feed))
         stats["forwards"] += 1
         g = out.logits[0].float().argmax(-1).tolist()          # g[j]: greedy token after feed[:j+1]
         a = 0
@@ -163,11 +183,13 @@ def speculative_generate(model, prompt: List[int], max_new_tokens: int, stop_ids
             drafter.add_main(N, out.hidden_states[0])
         else:
             stats["rollbacks"] += 1
-            _restore(cache, snap, N)
-            out2 = model(torch.tensor([feed[:a + 1]], dtype=torch.long, device=dev), cache=cache, logits_to_keep=1)
-            stats["forwards"] += 1
+            _restore(cache, snap, N + a + 1)           # MLA: keep the accepted tokens' latents (verify wrote them)
+            # causal model: every layer's input at the accepted positions is what the verify forward computed,
+            # so only the KDA layers re-run (on their captured inputs) to rebuild their state; outputs unused
+            for i, x in kda_in.items():
+                model.model.layers[i].self_attn(x[:, :a + 1], cache=cache.layers[i])
             cache.advance(a + 1)
-            drafter.add_main(N, out2.hidden_states[0])
+            drafter.add_main(N, out.hidden_states[0, :a + 1])
         for t in drafts[:a] + [g[a]]:
             reason = emit(int(t))
             if reason is not None:
