@@ -6,11 +6,12 @@ twice: `k3.generate(...)` and `k3.generate(..., speculative="mtp")`. Reports per
 alternating), the MTP acceptance rate (accepted drafts / drafted), tokens per verify round, and whether every
 output is identical (exact_match; speculative decoding must equal greedy decoding).
 
-CPU (~6 min on 2 loaded cores; a ~1M-parameter `micro` model):
-    python benchmarks/mtp_speculative.py --json mtp_cpu.json
-H200 (the `small` preset, bf16 weights for decoding; training in the trainer's default precision):
-    python benchmarks/mtp_speculative.py --device cuda --preset small --steps 600 --batch-tokens 65536 \\
-        --new-tokens 256 --prompts 8 --dtype bfloat16 --json mtp_h200.json
+CPU (~6 min on 2 loaded cores; a 1.45M-parameter `micro` model, 100 steps x 2048 tokens):
+    python benchmarks/mtp_speculative.py --threads 1 --json mtp_cpu.json
+H200 (the `small` preset; run once with --dtype float32 for the exact-match check and once with bfloat16 for speed;
+bf16 argmax near-ties can differ between a 2-token verify and a 1-token step, so exact_match may be False there):
+    python benchmarks/mtp_speculative.py --device cuda --preset small --steps 300 --batch-tokens 65536 \\
+        --seq-len 1024 --lr 3e-3 --new-tokens 256 --prompts 8 --dtype float32 --plain-static off --json mtp_h200.json
 """
 from __future__ import annotations
 
@@ -63,14 +64,17 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", help="decoding dtype (float32 / bfloat16)")
     p.add_argument("--mtp", type=int, default=1, help="num_nextn_predict_layers [1]")
     p.add_argument("--mtp-weight", type=float, default=0.3)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=100)
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=96)
+    p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--plain-static", choices=["auto", "off"], default="auto",
+                   help="plain greedy baseline: generate's default decode (auto: the static / CUDA-graph step on "
+                        "CUDA) or the module forward (off, the path speculative decoding uses)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
             ids = torch.tensor([pr], device=device)
             sync(device)
             t0 = time.perf_counter()
-            ref = k3.generate(model, ids, args.new_tokens, stop_token_ids=[])
+            ref = k3.generate(model, ids, args.new_tokens, stop_token_ids=[],
+                              static=None if args.plain_static == "auto" else False)
             sync(device)
             plain_t[i] = min(plain_t[i], time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -116,6 +121,8 @@ def main(argv=None) -> int:
             exact = exact and torch.equal(out.sequences, ref)
             if r == 0:
                 stats.append(out.speculative)
+                if i == 0:   # what the model writes (a weak model's greedy text repeats: easy to draft)
+                    res["sample_text"] = tok.decode(out.new_tokens[0])
     n_new = args.new_tokens * len(prompts)
     drafted = sum(s["drafted"] for s in stats)
     accepted = sum(s["accepted"] for s in stats)
