@@ -8,9 +8,10 @@ Each round (batch 1):
 2. Verify: ONE forward of the main model over [newest token, draft_1..draft_k] with the cache; its greedy choices
    g_0..g_k accept the longest prefix with draft_j == g_{j-1}, plus the bonus token g_a.
 3. Roll back (only when a draft was rejected): the KDA recurrent + conv states are snapshotted before the verify
-   forward and restored, the MLA caches are cut back after the accepted tokens (whose latents the verify forward wrote), and each KDA layer re-runs its
-   attention on the accepted prefix of its own input, captured during the verify forward (the model is causal, so
-   those inputs are exactly what a forward of the accepted tokens alone computes). KDA's state after a prefix is
+   forward and restored, the MLA caches are cut back after the accepted tokens (whose latents the verify forward
+   wrote), and each KDA layer re-runs its attention on the accepted prefix of its own input, captured during the
+   verify forward (the model is causal, so those inputs are exactly what a forward of the accepted tokens alone
+   computes). KDA's state after a prefix is
    not recoverable from the state after the longer input, and per-token state snapshots would need the KDA
    kernels to emit them; this costs only the KDA attention of <= k+1 tokens, not a second full forward.
 
@@ -127,7 +128,8 @@ def _capture_kda_inputs(model, on: bool):
 def speculative_generate(model, prompt: List[int], max_new_tokens: int, stop_ids, method: str = "mtp",
                          prefill_chunk_size: Optional[int] = 2048):
     """Greedy decoding of one prompt with MTP drafts. Returns (new tokens, finish reason, stats) with stats =
-    {rounds, drafted, accepted, acceptance_rate, tokens_per_forward, rollbacks, seconds}."""
+    {rounds, drafted, accepted, acceptance_rate, tokens_per_round, rollbacks, forwards, new_tokens, seconds}
+    (forwards: main-model forwards, prefill chunks included)."""
     if method not in SPECULATIVE_METHODS:
         raise RequestError(f"speculative must be one of {', '.join(map(repr, SPECULATIVE_METHODS))} or None, "
                            f"got {method!r}")
