@@ -50,7 +50,10 @@ class LinearAttnConfig:
 # Fields of K3Config that are *not* released keys: written only when they differ from what the released format
 # implies (so a config that matches the release is written with released keys only). `kda_gate_low_rank` is
 # implicit in the release: it equals `linear_attn_config.head_dim` (f_a_proj [head_dim, d], f_b_proj [P, head_dim]).
-_K3_ONLY_DEFAULTS = {"a_log_storage_size": 128, "mla_latent_norm_eps": 1e-6, "attn_res_mode": "block"}
+# `mtp_loss_weight` (training only: lambda of the MTP loss) never changes the weights' layout, so a release export
+# simply drops it (k3.export).
+_K3_ONLY_DEFAULTS = {"a_log_storage_size": 128, "mla_latent_norm_eps": 1e-6, "attn_res_mode": "block",
+                     "mtp_loss_weight": 0.3}
 ATTN_RES_MODES = ("block", "none")
 # Released-format aliases read on load: older HF configs spell `dtype` as `torch_dtype`.
 _ALIASES = {"torch_dtype": "dtype"}
@@ -119,6 +122,9 @@ class K3Config:
     # "block": Block Attention Residuals (the release); "none": a standard pre-norm residual stream
     # h += attn(norm(h)); h += ffn(norm(h)), without the AttnRes norms / pseudo-queries (ablations only)
     attn_res_mode: str = "block"
+    # weight lambda of the multi-token-prediction loss: loss = main + lambda * mean over the
+    # num_nextn_predict_layers MTP depths (k3/nn/mtp.py; no effect without MTP blocks)
+    mtp_loss_weight: float = 0.3
     # --- round-trip storage
     extra: dict = field(default_factory=dict)
     container: Optional[dict] = None  # top-level wrapper (incl. vision_config) when loaded from one
@@ -253,8 +259,15 @@ class K3Config:
             bad("hidden_act", f"must be 'situ' (SiTU-GLU), 'silu' or 'swiglu' (both SwiGLU), got {self.hidden_act!r}")
         if self.activation_situ_beta <= 0 or self.activation_situ_linear_beta <= 0:
             bad("activation_situ_beta", "SiTU betas must be > 0")
-        if self.num_nextn_predict_layers:
-            bad("num_nextn_predict_layers", "MTP layers are not implemented (the release has none)")
+        n = self.num_nextn_predict_layers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            bad("num_nextn_predict_layers", f"must be a non-negative integer (MTP blocks; 0 = none, as released), "
+                f"got {n!r}")
+        if n and self.num_experts == 0 and self.intermediate_size <= 0:
+            bad("intermediate_size", "must be positive for the dense FFN of the MTP blocks (num_experts = 0)")
+        w = self.mtp_loss_weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (0 <= w < float("inf")):
+            bad("mtp_loss_weight", f"must be a finite number >= 0, got {w!r}")
         if not (0 <= self.bos_token_id < self.vocab_size and 0 <= self.eos_token_id < self.vocab_size
                 and 0 <= self.pad_token_id < self.vocab_size):
             bad("eos_token_id", f"bos/eos/pad ids must be < vocab_size ({self.vocab_size})")

@@ -37,7 +37,7 @@ log = logging.getLogger("k3.export")
 RELEASE_TEXT_ARCH = "KimiLinearForCausalLM"
 RELEASE_CONTAINER_ARCH = "KimiK3ForConditionalGeneration"
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
-_K3_ONLY_TEXT_KEYS = ("a_log_storage_size", "auto_map")
+_K3_ONLY_TEXT_KEYS = ("a_log_storage_size", "auto_map", "mtp_loss_weight")
 
 
 def release_config_dict(config, *, quantize: Optional[str] = None, dtype: str = "bfloat16",
@@ -57,6 +57,10 @@ def release_config_dict(config, *, quantize: Optional[str] = None, dtype: str = 
     text.update(architectures=[RELEASE_TEXT_ARCH], model_type="kimi_linear", dtype=dtype)
     if quantize == "mxfp4":
         text["quantization_config"] = config.quantization_config or default_quantization_config()
+        if config.num_nextn_predict_layers:   # MTP blocks' eh_proj / shared head stay 16-bit (not MXFP4)
+            q = text["quantization_config"] = json.loads(json.dumps(text["quantization_config"]))
+            ign = q.setdefault("ignore", [])
+            ign.extend(x for x in ("re:.*eh_proj.*", "re:.*shared_head.*") if x not in ign)
     elif quantize is None:
         text.pop("quantization_config", None)
     else:
@@ -166,6 +170,9 @@ def _check_plan(plan, cfg, quantize: bool, ckpt: str) -> None:
     """Names and shapes of the text tensors = what the released format implies for ``cfg`` (A_log: >= H)."""
     from k3.checkpoint.adapter import PREFIX, format_key_report, released_key_shapes
     want = released_key_shapes(cfg, quantize_experts=quantize)
+    if cfg.num_nextn_predict_layers:
+        from k3.nn.mtp import mtp_released_key_shapes   # MTP blocks: model.layers.{L+i}.* (k3/nn/mtp.py)
+        want.update(mtp_released_key_shapes(cfg, quantize, PREFIX))
     have = {e.key: e.shape for e in plan if e.key.startswith(PREFIX)}
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))

@@ -28,6 +28,7 @@ from k3.nn.kda import KDAAttention
 from k3.nn.mla import MLAAttention
 from k3.nn.mlp import GLUMLP
 from k3.nn.moe import LatentMoE, init_moe_
+from k3.nn.mtp import MTPBlock, mtp_targets, shift_embeddings
 from k3.nn.norm import RMSNorm
 from k3.ops.attnres import ATTNRES_EPS, attnres_mix, attnres_mix_decode, mix_query
 from k3.ops.loss import IGNORE_INDEX, ce_chunk_grad, linear_cross_entropy_sum
@@ -48,6 +49,10 @@ class K3Output:
     # tokens that contributed to the loss: a 0-dim int64 tensor on the labels' device (reading it on the host, e.g.
     # int(out.num_tokens), waits for the GPU; the model itself never does, so a CUDA step has no host sync here)
     num_tokens: Union[int, torch.Tensor] = 0
+    # with MTP blocks (config.num_nextn_predict_layers > 0) and labels: `loss` = main_loss + mtp_loss_weight *
+    # mean(mtp_losses); main_loss the next-token loss alone, mtp_losses [k] the per-depth losses (k3/nn/mtp.py)
+    main_loss: Optional[torch.Tensor] = None
+    mtp_losses: Optional[torch.Tensor] = None
 
 
 def _mix_weight(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -197,6 +202,9 @@ class K3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # multi-token prediction (off by default, as released): k blocks after the model, k3/nn/mtp.py
+        n_mtp = config.num_nextn_predict_layers
+        self.mtp = nn.ModuleList(MTPBlock(config, i + 1) for i in range(n_mtp)) if n_mtp else None
         self.loss_chunk_size = 4096  # tokens per CE chunk; 0 = one shot
         self.ce_chunk = ce_chunk_sum  # (lm_head, h, y) -> summed CE; compile_model compiles it
         # training loss with its gradient formed in the forward pass (k3/ops/loss.py; the K3_FUSED_CE knob, read
@@ -294,12 +302,35 @@ class K3ForCausalLM(nn.Module):
         out = K3Output(hidden_states=h)
         if labels is not None:
             out.loss, out.num_tokens = self.loss(h, labels)
+            if self.mtp is not None:
+                emb = self.model.embed_tokens(input_ids) if input_ids is not None else inputs_embeds
+                out.main_loss = out.loss
+                losses = []
+                for i, h_i in enumerate(self.mtp_hidden_states(h, emb, cu_seqlens)):
+                    y_i = mtp_targets(labels, i + 1, cu_seqlens)
+                    losses.append(self.loss(self.mtp[i].shared_head.norm(h_i), y_i)[0])
+                out.mtp_losses = torch.stack(losses)
+                out.loss = out.main_loss + self.config.mtp_loss_weight * out.mtp_losses.mean()
         if return_logits is None:
             return_logits = labels is None
         if return_logits:
             hk = h[:, -logits_to_keep:] if logits_to_keep else h
             out.logits = self.lm_head(hk)
         return out
+
+    def mtp_hidden_states(self, h_BTd: torch.Tensor, emb_BTd: torch.Tensor, cu_seqlens=None) -> list:
+        """Outputs h_1..h_k of the MTP blocks (before their shared_head.norm) for the model output `h_BTd` and the
+        input embeddings `emb_BTd` of the same positions (teacher forcing: depth i reads the embedding of token
+        t+i, zero past the end or across a document end)."""
+        outs, prev = [], h_BTd
+        for i, block in enumerate(self.mtp or ()):
+            e = shift_embeddings(emb_BTd, i + 1, cu_seqlens)
+            if self.model.gradient_checkpointing and self.training:
+                prev = checkpoint(block, prev, e, cu_seqlens, None, use_reentrant=False)
+            else:
+                prev = block(prev, e, cu_seqlens=cu_seqlens)
+            outs.append(prev)
+        return outs
 
     def token_logprobs(self, input_ids: torch.Tensor, mask: Optional[torch.Tensor] = None, **kw):
         """log p(input_ids[b, t] | prefix) as fp32 [B, T], chunked over tokens (never [T, vocab] logits at once);

@@ -184,6 +184,9 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
         state_dict = model.state_dict()
     else:
         raise CheckpointError(f"save_pretrained: expected a module or a state dict, got {type(model).__name__}")
+    if state_dict is not None and getattr(config, "num_nextn_predict_layers", 0):
+        from k3.nn.mtp import mtp_released_state_dict   # MTP blocks: mtp.{i}.* -> model.layers.{L+i}.*
+        state_dict = mtp_released_state_dict(state_dict, config)
     limit = parse_size(max_shard_size)
 
     overrides = {"quantization_config": (config.quantization_config or default_quantization_config())
@@ -338,6 +341,16 @@ def _shard_layout(directory: str) -> dict:
                           f"(contents: {present[:20]})")
 
 
+def _mtp_renamer(config):
+    """Released key -> the key the assembler takes: MTP blocks' `model.layers.{L+i}.*` -> `mtp.{i}.*` (None for
+    their copies of the shared lm_head / embedding, which k3 does not store); identity without MTP blocks."""
+    if not getattr(config, "num_nextn_predict_layers", 0):
+        return lambda k: k
+    from k3.nn.mtp import released_key_to_model
+    L = config.num_hidden_layers
+    return lambda k: released_key_to_model(k, L, PREFIX)
+
+
 def _key_filter(keys):
     """None -> None; a callable passes through; a collection -> membership test."""
     if keys is None or callable(keys):
@@ -400,10 +413,16 @@ def load_state_dict(directory: str, config=None, dtype=None, strict: bool = Fals
             if experts is not None and k.endswith((".experts.gate_up_proj", ".experts.down_proj")):
                 shape = (experts[1] - experts[0],) + tuple(shape[1:])
             expected[k] = (shape, dt)
+        if config.num_nextn_predict_layers:
+            from k3.nn.mtp import mtp_key_shapes
+            expected.update({k: v for k, v in mtp_key_shapes(config).items() if want is None or want(k)})
     asm = ReleasedAssembler(config, targets=None, dtype=dtype, strict=strict, expected=expected, experts=experts)
-    rfilter = None if want is None else (lambda rk: want(model_key_of(rk)))
+    rename = _mtp_renamer(config)
+    rfilter = None if want is None else (lambda rk: rename(rk) is not None and want(model_key_of(rename(rk))))
     for k, t, path in iter_checkpoint_tensors(directory, keys=rfilter):
-        asm.add(k, t, source=os.path.basename(path))
+        k = rename(k)
+        if k is not None:
+            asm.add(k, t, source=os.path.basename(path))
     sd = asm.finish(f"checkpoint {directory}")
     return (sd, dict(asm.ignored)) if return_extras else sd
 
@@ -532,10 +551,14 @@ def from_pretrained(directory: str, device="cpu", dtype=None, strict: bool = Tru
     targets = model.state_dict(keep_vars=False)
     asm = ReleasedAssembler(config, targets=targets, strict=strict)
     a_log_sizes = set()
-    for k, t, path in iter_checkpoint_tensors(directory):
+    rename = _mtp_renamer(config)
+    skip_copies = (lambda rk: rename(rk) is not None) if config.num_nextn_predict_layers else None
+    for k, t, path in iter_checkpoint_tensors(directory, keys=skip_copies):
         if k.endswith(".A_log") and t.dim() == 1:
             a_log_sizes.add(int(t.shape[0]))
-        asm.add(k, t, source=os.path.basename(path))
+        k = rename(k)
+        if k is not None:
+            asm.add(k, t, source=os.path.basename(path))
     asm.finish(f"checkpoint {directory}")
     if len(a_log_sizes) == 1:  # keep the file's A_log storage padding, so a re-save reproduces the layout
         config.a_log_storage_size = a_log_sizes.pop()

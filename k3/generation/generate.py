@@ -36,6 +36,8 @@ class GenerationOutput:
     # record_routing=True: per row {router name: LongTensor [prompt + new, k]} of the experts the sampler's
     # routers picked (-1 where unknown: the last new token is never fed), or None when a call could not be mapped
     routing: Optional[List[dict]] = None
+    # speculative="mtp": rounds, drafted, accepted, acceptance_rate, ... (k3.generation.speculative)
+    speculative: Optional[dict] = None
 
 
 @dataclass
@@ -527,7 +529,8 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
              generator: Optional[torch.Generator] = None, lengths=None, prefill_chunk_size: Optional[int] = 2048,
              cancel: Cancel = None, pad_token_id: Optional[int] = None, return_dict: bool = False,
              static: Optional[bool] = None, cuda_graph: Optional[bool] = None, return_logprobs: bool = False,
-             record_routing: bool = False, prompt_embeds: PromptEmbeds = None, **sampling_kw):
+             record_routing: bool = False, prompt_embeds: PromptEmbeds = None, speculative: Optional[str] = None,
+             **sampling_kw):
     """Generate up to `max_new_tokens` tokens per prompt; returns the prompt + new tokens as a LongTensor
     [B, max length] (right-padded with pad_token_id, default config.pad_token_id), or a GenerationOutput with
     return_dict=True.
@@ -551,7 +554,18 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
     record_routing=True: `out.routing[i]` = {router name: LongTensor [prompt + new, k]} of the experts the
     sampler's routers picked per position (k3.rl.routing.GenerateRoutingRecorder; -1 where unknown), or
     `out.routing` None when the calls could not be mapped (a warning says why). Needs use_cache=True and the
-    module-level decode (static/cuda_graph off: they are turned off, and refused if asked for)."""
+    module-level decode (static/cuda_graph off: they are turned off, and refused if asked for).
+    speculative="mtp": greedy decoding of one prompt drafted by the model's MTP blocks and verified by the model
+    (k3.generation.speculative): the same tokens as greedy decoding; `out.speculative` holds acceptance stats."""
+    if speculative is not None:
+        from k3.generation.speculative import generate_speculative
+        return generate_speculative(model, input_ids, max_new_tokens, speculative, use_cache=use_cache,
+                                    tokenizer=tokenizer, stop_token_ids=stop_token_ids, stop_strings=stop_strings,
+                                    lengths=lengths, prefill_chunk_size=prefill_chunk_size, cancel=cancel,
+                                    pad_token_id=pad_token_id, return_dict=return_dict, static=static,
+                                    cuda_graph=cuda_graph, return_logprobs=return_logprobs,
+                                    record_routing=record_routing, prompt_embeds=prompt_embeds, seed=seed,
+                                    generator=generator, **sampling_kw)
     if record_routing:
         if not use_cache or static or cuda_graph:
             raise RequestError("record_routing=True needs use_cache=True and static=False, cuda_graph=False "

@@ -68,15 +68,20 @@ def evaluate(trainer) -> dict:
         seq = cfg.val_seq_len or trainer._stage_seq_len(0)
         rows = max(1, min(cfg.tokens_per_step, cfg.val_tokens) // seq)
         n_batches = max(1, cfg.val_tokens // (rows * seq))
-        tot, n = 0.0, 0
+        tot, n, mtp = 0.0, 0, None
         for b in trainer.data.val.batches(seq_len=seq, batch_size=rows, max_batches=n_batches):
             b = {k: v.to(trainer.device) for k, v in b.items()}
             with trainer._autocast():
                 out = model(**b)
             k = int(out.num_tokens)
-            tot += float(out.loss) * k
+            # val_loss: the next-token loss (comparable with runs without MTP blocks); MTP depths separately
+            tot += float(out.loss if out.main_loss is None else out.main_loss) * k
+            if out.mtp_losses is not None:
+                mtp = (mtp or 0.0) + float(out.mtp_losses.mean()) * k
             n += k
         res = {"val_loss": tot / n if n else float("nan"), "val_tokens": n}
+        if mtp is not None:
+            res["val_mtp_loss"] = mtp / n if n else float("nan")
         res.update(recall(trainer))
     finally:
         model.train(was_training)

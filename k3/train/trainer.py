@@ -351,6 +351,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bad = False
         aux_total = 0.0
+        mtp_sum = main_sum = None   # MTP runs (num_nextn_predict_layers > 0): per-depth and next-token losses
         for b, n_b in zip(batches, counts):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self._autocast():
@@ -373,6 +374,9 @@ class Trainer:
                 bad = True
                 break
             loss_sum += loss.detach().double() * w
+            if getattr(out, "mtp_losses", None) is not None:
+                mtp_sum = out.mtp_losses.detach().double() * w + (0 if mtp_sum is None else mtp_sum)
+                main_sum = out.main_loss.detach().double() * w + (0 if main_sum is None else main_sum)
         grad_norm = float("nan")
         if not bad:
             params = [p for p in self.model.parameters() if p.grad is not None]
@@ -414,6 +418,10 @@ class Trainer:
                     "skipped": bad, "tokens_seen": self.tokens_seen, "epoch": self.data.train.epoch_progress})
         if clipped:
             rec["qk_clipped_heads"] = clipped
+        if mtp_sum is not None and not bad:   # `loss` is the objective: main_loss + lambda * mean(mtp_losses)
+            rec["main_loss"] = float(main_sum)
+            rec["mtp_loss"] = float(mtp_sum.mean())
+            rec["mtp_losses"] = [float(x) for x in mtp_sum.tolist()]
         if aux_total:
             rec["aux_loss"] = aux_total
         if self.balancer is not None and not bad:
