@@ -26,6 +26,9 @@ UPWARD_IMPORTS = {
                                    "(k3.checkpoint builds and saves models; the methods import it when called)",
     ("k3.multimodal", "k3.checkpoint.multimodal"): "K3ForConditionalGeneration.from_pretrained / save_pretrained: "
                                                    "the same delegates for the multimodal model",
+    ("k3.generation.generate", "k3.generation.speculative"): "generate(speculative='mtp') hands the request to "
+                                                             "the speculative loop, which reuses generate's setup "
+                                                             "and decoding",
 }
 LAYERING_EXEMPT_PACKAGES: tuple = ()
 

@@ -40,7 +40,7 @@ LAC_FIELDS = {"num_heads": int, "head_dim": int, "short_conv_kernel_size": int, 
               "gate_lower_bound": float, "full_attn_layers": list, "kda_layers": list}
 QUANT_FIELDS = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
                 "quantization_status": "compressed", "config_groups": dict, "ignore": list}
-NOT_RELEASE_KEYS = {"kda_gate_low_rank", "a_log_storage_size", "mla_latent_norm_eps", "torch_dtype"}
+NOT_RELEASE_KEYS = {"kda_gate_low_rank", "a_log_storage_size", "mla_latent_norm_eps", "torch_dtype", "mtp_loss_weight"}
 FP32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias")
 
 
