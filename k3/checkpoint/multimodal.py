@@ -3,8 +3,9 @@
 One checkpoint directory: the container `config.json` (`text_config` + `vision_config` + `media_placeholder_token_id`),
 sharded safetensors holding `language_model.*` (the text model, mapped exactly as `k3.checkpoint.io` maps it:
 per-expert / MXFP4 experts, padded A_log), `vision_tower.*` and `mm_projector.*` (1:1 with the module names,
-never quantised), and one `model.safetensors.index.json` over all of them. The text part and the writer are io.py's
-planner and loader; the vision part is loaded here with the same strictness rules.
+never quantised), and one `model.safetensors.index.json` over all of them. io.py writes it all
+(`save_pretrained` with `extra_tensors=` and `container=`) and loads the text part; the vision part is loaded
+here with the same strictness rules.
 """
 from __future__ import annotations
 
