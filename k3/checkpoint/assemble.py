@@ -190,8 +190,7 @@ class ReleasedAssembler:
         tp, ts = self.targets[f"{base}.{which}_packed"], self.targets.get(f"{base}.{which}_scale")
         skey = f"{base}.{which}_proj"
         E, rows, _ = tp.shape
-        if not (0 <= e < E):
-            self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+        if not self._expert_in_range(key, e, E):
             return
         sl = slice(None) if which == "down" else (slice(0, rows // 2) if w == "w1" else slice(rows // 2, rows))
         want_p, want_s = tuple(tp[e, sl].shape), tuple(ts[e, sl].shape)
@@ -200,13 +199,22 @@ class ReleasedAssembler:
                                   f"{tuple(scale.shape)} vs model {want_p} / {want_s}")
             self.bad.add((skey, e, w))
             return
+        self._fill_once(key, skey, e, w, lambda: (tp[e, sl].copy_(packed), ts[e, sl].copy_(scale)))
+
+    def _expert_in_range(self, key: str, e: int, E: int) -> bool:
+        if 0 <= e < E:
+            return True
+        self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+        return False
+
+    def _fill_once(self, key: str, skey: str, e: int, w: str, copy) -> None:
+        """Run `copy()` (without grad) for expert `e`'s `w` of `skey`, unless an earlier key filled it (an error)."""
         done = self.expert_filled.setdefault(skey, set())
         if (e, w) in done:
             self.errors.append(f"expert {e} {w} of {skey} given twice (dense and MXFP4?){self._where(key)}")
             return
         with torch.no_grad():
-            tp[e, sl].copy_(packed)
-            ts[e, sl].copy_(scale)
+            copy()
         done.add((e, w))
 
     def _place_expert(self, key: str, base: str, e: int, w: str, W: torch.Tensor) -> None:
@@ -217,8 +225,7 @@ class ReleasedAssembler:
             self.unexpected.append(key)
             return
         E, l_in, last = tgt.shape
-        if not (0 <= e < E):
-            self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+        if not self._expert_in_range(key, e, E):
             return
         if which == "gate_up_proj":
             M = last // 2
@@ -232,13 +239,7 @@ class ReleasedAssembler:
                                   f"(from {skey} {tuple(tgt.shape)})")
             self.bad.add((skey, e, w))
             return
-        done = self.expert_filled.setdefault(skey, set())
-        if (e, w) in done:
-            self.errors.append(f"expert {e} {w} of {skey} given twice (dense and MXFP4?){self._where(key)}")
-            return
-        with torch.no_grad():
-            tgt[e, :, sl].copy_(W.t())
-        done.add((e, w))
+        self._fill_once(key, skey, e, w, lambda: tgt[e, :, sl].copy_(W.t()))
 
     # -- results
     def missing(self, prefix: str = PREFIX) -> list:
