@@ -152,12 +152,10 @@ class ReleasedAssembler:
             self._add_packed_expert(key, base, e, w, kind, tensor)
             return
         if kind != "weight":
-            slot = self.pending.setdefault((base, e, w), {})
-            slot[kind] = (key, tensor)
-            if len(slot) < 2:
+            pair = self._mxfp4_pair(base, e, w, kind, key, tensor)
+            if pair is None:
                 return
-            del self.pending[(base, e, w)]
-            (pkey, packed), (skey_, scale) = slot["weight_packed"], slot["weight_scale"]
+            (pkey, packed), (skey_, scale) = pair
             try:
                 tensor = mxfp4_decode(packed, scale, dtype=torch.float32)
             except ValueError as ex:
@@ -166,6 +164,16 @@ class ReleasedAssembler:
                 return
             key = pkey
         self._place_expert(key, base, e, w, tensor)
+
+    def _mxfp4_pair(self, base: str, e: int, w: str, kind: str, key: str, tensor: torch.Tensor):
+        """Keep one half of expert `e`'s MXFP4 `w` (kind weight_packed / weight_scale) until the other arrives;
+        then ((key, packed), (key, scale)), else None."""
+        slot = self.pending.setdefault((base, e, w), {})
+        slot[kind] = (key, tensor)
+        if len(slot) < 2:
+            return None
+        del self.pending[(base, e, w)]
+        return slot["weight_packed"], slot["weight_scale"]
 
     def _add_packed_expert(self, key: str, base: str, e: int, w: str, kind: str, tensor: torch.Tensor) -> None:
         """Into a model with PackedMXFP4Experts: MXFP4 pairs are copied as bytes (no decode); a dense expert
@@ -180,12 +188,10 @@ class ReleasedAssembler:
                 log.info("packed experts: MXFP4-encoding dense expert weights of the checkpoint (%s, ...)", key)
                 self._warned_encode = True
         else:
-            slot = self.pending.setdefault((base, e, w), {})
-            slot[kind] = (key, tensor)
-            if len(slot) < 2:
+            pair = self._mxfp4_pair(base, e, w, kind, key, tensor)
+            if pair is None:
                 return
-            del self.pending[(base, e, w)]
-            (key, packed), (_, scale) = slot["weight_packed"], slot["weight_scale"]
+            (key, packed), (_, scale) = pair
         which = "down" if w == "w2" else "gate_up"
         tp, ts = self.targets[f"{base}.{which}_packed"], self.targets.get(f"{base}.{which}_scale")
         skey = f"{base}.{which}_proj"

@@ -460,7 +460,8 @@ class Sweep:
             w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
             w.writeheader()
             for r in rows:
-                w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in finite_or_none(r).items()})
+                w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                            for k, v in finite_or_none(r).items()})
         os.replace(tmp, self._path("results.csv"))
         _atomic_write(self._path("summary.md"), summary_markdown(rows, keys))
         if self.plot and rows:
