@@ -7,7 +7,6 @@ Prints medians and the chunk/recurrent ratio measured in the same run (CPU timin
 import argparse
 import json
 import platform
-import statistics
 import time
 
 import torch
@@ -16,14 +15,7 @@ from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.ops.kda import chunk_kda, recurrent_kda
 
-
-def median_time(fn, reps):
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+from _common import median_s
 
 
 def main():
@@ -47,10 +39,10 @@ def main():
         model(ids, labels=ids.roll(-1, 1)).loss.backward()
 
     step()  # warm-up
-    t = median_time(step, a.steps)
+    t = median_s(step, a.steps)
     res["model"] = dict(preset=a.preset, tokens=a.batch * a.seq_len, fwd_bwd_s=t, tokens_per_s=a.batch * a.seq_len / t)
     with torch.no_grad():
-        tf = median_time(lambda: model(ids), a.steps)
+        tf = median_s(lambda: model(ids), a.steps)
     res["model"]["fwd_tokens_per_s"] = a.batch * a.seq_len / tf
 
     H, K, T = 4, 64, a.kda_T
@@ -59,8 +51,8 @@ def main():
     beta = torch.rand(1, T, H)
     q, k = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
     chunk_kda(q, k, v, g, beta)
-    tc = median_time(lambda: chunk_kda(q, k, v, g, beta), 3)
-    tr = median_time(lambda: recurrent_kda(q, k, v, g, beta), 3)
+    tc = median_s(lambda: chunk_kda(q, k, v, g, beta), 3)
+    tr = median_s(lambda: recurrent_kda(q, k, v, g, beta), 3)
     res["kda"] = dict(T=T, H=H, K=K, chunk_s=tc, recurrent_s=tr, speedup=tr / tc)
     print(f"{'what':<36}{'value':>14}")
     print(f"{a.preset + ' fwd+bwd tokens/s':<36}{res['model']['tokens_per_s']:>14.0f}")

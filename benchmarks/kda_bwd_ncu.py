@@ -12,21 +12,12 @@ $K3_KDA_BWD_LAUNCH applies as everywhere (bwd_config.env_launch). --fwd profiles
 from __future__ import annotations
 
 import argparse
-import os
 
-
-def _sibling(name: str):
-    """The benchmark script benchmarks/<name>.py as a module, loaded by its path (benchmarks/ is no package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                      name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _common import sibling
 
 
 def main():
-    sweep = _sibling("kda_bwd_sweep")
+    sweep = sibling("kda_bwd_sweep")
     k3_inputs, shape_args = sweep.k3_inputs, sweep.shape_args
     ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--fwd", action="store_true", help="profile the forward instead of the backward")

@@ -13,6 +13,8 @@ import argparse
 import json
 import os
 
+from _common import sibling
+
 
 # (main-stream kernels, side-stream kernels): what a pipelined backward would run at once
 PAIRS = [
@@ -23,18 +25,8 @@ PAIRS = [
 ]
 
 
-def _sibling(name: str):
-    """The benchmark script benchmarks/<name>.py as a module, loaded by its path (benchmarks/ is no package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                      name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main():
-    sweep = _sibling("kda_bwd_sweep")
+    sweep = sibling("kda_bwd_sweep")
     k3_inputs, shape_args = sweep.k3_inputs, sweep.shape_args
     ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--reps", type=int, default=20)

@@ -18,6 +18,8 @@ import json
 import os
 import time
 
+from _common import sibling
+
 
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
@@ -264,16 +266,6 @@ def shape_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
-def _sibling(name: str):
-    """The benchmark script benchmarks/<name>.py as a module, loaded by its path (benchmarks/ is no package)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                      name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def main():
     ap = shape_args(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--budget-s", type=float, default=150.0)
@@ -284,7 +276,7 @@ def main():
     import torch
     from triton.testing import do_bench
     from k3.ops.kda.triton import bwd as ops_bwd, fwd as fwd_ops
-    kernel_breakdown = _sibling("kda_triton").kernel_breakdown
+    kernel_breakdown = sibling("kda_triton").kernel_breakdown
 
     t0 = time.time()
     names = set(args.configs.split(",")) if args.configs else None

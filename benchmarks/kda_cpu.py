@@ -10,22 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 
 from k3.ops.kda import chunk_kda, recurrent_kda
 
-
-def median_s(fn, reps):
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from _common import median_s
 
 
 def main():
@@ -68,9 +58,9 @@ def main():
         o, s = chunk_kda(*leaves, backend="torch", **kw)
         (o.sum() + s.sum()).backward()
 
-    rows = [("recurrent_kda fwd", median_s(rec_fwd, a.reps)),
-            ("chunk_kda fwd", median_s(chunk_fwd, a.reps)),
-            ("chunk_kda fwd+bwd", median_s(chunk_fwd_bwd, a.reps))]
+    rows = [("recurrent_kda fwd", median_s(rec_fwd, a.reps, warmup=1)),
+            ("chunk_kda fwd", median_s(chunk_fwd, a.reps, warmup=1)),
+            ("chunk_kda fwd+bwd", median_s(chunk_fwd_bwd, a.reps, warmup=1))]
     base = rows[0][1]
     print(f"KDA CPU  B={B} T={T} H={H} K={K} V={V} fp32  torch {torch.__version__}  threads "
           f"{torch.get_num_threads()}  reps {a.reps} (median)  max rel err chunk vs recurrent {err:.2e}")

@@ -51,6 +51,20 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
+def _median_ms(fn, warmup: int, iters: int, device) -> float:
+    """Median ms (rounded to 3 decimals) of `iters` no-grad calls of fn() after `warmup` untimed ones, synced."""
+    times = []
+    with torch.no_grad():
+        for i in range(warmup + iters):
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            if i >= warmup:
+                times.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(times), 3)
+
+
 def child(a) -> dict:
     from k3.checkpoint import from_pretrained
     from k3.nn.moe import LatentMoE, PackedMXFP4Experts
@@ -71,31 +85,13 @@ def child(a) -> dict:
     res = {}
     for name, T in (("prefill", a.tokens), ("one_token", 1)):
         ids = torch.randint(0, V, (1, T), generator=g).to(device)
-        times = []
-        with torch.no_grad():
-            for i in range(a.warmup + a.iters):
-                _sync(device)
-                t = time.perf_counter()
-                model(ids)
-                _sync(device)
-                if i >= a.warmup:
-                    times.append((time.perf_counter() - t) * 1e3)
-        res[f"{name}_ms"] = round(statistics.median(times), 3)
+        res[f"{name}_ms"] = _median_ms(lambda: model(ids), a.warmup, a.iters, device)
     # one LatentMoE layer alone (the part that differs), same input in both modes
     moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
     d = model.config.hidden_size
     for name, T in (("moe_layer_prefill", a.tokens), ("moe_layer_one_token", 1)):
         x = torch.randn(1, T, d, generator=g).to(device=device, dtype=model.dtype)
-        times = []
-        with torch.no_grad():
-            for i in range(a.warmup + 3 * a.iters):
-                _sync(device)
-                t = time.perf_counter()
-                moe(x)
-                _sync(device)
-                if i >= a.warmup:
-                    times.append((time.perf_counter() - t) * 1e3)
-        res[f"{name}_ms"] = round(statistics.median(times), 3)
+        res[f"{name}_ms"] = _median_ms(lambda: moe(x), a.warmup, 3 * a.iters, device)
     out = {"mode": a.child, "load_s": round(load_s, 3), "baseline_rss_mb": round(base, 1),
            "peak_rss_after_load_mb": round(after_load - base, 1), "peak_rss_total_mb": round(_rss_mb() - base, 1),
            "expert_weight_mb": round(expert_bytes / 2**20, 2), **res}

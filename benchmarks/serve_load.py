@@ -151,11 +151,11 @@ def main(argv=None) -> int:
            "--max-context", str(a.prompt_tokens + a.max_tokens + 64)]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.server_threads))
     log = open(os.path.join(tmp, "server.log"), "w")
+    from k3.serve.client import stop_server, wait_ready
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     rows = []
     try:
         import httpx
-        from k3.serve.client import wait_ready
         try:
             wait_ready(base, proc, timeout=120)
         except RuntimeError as e:
@@ -171,11 +171,7 @@ def main(argv=None) -> int:
                   flush=True)
         health = httpx.get(base + "/health").json()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     print()
     print("| streams | requests | req/s | gen tok/s | TTFT p50 ms | TTFT p99 ms | per-token p50 ms | per-token p99 ms |")
     print("|---|---|---|---|---|---|---|---|")

@@ -64,6 +64,15 @@ def _allowed_text(names) -> str:
     return " or ".join(names) if len(names) <= 2 else "one of " + ", ".join(names)
 
 
+def _str_check(parse, allowed: str):
+    """The Python-side check of a string knob: `parse` of the stripped string; anything else is refused."""
+    def check(v):
+        if not isinstance(v, str):
+            raise ValueError(allowed)
+        return parse(v.strip())
+    return check
+
+
 def _choice(*names: str, lower: bool = True):
     allowed = _allowed_text(names)
 
@@ -72,12 +81,7 @@ def _choice(*names: str, lower: bool = True):
         if v not in names:
             raise ValueError(allowed)
         return v
-
-    def check(v):
-        if not isinstance(v, str):
-            raise ValueError(allowed)
-        return parse(v.strip())
-    return parse, check
+    return parse, _str_check(parse, allowed)
 
 
 def _flag():
@@ -139,12 +143,7 @@ def _backend_spec():
                 if not op.strip() or not name.strip() or ":" in name:
                     raise ValueError(allowed)
         return raw
-
-    def check(v):
-        if not isinstance(v, str):
-            raise ValueError(allowed)
-        return parse(v.strip())
-    return parse, check
+    return parse, _str_check(parse, allowed)
 
 
 def _json_object(what: str, nested: bool = False):

@@ -6,12 +6,13 @@ scripts run as `python tests/x/_child.py` put tests/ on sys.path first.
 """
 from __future__ import annotations
 
+import importlib.util
 import traceback
 from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["rel_err", "max_rel_err", "assert_close", "case", "row"]
+__all__ = ["rel_err", "max_rel_err", "assert_close", "case", "row", "interpreted_results"]
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, finite: bool = False) -> float:
@@ -77,6 +78,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rel: Optional[
 
 
 # ------------------------------------------------------------------ JSON tables of TRITON_INTERPRET=1 child scripts
+
+def interpreted_results(script: str, **kw) -> dict:
+    """In a parent test (its module fixture): the JSON table `script` prints when run under TRITON_INTERPRET=1
+    (k3.ops.triton_interp.run_interpreted, `kw` passed on); skips the test when triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        import pytest
+        pytest.skip("triton is not installed")
+    from k3.ops.triton_interp import run_interpreted
+    return run_interpreted(script, **kw)
+
 
 def case(rows: dict, name: str, fn: Callable[[], Any]) -> None:
     """In a child script: rows[name] = fn(), or the error it raised (so one broken case fails only its own test)."""

@@ -380,6 +380,30 @@ def test_saved_files_follow_the_umask(cfg, tmp_path):
             assert os.stat(d / n).st_mode & 0o777 == 0o666 & ~mask, n
 
 
+def test_save_extra_tensors_and_container(cfg, tmp_path):
+    """extra_tensors are stored under their own names (floating ones in `dtype`, integer ones as they are) next to
+    the text model's language_model.* keys; container= entries join config.json's top level, whose dtype follows."""
+    import safetensors.torch as st
+    sd = synthetic_state_dict(cfg, seed=3)
+    extra = {"vision_tower.w": torch.randn(4, 6), "mm_projector.n": torch.arange(5)}
+    d = tmp_path / "mm"
+    save_pretrained(sd, d, config=cfg, dtype="bfloat16", extra_tensors=extra,
+                    container={"vision_config": {"hidden_size": 8}, "media_placeholder_token_id": 7})
+    top = json.loads((d / "config.json").read_text())
+    assert top["vision_config"] == {"hidden_size": 8} and top["media_placeholder_token_id"] == 7
+    assert top["dtype"] == "bfloat16" and top["text_config"]["dtype"] == "bfloat16"
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    got = {}
+    for f in set(index["weight_map"].values()):
+        got.update(st.load_file(str(d / f)))
+    assert got["vision_tower.w"].dtype == torch.bfloat16 and torch.equal(got["vision_tower.w"],
+                                                                         extra["vision_tower.w"].bfloat16())
+    assert got["mm_projector.n"].dtype == torch.int64 and torch.equal(got["mm_projector.n"], extra["mm_projector.n"])
+    assert set(index["weight_map"]) == set(released_key_shapes(cfg, quantize_experts=False)) | set(extra)
+    text, extras = load_state_dict(str(d), strict=True, return_extras=True)  # the text loader sets them aside
+    assert sorted(text) == sorted(sd) and sorted(extras) == sorted(extra)
+
+
 def test_crash_mid_save_keeps_previous_checkpoint(cfg, tmp_path, monkeypatch):
     import safetensors.torch as st
     d = tmp_path / "ck"

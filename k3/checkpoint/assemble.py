@@ -152,12 +152,10 @@ class ReleasedAssembler:
             self._add_packed_expert(key, base, e, w, kind, tensor)
             return
         if kind != "weight":
-            slot = self.pending.setdefault((base, e, w), {})
-            slot[kind] = (key, tensor)
-            if len(slot) < 2:
+            pair = self._mxfp4_pair(base, e, w, kind, key, tensor)
+            if pair is None:
                 return
-            del self.pending[(base, e, w)]
-            (pkey, packed), (skey_, scale) = slot["weight_packed"], slot["weight_scale"]
+            (pkey, packed), (skey_, scale) = pair
             try:
                 tensor = mxfp4_decode(packed, scale, dtype=torch.float32)
             except ValueError as ex:
@@ -166,6 +164,16 @@ class ReleasedAssembler:
                 return
             key = pkey
         self._place_expert(key, base, e, w, tensor)
+
+    def _mxfp4_pair(self, base: str, e: int, w: str, kind: str, key: str, tensor: torch.Tensor):
+        """Keep one half of expert `e`'s MXFP4 `w` (kind weight_packed / weight_scale) until the other arrives;
+        then ((key, packed), (key, scale)), else None."""
+        slot = self.pending.setdefault((base, e, w), {})
+        slot[kind] = (key, tensor)
+        if len(slot) < 2:
+            return None
+        del self.pending[(base, e, w)]
+        return slot["weight_packed"], slot["weight_scale"]
 
     def _add_packed_expert(self, key: str, base: str, e: int, w: str, kind: str, tensor: torch.Tensor) -> None:
         """Into a model with PackedMXFP4Experts: MXFP4 pairs are copied as bytes (no decode); a dense expert
@@ -180,18 +188,15 @@ class ReleasedAssembler:
                 log.info("packed experts: MXFP4-encoding dense expert weights of the checkpoint (%s, ...)", key)
                 self._warned_encode = True
         else:
-            slot = self.pending.setdefault((base, e, w), {})
-            slot[kind] = (key, tensor)
-            if len(slot) < 2:
+            pair = self._mxfp4_pair(base, e, w, kind, key, tensor)
+            if pair is None:
                 return
-            del self.pending[(base, e, w)]
-            (key, packed), (_, scale) = slot["weight_packed"], slot["weight_scale"]
+            (key, packed), (_, scale) = pair
         which = "down" if w == "w2" else "gate_up"
         tp, ts = self.targets[f"{base}.{which}_packed"], self.targets.get(f"{base}.{which}_scale")
         skey = f"{base}.{which}_proj"
         E, rows, _ = tp.shape
-        if not (0 <= e < E):
-            self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+        if not self._expert_in_range(key, e, E):
             return
         sl = slice(None) if which == "down" else (slice(0, rows // 2) if w == "w1" else slice(rows // 2, rows))
         want_p, want_s = tuple(tp[e, sl].shape), tuple(ts[e, sl].shape)
@@ -200,13 +205,22 @@ class ReleasedAssembler:
                                   f"{tuple(scale.shape)} vs model {want_p} / {want_s}")
             self.bad.add((skey, e, w))
             return
+        self._fill_once(key, skey, e, w, lambda: (tp[e, sl].copy_(packed), ts[e, sl].copy_(scale)))
+
+    def _expert_in_range(self, key: str, e: int, E: int) -> bool:
+        if 0 <= e < E:
+            return True
+        self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+        return False
+
+    def _fill_once(self, key: str, skey: str, e: int, w: str, copy) -> None:
+        """Run `copy()` (without grad) for expert `e`'s `w` of `skey`, unless an earlier key filled it (an error)."""
         done = self.expert_filled.setdefault(skey, set())
         if (e, w) in done:
             self.errors.append(f"expert {e} {w} of {skey} given twice (dense and MXFP4?){self._where(key)}")
             return
         with torch.no_grad():
-            tp[e, sl].copy_(packed)
-            ts[e, sl].copy_(scale)
+            copy()
         done.add((e, w))
 
     def _place_expert(self, key: str, base: str, e: int, w: str, W: torch.Tensor) -> None:
@@ -217,8 +231,7 @@ class ReleasedAssembler:
             self.unexpected.append(key)
             return
         E, l_in, last = tgt.shape
-        if not (0 <= e < E):
-            self.unexpected.append(f"{key}: expert index {e} out of range (model has {E} experts)")
+        if not self._expert_in_range(key, e, E):
             return
         if which == "gate_up_proj":
             M = last // 2
@@ -232,13 +245,7 @@ class ReleasedAssembler:
                                   f"(from {skey} {tuple(tgt.shape)})")
             self.bad.add((skey, e, w))
             return
-        done = self.expert_filled.setdefault(skey, set())
-        if (e, w) in done:
-            self.errors.append(f"expert {e} {w} of {skey} given twice (dense and MXFP4?){self._where(key)}")
-            return
-        with torch.no_grad():
-            tgt[e, :, sl].copy_(W.t())
-        done.add((e, w))
+        self._fill_once(key, skey, e, w, lambda: tgt[e, :, sl].copy_(W.t()))
 
     # -- results
     def missing(self, prefix: str = PREFIX) -> list:

@@ -26,7 +26,7 @@ import safetensors
 import safetensors.torch as _st
 
 from k3.errors import CheckpointError, K3ConfigError
-from k3.checkpoint.adapter import (PREFIX, default_quantization_config, is_fp32_key,
+from k3.checkpoint.adapter import (PREFIX, ReleasedEntry, default_quantization_config, is_fp32_key,
                                    released_plan, torch_dtype)
 from k3.checkpoint.assemble import ReleasedAssembler
 
@@ -153,7 +153,7 @@ def _looks_like_checkpoint(path: str) -> bool:
 def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_experts: bool = False,
                     tokenizer=None, extra_files: Optional[Mapping] = None, *, config=None, dtype=None,
                     extra_tensors: Optional[Mapping] = None, single_file_if_fits: bool = False,
-                    config_dict: Optional[dict] = None) -> str:
+                    config_dict: Optional[dict] = None, container: Optional[Mapping] = None) -> str:
     """Write ``model`` (a ``K3ForCausalLM``, an in-memory state dict together with ``config=``, or a prebuilt
     list of ``ReleasedEntry`` together with ``config=``) to
     ``save_directory`` in the released layout and return the directory path.
@@ -164,8 +164,11 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
     ``save_pretrained``) is called into the same directory; ``extra_files`` maps relative names to str / bytes /
     JSON-able dict|list / ``pathlib.Path`` (copied). ``dtype`` optionally casts floating tensors (fp32-kept
     tensors stay fp32). ``single_file_if_fits``: one ``model.safetensors`` and no index when everything fits in
-    one shard. ``extra_tensors`` (e.g. ``vision_tower.*``) are written verbatim, without the ``language_model.``
-    prefix; ``config_dict`` replaces the ``config.json`` content (export writes the container it builds).
+    one shard. ``extra_tensors`` (e.g. ``vision_tower.*``) are written under their own names, without the
+    ``language_model.`` prefix (floating ones cast to ``dtype`` when given, never quantised). ``container``
+    entries (e.g. ``vision_config``) are merged into the config's top-level multimodal wrapper, whose ``dtype``
+    then follows ``dtype``; ``config_dict`` replaces the ``config.json`` content (export writes the container it
+    builds).
 
     Atomic: written into ``.<name>.tmp-*`` next to the target, then renamed into place; an existing checkpoint
     at the target is renamed aside first and deleted once the new one is in place. An existing non-empty
@@ -194,6 +197,10 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
     if dtype is not None:
         overrides["dtype"] = str(torch_dtype(dtype)).replace("torch.", "")
     save_cfg = config.replace(**overrides)
+    if container is not None:
+        save_cfg.container = dict(save_cfg.container or {}, **container)
+        if dtype is not None:
+            save_cfg.container["dtype"] = overrides["dtype"]
 
     target = os.path.abspath(os.fspath(save_directory))
     parent, name = os.path.split(target.rstrip(os.sep))
@@ -207,9 +214,11 @@ def save_pretrained(model, save_directory: str, max_shard_size="2GB", quantize_e
 
     plan = list(prebuilt) if prebuilt is not None else \
         released_plan(state_dict, save_cfg, quantize_experts=quantize_experts, prefix=PREFIX, dtype=dtype)
-    from k3.checkpoint.adapter import ReleasedEntry
+    extra_dtype = torch_dtype(dtype) if dtype is not None else None
     for k, t in (extra_tensors or {}).items():
-        plan.append(ReleasedEntry(k, tuple(t.shape), t.dtype, lambda t=t: t.detach().to("cpu").contiguous()))
+        out_dtype = extra_dtype if (extra_dtype is not None and t.is_floating_point()) else t.dtype
+        plan.append(ReleasedEntry(k, tuple(t.shape), out_dtype,
+                                  lambda t=t, d=out_dtype: t.detach().to("cpu", d).contiguous()))
     shards: list = []
     cur, cur_size = [], 0
     for e in plan:

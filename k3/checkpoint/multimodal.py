@@ -3,26 +3,20 @@
 One checkpoint directory: the container `config.json` (`text_config` + `vision_config` + `media_placeholder_token_id`),
 sharded safetensors holding `language_model.*` (the text model, mapped exactly as `k3.checkpoint.io` maps it:
 per-expert / MXFP4 experts, padded A_log), `vision_tower.*` and `mm_projector.*` (1:1 with the module names,
-never quantised), and one `model.safetensors.index.json` over all of them. The text part reuses io.py's
-planner and loader; the vision part is loaded here with the same strictness rules.
+never quantised), and one `model.safetensors.index.json` over all of them. io.py writes it all
+(`save_pretrained` with `extra_tensors=` and `container=`) and loads the text part; the vision part is loaded
+here with the same strictness rules.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import tempfile
 from typing import Mapping, Optional
 
 import safetensors
-import safetensors.torch as _st
 import torch
 
-from k3.checkpoint.adapter import (IGNORED_PREFIXES, PREFIX, ReleasedEntry, default_quantization_config,
-                                   format_key_report, released_plan, torch_dtype)
-from k3.checkpoint.io import (CONFIG_NAME, INDEX_NAME, _SHARD_FMT, _fsync_path, _looks_like_checkpoint,
-                              _own_storage, _shard_layout, _swap_into_place, _write_extra, load_config, parse_size)
+from k3.checkpoint.adapter import IGNORED_PREFIXES, format_key_report, torch_dtype
+from k3.checkpoint.io import CONFIG_NAME, _shard_layout, load_config, save_pretrained
 from k3.checkpoint.io import from_pretrained as _text_from_pretrained
 from k3.errors import CheckpointError, K3ConfigError
 
@@ -33,98 +27,20 @@ log = logging.getLogger("k3.checkpoint")
 VISION_PREFIXES = IGNORED_PREFIXES  # ("vision_tower.", "mm_projector.")
 
 
-def _vision_entries(model, dtype) -> list:
-    entries = []
-    for prefix in VISION_PREFIXES:
-        mod = getattr(model, prefix[:-1])
-        for k, t in mod.state_dict().items():
-            out_dtype = dtype if (dtype is not None and t.is_floating_point()) else t.dtype
-            entries.append(ReleasedEntry(prefix + k, tuple(t.shape), out_dtype,
-                                         lambda t=t, d=out_dtype: t.detach().to("cpu", d).contiguous()))
-    return entries
-
-
 def save_pretrained_multimodal(model, save_directory: str, max_shard_size="2GB", quantize_experts: bool = False,
                                tokenizer=None, extra_files: Optional[Mapping] = None, *, dtype=None) -> str:
-    """Write a `K3ForConditionalGeneration` to `save_directory` (atomically, like `k3.checkpoint.save_pretrained`):
+    """Write a `K3ForConditionalGeneration` to `save_directory` (atomically, by `k3.checkpoint.save_pretrained`):
     container config.json with the model's `vision_config`, shards with text and vision tensors, the index.
     `quantize_experts` MXFP4-encodes routed experts only (vision weights stay unquantised, as released)."""
     from k3.multimodal import K3ForConditionalGeneration
     if not isinstance(model, K3ForConditionalGeneration):
         raise CheckpointError(f"save_pretrained_multimodal: expected a K3ForConditionalGeneration, got "
                               f"{type(model).__name__}")
-    config = model.config
-    limit = parse_size(max_shard_size)
-    overrides = {"quantization_config": (config.quantization_config or default_quantization_config())
-                 if quantize_experts else None}
-    if dtype is not None:
-        overrides["dtype"] = str(torch_dtype(dtype)).replace("torch.", "")
-    save_cfg = config.replace(**overrides)
-    save_cfg.container = dict(save_cfg.container or {}, vision_config=model.vision_config.to_dict(),
-                              media_placeholder_token_id=model.media_placeholder_token_id)
-    if dtype is not None:
-        save_cfg.container["dtype"] = overrides["dtype"]
-
-    target = os.path.abspath(os.fspath(save_directory))
-    parent, name = os.path.split(target.rstrip(os.sep))
-    if os.path.exists(target):
-        if not os.path.isdir(target):
-            raise CheckpointError(f"save_pretrained: {target} exists and is not a directory")
-        if not _looks_like_checkpoint(target):
-            raise CheckpointError(f"save_pretrained: {target} is a non-empty directory that is not a checkpoint "
-                                  f"(no {CONFIG_NAME} / safetensors); refusing to replace it")
-    os.makedirs(parent, exist_ok=True)
-
-    td = torch_dtype(dtype) if dtype is not None else None
-    plan = released_plan(model.language_model.state_dict(), save_cfg, quantize_experts=quantize_experts,
-                         prefix=PREFIX, dtype=td)
-    plan += _vision_entries(model, td)
-    shards, cur, cur_size = [], [], 0
-    for e in plan:
-        if cur and cur_size + e.nbytes > limit:
-            shards.append(cur)
-            cur, cur_size = [], 0
-        cur.append(e)
-        cur_size += e.nbytes
-    if cur or not shards:
-        shards.append(cur)
-
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
-    try:
-        save_cfg.save_json(os.path.join(tmp, CONFIG_NAME))
-        weight_map, total, n = {}, 0, len(shards)
-        for i, entries in enumerate(shards, 1):
-            fname = _SHARD_FMT.format(i, n)
-            tensors, seen = {}, set()
-            for e in entries:
-                tensors[e.key] = _own_storage(e.make(), seen)
-                weight_map[e.key] = fname
-                total += e.nbytes
-            path = os.path.join(tmp, fname)
-            _st.save_file(tensors, path, metadata={"format": "pt"})
-            del tensors
-            _fsync_path(path)
-        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-            json.dump({"metadata": {"total_size": total, "format": "k3-released"},
-                       "weight_map": dict(sorted(weight_map.items()))}, f, indent=2)
-            f.write("\n")
-        if tokenizer is not None:
-            if hasattr(tokenizer, "save") and callable(tokenizer.save):
-                tokenizer.save(tmp)
-            elif hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(tmp)
-            else:
-                raise CheckpointError(f"tokenizer of type {type(tokenizer).__name__} has no save(dir) method")
-        for fname, content in (extra_files or {}).items():
-            _write_extra(tmp, fname, content)
-        for f in (CONFIG_NAME, INDEX_NAME):
-            _fsync_path(os.path.join(tmp, f))
-        _fsync_path(tmp)
-        _swap_into_place(tmp, target, parent, name)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    vision = {prefix + k: t for prefix in VISION_PREFIXES for k, t in getattr(model, prefix[:-1]).state_dict().items()}
+    return save_pretrained(model.language_model, save_directory, max_shard_size, quantize_experts, tokenizer,
+                           extra_files, config=model.config, dtype=dtype, extra_tensors=vision,
+                           container={"vision_config": model.vision_config.to_dict(),
+                                      "media_placeholder_token_id": model.media_placeholder_token_id})
 
 
 def load_vision_state_dict(directory: str) -> dict:

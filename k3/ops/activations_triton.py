@@ -55,13 +55,20 @@ def _tanh_sig(x, y, b1, b2, APPROX: tl.constexpr):
 
 
 @triton.jit
-def _situ_fwd_kernel(g, u, o, R, C, sg, su, so, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
-                     APPROX: tl.constexpr = False):
+def _load_tile(g, u, R, C, sg, su, BR: tl.constexpr, BC: tl.constexpr):
+    """This program's [BR, BC] tile: row / column offsets, the in-bounds mask, and g, u there in fp32."""
     rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
     cols = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
     m = (rows < R) & (cols < C)
     x = tl.load(g + rows * sg + cols, mask=m, other=0.).to(tl.float32)
     y = tl.load(u + rows * su + cols, mask=m, other=0.).to(tl.float32)
+    return rows, cols, m, x, y
+
+
+@triton.jit
+def _situ_fwd_kernel(g, u, o, R, C, sg, su, so, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
+                     APPROX: tl.constexpr = False):
+    rows, cols, m, x, y = _load_tile(g, u, R, C, sg, su, BR, BC)
     tg, s, tu = _tanh_sig(x, y, b1, b2, APPROX)
     a = b1 * tg * s
     b = b2 * tu
@@ -71,11 +78,7 @@ def _situ_fwd_kernel(g, u, o, R, C, sg, su, so, b1, b2, BR: tl.constexpr, BC: tl
 @triton.jit
 def _situ_bwd_kernel(g, u, do, dg, du, R, C, sg, su, sd, sdg, b1, b2, BR: tl.constexpr, BC: tl.constexpr,
                      APPROX: tl.constexpr = False):
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None]
-    cols = (tl.program_id(1) * BC + tl.arange(0, BC))[None, :]
-    m = (rows < R) & (cols < C)
-    x = tl.load(g + rows * sg + cols, mask=m, other=0.).to(tl.float32)
-    y = tl.load(u + rows * su + cols, mask=m, other=0.).to(tl.float32)
+    rows, cols, m, x, y = _load_tile(g, u, R, C, sg, su, BR, BC)
     d = tl.load(do + rows * sd + cols, mask=m, other=0.).to(tl.float32)
     tg, s, tu = _tanh_sig(x, y, b1, b2, APPROX)
     da = (1.0 - tg * tg) * s + b1 * tg * s * (1.0 - s)

@@ -23,3 +23,14 @@ def wait_ready(base_url: str, proc: Optional[subprocess.Popen] = None, timeout: 
         if time.time() - t0 > timeout:
             raise RuntimeError(f"k3 serve did not answer {base_url}/health within {timeout:.0f} s")
         time.sleep(poll)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Stop a server process started by the caller: SIGTERM, wait up to `timeout` seconds, then SIGKILL (and
+    reap it)."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

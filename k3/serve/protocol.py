@@ -84,22 +84,13 @@ def parse_json_body(raw: bytes, limit: int = MAX_BODY_BYTES) -> Dict[str, Any]:
     return obj
 
 
+# JSON type names, most specific Python type first (bool is an int)
+_JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+               (list, "array"), (dict, "object"))
+
+
 def _tname(v) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, int):
-        return "integer"
-    if isinstance(v, float):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, dict):
-        return "object"
-    return type(v).__name__
+    return next((name for t, name in _JSON_TYPES if isinstance(v, t)), type(v).__name__)
 
 
 def _check_str(v: str, name: str) -> str:

@@ -66,6 +66,26 @@ def add_model_routes(app: FastAPI, engine: Engine) -> None:
         return engine.model_card()
 
 
+def _choice(field: str, value, reason) -> dict:
+    """One entry of `choices`: `field` is "text" (completions), "message" (chat) or "delta" (chat chunks)."""
+    return {"index": 0, field: value, "logprobs": None, "finish_reason": reason}
+
+
+def _chunk(cid, obj: str, created, model: str, choice: dict) -> dict:
+    return {"id": cid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
+            "choices": [choice]}
+
+
+async def _generate(engine: Engine, request: Request, parse, chunk, obj: str, whole_obj: str, field: str, value_of):
+    """A generation request: SSE events built by `chunk` when it streams, else one `whole_obj` response whose choice
+    holds `value_of(text)` under `field`."""
+    p, req, q = await engine.prepare(request, parse)
+    if p.stream:
+        return engine.stream(p, req, q, chunk, obj)
+    text, ev = await engine.collect(request, req, q)
+    return engine.whole(req, whole_obj, _choice(field, value_of(text), ev[1]), ev)
+
+
 def add_completion_routes(app: FastAPI, engine: Engine) -> None:
     """POST /v1/completions (text or token-id prompt; SSE with stream=true)."""
     name, obj = engine.cfg.model_name, "text_completion"
@@ -73,16 +93,11 @@ def add_completion_routes(app: FastAPI, engine: Engine) -> None:
     def chunk(cid, created, text, reason, first=False):
         if first:
             return None
-        return {"id": cid, "object": obj, "created": created, "model": name, "system_fingerprint": None,
-                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}]}
+        return _chunk(cid, obj, created, name, _choice("text", text or "", reason))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        p, req, q = await engine.prepare(request, parse_completion)
-        if p.stream:
-            return engine.stream(p, req, q, chunk, obj)
-        text, ev = await engine.collect(request, req, q)
-        return engine.whole(req, obj, {"index": 0, "text": text, "logprobs": None, "finish_reason": ev[1]}, ev)
+        return await _generate(engine, request, parse_completion, chunk, obj, obj, "text", lambda text: text)
 
 
 def add_chat_routes(app: FastAPI, engine: Engine) -> None:
@@ -91,15 +106,9 @@ def add_chat_routes(app: FastAPI, engine: Engine) -> None:
 
     def chunk(cid, created, text, reason, first=False):
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        return {"id": cid, "object": obj, "created": created, "model": name, "system_fingerprint": None,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+        return _chunk(cid, obj, created, name, _choice("delta", delta, reason))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        p, req, q = await engine.prepare(request, parse_chat)
-        if p.stream:
-            return engine.stream(p, req, q, chunk, obj)
-        text, ev = await engine.collect(request, req, q)
-        message = {"role": "assistant", "content": text}
-        return engine.whole(req, "chat.completion",
-                            {"index": 0, "message": message, "logprobs": None, "finish_reason": ev[1]}, ev)
+        return await _generate(engine, request, parse_chat, chunk, obj, "chat.completion", "message",
+                               lambda text: {"role": "assistant", "content": text})

@@ -57,6 +57,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from k3 import knobs
 from k3.errors import K3ConfigError
+from k3.train.report import finite_or_none
 
 from .keys import (_SWEEP_OWNED, Axis, KeySpec, Point, _train_parser, expand_grid, parse_set,  # noqa: F401
                    resolve_key)
@@ -184,22 +185,12 @@ def _worker_main(spec_path: str) -> int:
     row = run_point(spec["train"], spec.get("callbacks") or ())
     tmp = spec["row_path"] + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(_jsonable(row), f)
+        json.dump(finite_or_none(row), f)
     os.replace(tmp, spec["row_path"])
     return 0
 
 
 # ----------------------------------------------------------------------------------------------- the sweep
-
-def _jsonable(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    return v
-
 
 def _atomic_write(path: str, text: str) -> None:
     tmp = path + ".tmp"
@@ -462,14 +453,15 @@ class Sweep:
                 if k not in keys and k not in extra and k not in RESULT_COLUMNS and k not in ("seed", "label", "resumed"):
                     extra.append(k)
         _atomic_write(self._path("results.json"), json.dumps(
-            {"axes": keys, "rows": _jsonable(rows)}, indent=2, default=str) + "\n")
+            {"axes": keys, "rows": finite_or_none(rows)}, indent=2, default=str) + "\n")
         cols = keys + ["seed"] + RESULT_COLUMNS + extra + ["label", "resumed"]
         tmp = self._path("results.csv.tmp")
         with open(tmp, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
             w.writeheader()
             for r in rows:
-                w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v) for k, v in _jsonable(r).items()})
+                w.writerow({k: (json.dumps(v) if isinstance(v, (list, dict)) else v)
+                            for k, v in finite_or_none(r).items()})
         os.replace(tmp, self._path("results.csv"))
         _atomic_write(self._path("summary.md"), summary_markdown(rows, keys))
         if self.plot and rows:

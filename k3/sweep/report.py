@@ -102,16 +102,8 @@ def plot_results(rows: list[dict], keys: Sequence[str], out_dir: str) -> list[st
             xs = [c[s] for c in curves if s in c and c[s] is not None and math.isfinite(c[s])]
             mean.append(sum(xs) / len(xs) if xs else float("nan"))
         ax.plot(steps, _smooth(mean), label=f"{g['label']} (n={len(curves)})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("train loss (EMA, mean over seeds)")
-    ax.grid(alpha=0.3)
-    if groups:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = os.path.join(out_dir, "loss_curves.png")
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    written.append(_finish_plot(plt, fig, ax, "step", "train loss (EMA, mean over seeds)", bool(groups),
+                                os.path.join(out_dir, "loss_curves.png")))
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
     first = keys[0] if keys else None
@@ -140,16 +132,21 @@ def plot_results(rows: list[dict], keys: Sequence[str], out_dir: str) -> list[st
     if not numeric and cats:
         ax.set_xticks(range(len(cats)))
         ax.set_xticklabels([c.strip('"') for c in cats], rotation=20, fontsize=8)
-    ax.set_xlabel(first or "point")
-    ax.set_ylabel("final val loss (mean ± std over seeds)")
+    written.append(_finish_plot(plt, fig, ax, first or "point", "final val loss (mean ± std over seeds)",
+                                any(lines) and len(lines) > 1, os.path.join(out_dir, "final_loss.png")))
+    return written
+
+
+def _finish_plot(plt, fig, ax, xlabel: str, ylabel: str, legend: bool, path: str) -> str:
+    """Label, grid, optional legend; write `path` (PNG) and close the figure. Returns `path`."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    if any(lines) and len(lines) > 1:
+    if legend:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    p = os.path.join(out_dir, "final_loss.png")
-    fig.savefig(p, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(p)
-    return written
+    return path
 
 

@@ -17,20 +17,20 @@ def _decode_logits(model, ids, n_prefill, **cache_kw):
     return torch.cat(outs, 1), cache
 
 
+def _check_decode_equals_forward(model, seed, shape, n_prefill, tol):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 512, shape)
+    full = model(ids).logits
+    inc, _ = _decode_logits(model, ids, n_prefill)
+    assert (inc - full).abs().max() < tol
+
+
 def test_cached_decode_equals_full_forward_fp64(model64):
-    torch.manual_seed(1)
-    ids = torch.randint(0, 512, (2, 40))
-    full = model64(ids).logits
-    inc, _ = _decode_logits(model64, ids, 9)
-    assert (inc - full).abs().max() < 1e-10
+    _check_decode_equals_forward(model64, 1, (2, 40), 9, 1e-10)
 
 
 def test_cached_decode_equals_full_forward_fp32(model32):
-    torch.manual_seed(2)
-    ids = torch.randint(0, 512, (1, 33))
-    full = model32(ids).logits
-    inc, _ = _decode_logits(model32, ids, 5)
-    assert (inc - full).abs().max() < 1e-5
+    _check_decode_equals_forward(model32, 2, (1, 33), 5, 1e-5)
 
 
 @pytest.mark.parametrize("mla_mode,kda_mode", [("auto", "auto"), ("expanded", "chunk"), ("absorbed", "recurrent")])

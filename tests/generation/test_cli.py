@@ -12,12 +12,17 @@ from k3.tokenizer import build_toy_tokenizer
 from conftest import build, micro_config
 
 
+def _toy_tokenizer_and_config(root):
+    """A toy tokenizer in root/tok and an fp32 micro text config with its vocabulary and special ids."""
+    tok = build_toy_tokenizer(str(root / "tok"), num_merges=100)
+    return tok, micro_config(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                             pad_token_id=tok.pad_id, dtype="float32")
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen_cli")
-    tok = build_toy_tokenizer(str(root / "tok"), num_merges=100)
-    cfg = micro_config(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                       pad_token_id=tok.pad_id, dtype="float32")
+    tok, cfg = _toy_tokenizer_and_config(root)
     model = build(cfg, torch.float32)
     d = str(root / "ckpt")
     model.save_pretrained(d, tokenizer=tok)
@@ -30,6 +35,20 @@ def _run(argv, capsys, monkeypatch, stdin=None):
     rc = main(argv)
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def _record_chat_messages(monkeypatch) -> list:
+    """A list that gets a copy of the messages of every chat turn (a spy on generate's `_chat_ids`)."""
+    import sys
+    G = sys.modules["k3.generation.generate"]  # (the package attribute `generate` is the function)
+    orig, seen = G._chat_ids, []
+
+    def spy(tokenizer, messages, thinking, **kw):
+        seen.append([dict(m) for m in messages])
+        return orig(tokenizer, messages, thinking, **kw)
+
+    monkeypatch.setattr(G, "_chat_ids", spy)
+    return seen
 
 
 def test_generate_cli_streams(ckpt, capsys, monkeypatch):
@@ -49,16 +68,7 @@ def test_generate_cli_streams(ckpt, capsys, monkeypatch):
 
 def test_chat_cli_multi_turn(ckpt, capsys, monkeypatch):
     d, tok, model = ckpt
-    seen = []
-    import sys
-    G = sys.modules["k3.generation.generate"]  # (the package attribute `generate` is the function)
-    orig = G._chat_ids
-
-    def spy(tokenizer, messages, thinking, **kw):
-        seen.append([dict(m) for m in messages])
-        return orig(tokenizer, messages, thinking, **kw)
-
-    monkeypatch.setattr(G, "_chat_ids", spy)
+    seen = _record_chat_messages(monkeypatch)
     rc, out, err = _run(["chat", "--ckpt", d, "--max-new-tokens", "5", "--device", "cpu"], capsys, monkeypatch,
                         stdin="hi there\n\nsecond turn\n")
     assert rc == 0, err
@@ -133,9 +143,7 @@ def test_bad_flags_are_clear_errors_before_loading(cmd, flag, value, capsys):
 def mm_ckpt(tmp_path_factory):
     from k3.multimodal import K3ForConditionalGeneration, multimodal_config
     root = tmp_path_factory.mktemp("gen_cli_mm")
-    tok = build_toy_tokenizer(str(root / "tok"), num_merges=100)
-    text = micro_config(vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                        pad_token_id=tok.pad_id, dtype="float32")
+    tok, text = _toy_tokenizer_and_config(root)
     cfg = multimodal_config(text, "tiny", media_placeholder_token_id=tok.token_to_id("<|media_pad|>"))
     torch.manual_seed(0)
     model = K3ForConditionalGeneration(cfg).eval()
@@ -181,16 +189,7 @@ def test_image_errors_are_one_line(ckpt, mm_ckpt, tmp_path, capsys, monkeypatch)
 
 def test_chat_cli_image_command(mm_ckpt, ckpt, capsys, monkeypatch):
     d, tok, model, png = mm_ckpt
-    seen = []
-    import sys
-    G = sys.modules["k3.generation.generate"]
-    orig = G._chat_ids
-
-    def spy(tokenizer, messages, thinking, **kw):
-        seen.append([dict(m) for m in messages])
-        return orig(tokenizer, messages, thinking, **kw)
-
-    monkeypatch.setattr(G, "_chat_ids", spy)
+    seen = _record_chat_messages(monkeypatch)
     rc, out, err = _run(["chat", "--ckpt", d, "--max-new-tokens", "3", "--device", "cpu"], capsys, monkeypatch,
                         stdin=f"/image {png}\n/image {tmp_path_nope()}\nwhat is this?\nand now?\n")
     assert rc == 0, err

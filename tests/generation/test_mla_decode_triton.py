@@ -27,12 +27,12 @@ TOL = {"float32": 2e-5, "float16": 4e-3, "bfloat16": 1.5e-2}  # relative RMSE vs
 # the softmax weights enter the second dot rounded to the cache dtype (as in the torch path): bf16 ~4e-3 measured
 
 
-from k3.ops.triton_interp import fix_interpreter_bf16_dot, run_interpreted  # noqa: E402
+from k3.ops.triton_interp import fix_interpreter_bf16_dot  # noqa: E402
 # bound at import: several test folders have a conftest module, so `conftest` later names whichever loaded last
 from conftest import build as _build, micro_config as _micro_config  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/, also in the child
-from helpers import rel_err  # noqa: E402  (relative RMSE = ||a - b|| / ||b||)
+from helpers import interpreted_results, rel_err  # noqa: E402  (relative RMSE = ||a - b|| / ||b||)
 
 
 def reference(qf, kv, lens, C):
@@ -133,9 +133,7 @@ def _checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    return run_interpreted(__file__, timeout=300, env_pop=("K3_MLA_DECODE",))
+    return interpreted_results(__file__, timeout=300, env_pop=("K3_MLA_DECODE",))
 
 
 KERNEL_CASES = ["h8_c256_fp32", "h8_c256_bf16", "h16_c64_fp32", "h16_c64_bf16", "h64_c64_bf16", "h64_c256_fp32",

@@ -20,7 +20,7 @@ import pytest
 
 if __name__ == "__main__":  # the TRITON_INTERPRET=1 child: tests/ (helpers.py) on the path, as pytest has it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import max_rel_err, rel_err  # noqa: E402
+from helpers import interpreted_results, max_rel_err, rel_err  # noqa: E402
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -258,9 +258,7 @@ def _checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    if not HAVE_TRITON:
-        pytest.skip("triton is not installed")
-    return run_interpreted(__file__, timeout=300)
+    return interpreted_results(__file__, timeout=300)
 
 
 def _assert_o_and_state(results, key, tol):

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from k3.cli import build_parser
-from k3.serve.client import wait_ready
+from k3.serve.client import stop_server, wait_ready
 
 
 def _free_port():
@@ -49,12 +49,7 @@ def test_k3_serve_subprocess(ckpt):
             c.completions.create(model=os.path.basename(d), prompt="word " * 100, max_tokens=1)
         assert e.value.body["code"] == "context_length_exceeded"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 @pytest.mark.parametrize("argv,flag", [(["--port", "99999"], "--port"), (["--port", "0"], "--port"),
