@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int_at_least(1), default=8192, help="tokens per GPU per micro-batch [8192]")
     s.add_argument("--json", action="store_true", help="the report as JSON")
     s.set_defaults(fn=_cmd_plan)
-    for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli"):
+    for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli", "k3.parallel.convert"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ModuleNotFoundError as e:  # that part of k3 is not installed/built yet

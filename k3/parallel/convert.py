@@ -77,11 +77,6 @@ def _group_of(fqn: str) -> str:
     return f"model.layers.{m.group(1)}" if m else fqn
 
 
-def _no_dist_warning_filter():
-    import warnings
-    return warnings.catch_warnings()
-
-
 # ------------------------------------------------------------------------------------------- DCP -> released
 
 def resolve_dcp_checkpoint(path: str) -> str:
@@ -155,7 +150,13 @@ def _lazy_release_plan(groups: _DCPGroups, cfg, quantize: bool, tdt) -> list:
     names, shapes and order come from `released_plan` on meta tensors; the values from `released_plan` on the
     group once it is read)."""
     from k3.checkpoint.adapter import ReleasedEntry, model_key_of, released_plan
-    metas = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in groups.meta.items()}
+    from k3.checkpoint.adapter import model_key_shapes
+    canon = {k: i for i, k in enumerate(model_key_shapes(cfg))}    # the model's order; groups kept contiguous
+    first: dict = {}
+    for k in sorted(groups.meta, key=lambda k: canon.get(k, len(canon))):
+        first.setdefault(_group_of(k), len(first))
+    order = sorted(groups.meta, key=lambda k: (first[_group_of(k)], canon.get(k, len(canon)), k))
+    metas = {k: torch.empty(groups.meta[k][0], dtype=groups.meta[k][1], device="meta") for k in order}
     real: dict = {}                                  # group -> {released key: entry on real tensors}
 
     def make(rkey: str, fqn: str):

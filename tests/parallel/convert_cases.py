@@ -69,7 +69,21 @@ def roundtrip(run_dir: str, ep: int = 2) -> dict:
         out["to_dcp_stats"] = dict(vars(STATS))
     dist.barrier()
     out.update(load_both(dcp2, rel, ep=ep))
+    out["resume_refused"] = resume_model_only_refused(dcp2)
     if dist.get_rank() != 0:
         out.pop("dcp")
         out.pop("release")
     return out
+
+
+def resume_model_only_refused(dcp_dir: str) -> str:
+    from k3.errors import CheckpointError
+    from k3.parallel.checkpoint import load_checkpoint
+    from k3.parallel.muon import build_sharded_optimizer
+    cfg = micro_config()
+    model, _ = sharded_model(cfg, reference_model(cfg).state_dict())
+    try:
+        load_checkpoint(dcp_dir, model, build_sharded_optimizer(model, lr=0.02))
+    except CheckpointError as e:
+        return str(e)
+    return "loaded"
