@@ -70,9 +70,10 @@ def roundtrip(run_dir: str, ep: int = 2) -> dict:
     dist.barrier()
     out.update(load_both(dcp2, rel, ep=ep))
     out["resume_refused"] = resume_model_only_refused(dcp2)
+    out["trainer_init"] = trainer_init(run_dir, rel, ep=ep)
     if dist.get_rank() != 0:
-        out.pop("dcp")
-        out.pop("release")
+        for k in ("dcp", "release", "trainer_init"):
+            out.pop(k)
     return out
 
 
@@ -87,3 +88,25 @@ def resume_model_only_refused(dcp_dir: str) -> str:
     except CheckpointError as e:
         return str(e)
     return "loaded"
+
+
+def trainer_init(run_dir: str, init: str, ep: int = 2) -> dict:
+    """`k3 train` under torchrun starting from `init` (TrainConfig.init_from): DistTrainer.setup() only; its
+    model's full weights (every rank read its own shards of the released files)."""
+    from k3.parallel.parallelize import full_state_dict
+    from k3.parallel.training import MeshFlags, make_trainer
+    from k3.train.config import TrainConfig
+    corpus = os.path.join(run_dir, "corpus.txt")
+    if dist.get_rank() == 0:
+        with open(os.path.join(os.path.dirname(__file__), "cases.py")) as f:
+            open(corpus, "w").write(f.read())
+    dist.barrier()
+    cfg = TrainConfig(out_dir=os.path.join(run_dir, "from_init"), data=[corpus], init_from=init, cache_dir=os.path.join(run_dir, "cache"),
+                      steps=1, tokens_per_step=128, stages=[(32, 1.0)], device="cpu", progress=False,
+                      tensorboard=False, samples=False, eval_every=0, threads=1)
+    tr = make_trainer(cfg, MeshFlags(ep=ep))
+    try:
+        tr.setup()
+        return full_state_dict(tr.model)
+    finally:
+        tr.close()

@@ -121,3 +121,9 @@ def test_cli_convert_bf16_and_model_only_resume_refused(rt, tmp_path, capsys):
         torch.testing.assert_close(sd[k].float(), v, rtol=1e-2, atol=1e-2)
     assert main(["convert", str(tmp_path / "nothing_here"), str(tmp_path / "o")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_distributed_trainer_starts_from_released_weights(rt):
+    """DistTrainer with init_from = the released directory (2 ranks, ep=2): the model it trains from holds the
+    released weights (the run's), not a fresh init."""
+    _same(rt["r"][0]["trained"], rt["r"][0]["trainer_init"], "trainer init_from")
