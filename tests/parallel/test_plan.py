@@ -42,3 +42,39 @@ def test_plan_kimi_k3():
     assert "recommended on 512 GPUs" in rep.table()
     with pytest.raises(K3ConfigError):
         plan(cfg, gpus=0)
+
+
+def test_cp_divides_the_activation_estimate_and_shards_like_dp():
+    cfg = _cfg()
+    S = 4096
+    one = estimate(cfg, ParallelDims(dp_shard=-1, world_size=2, num_experts=8), seq_len=S)
+    cp2 = estimate(cfg, ParallelDims(dp_shard=-1, cp=2, world_size=2, num_experts=8), seq_len=S)
+    assert (one.tokens_per_rank, cp2.tokens_per_rank) == (S, S // 2)
+    assert cp2.param_bytes == one.param_bytes and cp2.optim_bytes == one.optim_bytes   # FSDP over dp_shard x cp
+    gathered = 2 * 2 * S * (cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    assert cp2.activation_bytes - gathered < 0.55 * one.activation_bytes
+    assert cp2.mesh() == "dp_shard=1 cp=2"
+    dims = ParallelDims(dp_shard=-1, cp=2, ep=2, world_size=4, num_experts=8)
+    assert verify_with_fake_pg(cfg, dims) == estimate(cfg, dims, seq_len=64).local_elements
+
+
+def test_plan_cp_candidates():
+    cfg = _cfg()
+    assert {c.cp for c in plan(cfg, gpus=4, seq_len=8192).candidates} == {1}          # short: no CP
+    long = plan(cfg, gpus=4, seq_len=65536).candidates
+    assert {c.cp for c in long} == {1, 2, 4}
+    assert all(c.tokens_per_rank == 65536 // c.cp for c in long)
+    assert {c.cp for c in plan(cfg, gpus=4, seq_len=64, cp=2).candidates} == {2}    # --cp given
+    with pytest.raises(K3ConfigError, match="--cp 3 must be >= 1 and divide"):
+        plan(cfg, gpus=4, cp=3)
+
+
+def test_plan_cli_cp_json(capsys, tmp_path):
+    import json
+    from k3.cli import main
+    p = str(tmp_path / "micro.json")
+    _cfg().save_json(p)
+    assert main(["plan", "--config", p, "--gpus", "4", "--seq-len", "65536", "--cp", "2", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["cp"] == 2 and all(c["cp"] == 2 and c["tokens_per_rank"] == 32768 for c in d["candidates"])
+    assert "--cp 2" in d["recommended_flags"] and "cp=2" in d["recommended_mesh"]
