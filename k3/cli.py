@@ -154,13 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from k3.errors import K3Error
+    from k3.parallel.launch import record_error   # under torchrun: the message in torchrun's failure summary
     try:
         return args.fn(args) or 0
     except K3Error as e:
         print(f"k3: error: {e}", file=sys.stderr)
+        record_error(e)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        record_error(e)
+        raise
 
 
 if __name__ == "__main__":

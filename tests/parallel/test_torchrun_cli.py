@@ -231,3 +231,20 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(env):
     assert os.listdir(os.path.join(out, "checkpoints")) == ["step-1"]    # agreed on before step 2 began
     ranks(2, ["train", "--out", out, "--resume", "--threads", "1"])
     assert_same_run(out, str(d / "ref_c"))
+
+
+def test_a_failing_rank_leaves_its_message_for_torchrun(tmp_path, monkeypatch, capsys):
+    """torchrun's failure summary prints the rank's TORCHELASTIC_ERROR_FILE (else `error_file: <N/A>` and no
+    message): k3.cli.main writes it for the error that ends the command."""
+    from k3.cli import main
+    err = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(err))
+    assert main(["train", "--preset", "no_such_preset", "--out", str(tmp_path / "run")]) == 2
+    assert "unknown preset 'no_such_preset'" in capsys.readouterr().err
+    msg = json.loads(err.read_text())["message"]
+    assert msg["message"].startswith("K3ConfigError: unknown preset 'no_such_preset'")
+    assert "Traceback" in msg["extraInfo"]["py_callstack"]
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    err.unlink()
+    assert main(["train", "--preset", "no_such_preset", "--out", str(tmp_path / "run")]) == 2
+    assert not err.exists()                                    # outside torchrun nothing is written
