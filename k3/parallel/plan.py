@@ -12,6 +12,7 @@ and an activation estimate, and whether they fit in `gpu_memory` (minus `reserve
   parameters   FSDP2 shards in fp32 (MixedPrecisionPolicy casts to bf16 for compute)        4 B / local element
   gradients    sharded, fp32 (reduce dtype)                                                  4 B
   optimizer    Muon momentum 4 B; AdamW exp_avg + exp_avg_sq 8 B
+               (neither for the parameters the forward never reads, `never_trained`)
   transient    the largest FSDP unit all-gathered in bf16, twice (current + prefetched), plus its unsharded bf16
                gradient before the reduce-scatter; plus the largest Muon tensor rebuilt in fp32 (x3 for NS)
   activations  with activation checkpointing: every layer's saved input (tokens x d, bf16) plus the AttnRes
@@ -100,6 +101,14 @@ def param_table(cfg) -> list:
     return out
 
 
+def never_trained(cfg) -> set:
+    """Parameters the forward never reads, so they get no gradient and no optimizer state: with block AttnRes,
+    layer 0's attention-input mix (its only source is the embedding; K3DecoderLayer.forward skips the mix)."""
+    if getattr(cfg, "attn_res_mode", "block") != "block":
+        return set()
+    return {"model.layers.0.self_attention_res_norm.weight", "model.layers.0.self_attention_res_proj.weight"}
+
+
 def _unit_of(name: str, is_expert: bool, ep: int) -> str:
     parts = name.split(".")
     if name.startswith("model.layers."):
@@ -127,6 +136,7 @@ def estimate(cfg, dims: ParallelDims, seq_len: int, tokens_per_gpu: Optional[int
     pbytes = gbytes = obytes = 0
     units: dict = {}
     max_muon = 0
+    unused = never_trained(cfg)
     for name, shape, is_exp, muon in table:
         rest = math.prod(shape[1:]) if len(shape) > 1 else 1
         if is_exp and dims.ep > 1:
@@ -138,8 +148,9 @@ def estimate(cfg, dims: ParallelDims, seq_len: int, tokens_per_gpu: Optional[int
         n = rows * rest
         elems["expert" if is_exp else "dense"] += n
         pbytes += 4 * n
-        gbytes += 4 * n
-        obytes += (4 if muon else 8) * n
+        if name not in unused:              # never receives a gradient: no gradient, no optimizer state
+            gbytes += 4 * n
+            obytes += (4 if muon else 8) * n
         u = _unit_of(name, is_exp, dims.ep)
         units[u] = units.get(u, 0) + full_local
         if muon:
