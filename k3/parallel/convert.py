@@ -221,20 +221,25 @@ def dcp_to_release(src: str, out: str, *, config: Optional[str] = None, dtype: s
 # ------------------------------------------------------------------------------------------- released -> DCP
 
 def _released_reader(src: str, cfg, dtype):
-    """fqn -> tensor, read from the released files when asked (only that tensor's released keys)."""
+    """fqn -> tensor, read from the released files when asked (only that tensor's released keys; the files are
+    opened once, memory-mapped)."""
     from k3.checkpoint.adapter import model_key_of
     from k3.checkpoint.assemble import ReleasedAssembler
-    from k3.checkpoint.io import iter_checkpoint_tensors
+    from k3.export import _SourceShards
+    shards = _SourceShards(src)
+    by_model: dict = {}
+    for k in shards.meta:
+        by_model.setdefault(model_key_of(k), []).append(k)
 
     def read(fqn: str) -> torch.Tensor:
         asm = ReleasedAssembler(cfg, targets=None, dtype=dtype, strict=False)
-        for k, t, path in iter_checkpoint_tensors(src, keys=lambda rk: model_key_of(rk) == fqn):
+        for k in by_model.get(fqn, ()):
             STATS.tensors_read += 1
-            asm.add(k, t, source=os.path.basename(path))
+            asm.add(k, shards.get(k), source=os.path.basename(shards.where[k]))
         sd = asm.finish(f"checkpoint {src}")
         if fqn not in sd:
             raise CheckpointError(f"{src}: no released tensor for {fqn}")
-        return sd[fqn].to(dtype)
+        return sd[fqn]
     return read
 
 
@@ -248,7 +253,8 @@ def _lazy_planner(read):
             fqn = write_item.index.fqn
             if not fqn.startswith(MODEL_PREFIX):
                 return super().resolve_data(write_item)
-            return STATS.track(read(fqn[len(MODEL_PREFIX):]).contiguous())
+            want = write_item.tensor_data.properties.dtype           # fp32-kept tensors stay fp32
+            return STATS.track(read(fqn[len(MODEL_PREFIX):]).to(want).contiguous())
     return _LazySavePlanner()
 
 
