@@ -154,18 +154,23 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from k3.errors import K3Error
-    from k3.parallel.launch import record_error   # under torchrun: the message in torchrun's failure summary
     try:
         return args.fn(args) or 0
     except K3Error as e:
         print(f"k3: error: {e}", file=sys.stderr)
-        record_error(e)
+        _record_error(e)
         return 2
     except KeyboardInterrupt:
         return 130
     except Exception as e:
-        record_error(e)
+        _record_error(e)
         raise
+
+
+def _record_error(e: BaseException) -> None:
+    """Under torchrun: the error in torchrun's failure summary (k3/parallel/launch.py)."""
+    from k3.parallel.launch import record_error
+    record_error(e)
 
 
 if __name__ == "__main__":
