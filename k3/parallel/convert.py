@@ -327,8 +327,12 @@ def _cmd_convert(a) -> int:
     if a.to != "dcp" and not (a.to is None and _is_released(a.src)):
         kw = dict(config=a.config, dtype=a.dtype or "bfloat16", quantize=a.quantize, max_shard_size=a.max_shard_size,
                   tokenizer=a.tokenizer, hf_shims=not a.no_hf_shims)
-    elif a.dtype:
-        kw = dict(dtype=a.dtype)
+    else:
+        extra = [f for f, v in (("--quantize", a.quantize), ("--config", a.config), ("--tokenizer", a.tokenizer),
+                                ("--no-hf-shims", a.no_hf_shims)) if v]
+        if extra:
+            raise CheckpointError(f"{', '.join(extra)}: only for DCP -> released; released -> DCP takes --dtype")
+        kw = dict(dtype=a.dtype) if a.dtype else {}
     path = convert(a.src, a.out, to=a.to, **kw)
     print(f"converted {a.src} -> {path}")
     return 0

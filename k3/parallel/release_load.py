@@ -92,7 +92,8 @@ def load_released(model, directory: str, config=None, record: Optional[list] = N
         by_model.setdefault(model_key_of(k), []).append(k)
     refresh_ep_flags(model)
     own = dict(model.named_parameters())
-    own.update(dict(model.named_buffers()))
+    saved = set(model.state_dict().keys())          # persistent buffers only (non-persistent ones are rebuilt)
+    own.update({n: b for n, b in model.named_buffers() if n in saved})
     for name, t in own.items():
         keys = by_model.get(name)
         if not keys:

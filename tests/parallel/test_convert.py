@@ -121,6 +121,10 @@ def test_cli_convert_bf16_and_model_only_resume_refused(rt, tmp_path, capsys):
         torch.testing.assert_close(sd[k].float(), v, rtol=1e-2, atol=1e-2)
     assert main(["convert", str(tmp_path / "nothing_here"), str(tmp_path / "o")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+    assert main(["convert", out, str(tmp_path / "d"), "--quantize", "mxfp4"]) == 2      # released -> DCP
+    assert "--quantize: only for DCP -> released" in capsys.readouterr().err
+    assert main(["convert", out, str(tmp_path / "d"), "--dtype", "float32"]) == 0       # auto: released -> DCP
+    assert os.path.isfile(os.path.join(tmp_path, "d", ".metadata"))
 
 
 def test_distributed_trainer_starts_from_released_weights(rt):
