@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 import torch.distributed as dist
 
 from cases import batch, micro_config, reference_model, rows_of_rank, sharded_model  # noqa: E402
@@ -101,8 +100,8 @@ def trainer_init(run_dir: str, init: str, ep: int = 2) -> dict:
         with open(os.path.join(os.path.dirname(__file__), "cases.py")) as f:
             open(corpus, "w").write(f.read())
     dist.barrier()
-    cfg = TrainConfig(out_dir=os.path.join(run_dir, "from_init"), data=[corpus], init_from=init, cache_dir=os.path.join(run_dir, "cache"),
-                      steps=1, tokens_per_step=128, stages=[(32, 1.0)], device="cpu", progress=False,
+    cfg = TrainConfig(out_dir=os.path.join(run_dir, "from_init"), data=[corpus], init_from=init,
+                      cache_dir=os.path.join(run_dir, "cache"), steps=1, tokens_per_step=128, stages=[(32, 1.0)], device="cpu", progress=False,
                       tensorboard=False, samples=False, eval_every=0, threads=1)
     tr = make_trainer(cfg, MeshFlags(ep=ep))
     try:

@@ -78,3 +78,30 @@ def test_plan_cli_cp_json(capsys, tmp_path):
     d = json.loads(capsys.readouterr().out)
     assert d["cp"] == 2 and all(c["cp"] == 2 and c["tokens_per_rank"] == 32768 for c in d["candidates"])
     assert "--cp 2" in d["recommended_flags"] and "cp=2" in d["recommended_mesh"]
+
+
+@pytest.mark.slow
+def test_plan_vs_measured_script(tmp_path):
+    """benchmarks/plan_vs_measured.py at 2 gloo ranks (it launches torchrun itself): rank 0's measured parameter /
+    gradient / optimizer bytes = the plan's, and the peak is reported."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from launcher import ROOT
+    cfg = str(tmp_path / "micro.json")
+    _cfg().save_json(cfg)
+    out = str(tmp_path / "pvm.json")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plan_vs_measured.py"), "--config", cfg,
+                        "--nproc", "2", "--ep", "2", "--seq-len", "32", "--rows", "2", "--steps", "1", "--json", out],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "plan vs measured" in r.stdout and "rank 1" in r.stdout
+    d = json.load(open(out))
+    m0 = d["measured"][0]
+    for k in ("param_bytes", "grad_bytes", "optim_bytes"):
+        assert m0[k] == d["plan_rank0"][k], k
+    assert m0["peak_bytes"] > 0
