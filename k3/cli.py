@@ -66,11 +66,12 @@ def _cmd_plan(a) -> int:
     from k3.config import K3Config
     from k3.parallel.plan import GiB, plan
     cfg = K3Config.load(a.config)
-    rep = plan(cfg, gpus=a.gpus, gpu_memory=a.gpu_memory, seq_len=a.seq_len)
+    rep = plan(cfg, gpus=a.gpus, gpu_memory=a.gpu_memory, seq_len=a.seq_len, cp=a.cp)
     rec = rep.recommended
     if a.json:
         d = rep.to_dict()
         d["config"] = a.config
+        d["cp"] = a.cp
         d["fits"] = rec is not None
         d["recommended_mesh"] = rec.mesh() if rec is not None else None
         d["recommended_flags"] = _mesh_flags(rec) if rec is not None else None
@@ -79,7 +80,7 @@ def _cmd_plan(a) -> int:
         print(json.dumps(d, indent=2))
         return 0
     print(f"k3 plan: {a.config}, {rep.total_params / 1e9:.2f}B parameters on {a.gpus} GPUs of "
-          f"{a.gpu_memory / GiB:.1f} GiB, {a.seq_len} tokens per GPU per micro-batch (rank 0's bytes)")
+          f"{a.gpu_memory / GiB:.1f} GiB, {a.seq_len} tokens per sequence per micro-batch (rank 0's bytes)")
     print(rep.table())
     if rec is not None:
         print(f"run: torchrun --nproc-per-node <GPUs per node> --nnodes <nodes> ... -m k3.cli train "
@@ -94,6 +95,7 @@ def _mesh_flags(est) -> str:
     s = f"--dp-shard {est.dp_shard}"
     if est.dp_replicate > 1:
         s = f"--dp-replicate {est.dp_replicate} " + s
+    s += f" --cp {est.cp}" if est.cp > 1 else ""
     return s + (f" --ep {est.ep}" if est.ep > 1 else "")
 
 
@@ -130,10 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="kimi-k3", help="preset name, config.json path, or checkpoint dir [kimi-k3]")
     s.add_argument("--gpus", type=int_at_least(1), required=True, help="number of GPUs (world size)")
     s.add_argument("--gpu-memory", type=byte_size, default=141e9, help="memory per GPU, e.g. 141GB, 80GiB [141GB]")
-    s.add_argument("--seq-len", type=int_at_least(1), default=8192, help="tokens per GPU per micro-batch [8192]")
+    s.add_argument("--seq-len", type=int_at_least(1), default=8192,
+                   help="tokens per sequence per micro-batch; each rank holds seq-len / cp of them [8192]")
+    s.add_argument("--cp", type=int_at_least(1), default=None,
+                   help="context-parallel degree (default: 1, plus cp candidates when --seq-len >= 32768)")
     s.add_argument("--json", action="store_true", help="the report as JSON")
     s.set_defaults(fn=_cmd_plan)
-    for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli"):
+    for mod in ("k3.train.cli", "k3.sweep", "k3.generation.cli", "k3.serve.cli", "k3.parallel.convert"):
         try:
             __import__(mod, fromlist=["add_parser"]).add_parser(sub)
         except ModuleNotFoundError as e:  # that part of k3 is not installed/built yet
@@ -153,9 +158,19 @@ def main(argv=None) -> int:
         return args.fn(args) or 0
     except K3Error as e:
         print(f"k3: error: {e}", file=sys.stderr)
+        _record_error(e)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        _record_error(e)
+        raise
+
+
+def _record_error(e: BaseException) -> None:
+    """Under torchrun: the error in torchrun's failure summary (k3/parallel/launch.py)."""
+    from k3.parallel.launch import record_error
+    record_error(e)
 
 
 if __name__ == "__main__":

@@ -209,6 +209,14 @@ def _drop_unsaved_optim_state(path: str, state: dict, osd: dict) -> None:
             osd["state"].pop(fqn, None)
 
 
+def _refuse_model_only(path: str) -> None:
+    """A checkpoint without optimizer state (`k3 convert --to dcp`) is a starting point, not a run to resume."""
+    from torch.distributed.checkpoint import FileSystemReader
+    if not any(k.startswith("optim.") for k in FileSystemReader(path).read_metadata().state_dict_metadata):
+        raise CheckpointError(f"{path}: holds model weights only (no optimizer state, e.g. written by k3 convert "
+                              f"--to dcp): start a new run from it (init_from), it cannot be resumed")
+
+
 def load_checkpoint(path: str, model, optimizer=None) -> dict:
     """Collective. Loads the model (and optimizer) shards of this rank from a checkpoint written on any mesh;
     returns the `extra` dict ({} if none was saved)."""
@@ -217,6 +225,8 @@ def load_checkpoint(path: str, model, optimizer=None) -> dict:
                                                            set_optimizer_state_dict)
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise CheckpointError(f"{path}: not a complete DCP checkpoint (no .metadata)")
+    if optimizer is not None:
+        _refuse_model_only(path)
     state, msd, osd = _states(model, optimizer)
     if optimizer is not None:
         _drop_unsaved_optim_state(path, state, osd)

@@ -12,7 +12,7 @@ Feeding. Every rank of a cp group loads the same packed sequence (its data-paral
 Sharding. The (batch 1, packed) sequence of T tokens is cut into cp contiguous equal slices of L = ceil(T / cp)
 tokens (KDA needs causal order, so no load-balancing permutation). If cp does not divide T, the tail is padded
 with `pad_id` tokens that form a document of their own with ignored labels (they come after every real token, so
-nothing real sees them; they do pass through the MoE, so they count in this step's balancer statistics). Each
+nothing real sees them; the MoE layers skip them, so they count in no balancer statistic). Each
 rank gets local `cu_seqlens` for the pieces of documents in its slice; a document may start, end or span any
 number of slices. `CPSlice` records, for every rank, whether its slice starts inside a document (`cont`) and
 where that document starts, which is all the layers need.
@@ -481,17 +481,35 @@ def _cp_mla_forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor
     return self.output(o, x_BTd)
 
 
+def _cp_moe_forward(self, x_BTd: torch.Tensor):
+    """LatentMoE.forward (or the EP one) on this rank's real tokens only: the padding at the end of the sequence
+    (cp not dividing it) never reaches the router, so it counts in no balancer statistic (load, QB margins,
+    histograms, aux loss) and costs no expert compute; its output rows are zeros (nothing real reads them)."""
+    sl = self._k3_cp._slice()
+    L = x_BTd.shape[1]
+    n = max(0, min(L, sl.orig_len - sl.start))
+    if n == L:
+        return self._k3_moe_forward(x_BTd)
+    out = self._k3_moe_forward(x_BTd[:, :n])        # a rank of pad only still joins the EP all-to-alls (0 rows)
+    return torch.cat([out, out.new_zeros((x_BTd.shape[0], L - n) + tuple(out.shape[2:]))], 1)
+
+
 def apply_context_parallel(model: torch.nn.Module, cp: ContextParallel) -> list:
-    """Install the CP forwards on every KDAAttention and MLAAttention of `model` (in place; before FSDP, like
-    expert parallelism). Returns the modules changed."""
+    """Install the CP forwards on every KDAAttention and MLAAttention of `model`, and the pad-skipping forward on
+    every LatentMoE (in place; after expert parallelism, before FSDP). Returns the attention modules changed."""
     from k3.nn.kda import KDAAttention
     from k3.nn.mla import MLAAttention
+    from k3.nn.moe import LatentMoE
     done = []
     for name, m in model.named_modules():
-        if isinstance(m, (KDAAttention, MLAAttention)):
+        if isinstance(m, (KDAAttention, MLAAttention, LatentMoE)):
             if getattr(m, "_k3_cp", None) is not None:
                 _bad(f"{name}: context parallelism is already applied")
             m._k3_cp = cp
+            if isinstance(m, LatentMoE):
+                m._k3_moe_forward = m.forward               # the model's, or expert parallelism's override
+                m.forward = types.MethodType(_cp_moe_forward, m)
+                continue
             fwd = _cp_kda_forward if isinstance(m, KDAAttention) else _cp_mla_forward
             m.forward = types.MethodType(fwd, m)
             done.append(m)

@@ -273,8 +273,8 @@ class DistTrainer(Trainer):
         from k3.parallel.muon import build_sharded_optimizer
         from k3.parallel.parallelize import (build_meta_model, load_full_state_dict, materialize,
                                              parallelize_model)
-        from k3.train import checkpointing as ckpt_io
-        from k3.train import report
+        from k3.parallel.release_load import init_dir, load_init
+        from k3.train import checkpointing as ckpt_io, report
         from k3.train.build import make_balancer
         from k3.train.config import (auto_threads, check_resume_settings, resolve_compile, resolve_param_dtype,
                                      stored_train_config)
@@ -299,8 +299,11 @@ class DistTrainer(Trainer):
         self.threads = torch.get_num_threads()
         ckpt_io.seed_everything(cfg.seed)
 
+        init = init_dir(cfg) if ckpt is None else None      # a released / DCP checkpoint to start from
         if ckpt is not None and os.path.isfile(self._path("config.json")):
             mcfg = K3Config.from_json(self._path("config.json"))
+        elif init is not None:
+            mcfg = K3Config.load(init)
         elif self._model_config is not None:
             mcfg = self._model_config
         else:
@@ -311,8 +314,8 @@ class DistTrainer(Trainer):
         # ---- data: rank 0 first (it trains / tokenizes into the cache), then the others read the cache
         first_seq = self._stage_seq_len(0)
         tok_path = cfg.tokenizer
-        if ckpt is not None and tok_path is None and os.path.isfile(os.path.join(ckpt, "tokenizer.json")):
-            tok_path = ckpt
+        if (ckpt or init) and tok_path is None and os.path.isfile(os.path.join(ckpt or init, "tokenizer.json")):
+            tok_path = ckpt or init
         t0 = time.time()
         for turn in (True, False):
             if self.is_rank0 == turn:
@@ -349,8 +352,10 @@ class DistTrainer(Trainer):
         parallelize_model(model, self.pmesh, param_dtype=mp_dtype,
                           reduce_dtype=torch.float32, activation_checkpointing=cfg.activation_checkpointing,
                           compile=self.compile_mode)
-        exact = ckpt is None and self.num_params <= EXACT_INIT_MAX_PARAMS
-        materialize(model, self.device, seed=cfg.seed, init=ckpt is None and not exact)
+        exact = ckpt is None and init is None and self.num_params <= EXACT_INIT_MAX_PARAMS
+        materialize(model, self.device, seed=cfg.seed, init=ckpt is None and init is None and not exact)
+        if init is not None:   # each rank reads only its shards / experts (k3.parallel.release_load)
+            load_init(model, init)
         if exact:   # the single-process init (same seed, same RNG stream), each rank keeping its shards
             from k3.model import K3ForCausalLM
             with torch.device("cpu"):

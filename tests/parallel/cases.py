@@ -61,6 +61,12 @@ def local_bytes(model, opt=None) -> dict:
     return out
 
 
+def _nbytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
 def rows_of_rank(x, rank, world):
     n = x.shape[0] // world
     return x[rank * n:(rank + 1) * n]
@@ -80,6 +86,7 @@ def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0,
     sd = {k: v.clone() for k, v in (ref or reference_model(cfg, seed=1)).state_dict().items()}
     model, pm = sharded_model(cfg, sd, ep=ep, dp_replicate=dp_replicate, activation_checkpointing=ac)
     out = {"ref_loss": [], "loss": [], "ref_norm": [], "norm": []}
+    grad_bytes = 0
     if opt:
         from k3.parallel.muon import build_sharded_optimizer
         from k3.train.optim import build_optimizer
@@ -106,6 +113,7 @@ def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0,
                 out["ref_norm"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
             out["norm"].append(float(clip_grad_norm_(model.parameters(), clip)))
         if s == steps - 1:
+            grad_bytes = sum(_nbytes(p.grad) for p in model.parameters() if p.grad is not None)
             if ref is not None:
                 out["ref_grads"] = {k: p.grad.clone() for k, p in ref.named_parameters() if p.grad is not None}
             out["grads"] = full_state_dict(model, grads=True)
@@ -119,6 +127,7 @@ def train_steps(ep=1, dp_replicate=1, rows=4, T=12, steps=1, opt=None, clip=0.0,
             save_checkpoint(save, s + 1, model, d_opt if opt else None,
                             extra={"step": s + 1, "data": {"epoch": 0, "offset": (s + 1) * rows}})
     out["bytes"] = local_bytes(model, d_opt if opt else None)
+    out["bytes"]["grad"] = grad_bytes
     if ref is not None:
         out["ref_params"] = {k: v.detach().clone() for k, v in ref.state_dict().items()}
     out["params"] = full_state_dict(model)

@@ -24,11 +24,7 @@ def env(tmp_path_factory):
     d = tmp_path_factory.mktemp("train_cli")
     cfg = _load("tests/parallel/cases.py:micro_config")(vocab_size=1024, pad_token_id=1023)
     cfg.save_json(str(d / "micro.json"))
-    text = []
-    for name in ("context.py", "mesh.py", "parallelize.py", "checkpoint.py"):
-        with open(os.path.join(ROOT, "k3", "parallel", name)) as f:
-            text.append(f.read())
-    (d / "corpus.txt").write_text("\n\n".join(text))
+    (d / "corpus.txt").write_text(fixed_corpus())
     mp = pytest.MonkeyPatch()
     mp.setenv("K3_CACHE", str(d / "cache"))
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -36,6 +32,26 @@ def env(tmp_path_factory):
     yield {"dir": d, "base": ["--config", str(d / "micro.json"), "--data", str(d / "corpus.txt"), "--split-sections",
                               "--batch-tokens", "256", "--eval-every", "0", "--val-tokens", "128", *QUIET]}
     mp.undo()
+
+
+def fixed_corpus(sections: int = 250, seed: int = 0) -> str:
+    """A deterministic prose-like corpus (~60 KB, blank-line sections). Fixed on purpose: a corpus read from the
+    repository's own source files changed whenever those files were edited, and with it every run these tests
+    compare."""
+    import random
+    rng = random.Random(seed)
+    words = ("the rank shard mesh expert token layer state sequence slice gradient optimizer checkpoint step "
+             "batch loss model weight tensor process group device memory context parallel data sum mean norm "
+             "update resume save load split gather reduce scatter row column head query key value latent "
+             "document boundary offset chunk kernel window block router bias load balance").split()
+    out = []
+    for _ in range(sections):
+        lines = []
+        for _ in range(rng.randint(2, 6)):
+            s = " ".join(rng.choice(words) for _ in range(rng.randint(5, 14)))
+            lines.append(s[0].upper() + s[1:] + rng.choice((".", ".", "!", "?", ":")))
+        out.append("\n".join(lines))
+    return "\n\n".join(out)
 
 
 def single_process(argv):
@@ -92,7 +108,10 @@ def test_dp_shard_2_matches_one_process_and_resumes_on_one_rank(env):
     import torch
     a, b = from_pretrained(os.path.join(out, "final")), from_pretrained(str(d / "ref" / "final"))
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=n)
+        # AdamW's embedding / lm_head within 5e-5, as in test_fsdp.py (fp32 reduction order amplified by Adam's
+        # 1/sqrt(v) on a rare token's tiny gradient); the Muon matrices within 1e-5
+        adamw = n in ("model.embed_tokens.weight", "lm_head.weight")
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5 if adamw else 1e-5, msg=n)
 
 
 @pytest.mark.slow
@@ -231,3 +250,20 @@ def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(env):
     assert os.listdir(os.path.join(out, "checkpoints")) == ["step-1"]    # agreed on before step 2 began
     ranks(2, ["train", "--out", out, "--resume", "--threads", "1"])
     assert_same_run(out, str(d / "ref_c"))
+
+
+def test_a_failing_rank_leaves_its_message_for_torchrun(tmp_path, monkeypatch, capsys):
+    """torchrun's failure summary prints the rank's TORCHELASTIC_ERROR_FILE (else `error_file: <N/A>` and no
+    message): k3.cli.main writes it for the error that ends the command."""
+    from k3.cli import main
+    err = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(err))
+    assert main(["train", "--preset", "no_such_preset", "--out", str(tmp_path / "run")]) == 2
+    assert "unknown preset 'no_such_preset'" in capsys.readouterr().err
+    msg = json.loads(err.read_text())["message"]
+    assert msg["message"].startswith("K3ConfigError: unknown preset 'no_such_preset'")
+    assert "Traceback" in msg["extraInfo"]["py_callstack"]
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    err.unlink()
+    assert main(["train", "--preset", "no_such_preset", "--out", str(tmp_path / "run")]) == 2
+    assert not err.exists()                                    # outside torchrun nothing is written
