@@ -30,7 +30,8 @@ import torch
 
 from k3.errors import CheckpointError
 
-__all__ = ["export_release", "release_config_dict", "RELEASE_TEXT_ARCH", "RELEASE_CONTAINER_ARCH"]
+__all__ = ["export_release", "release_config_dict", "check_release_plan", "SourceShards", "ReleaseTokenizerWriter",
+           "RELEASE_TEXT_ARCH", "RELEASE_CONTAINER_ARCH"]
 
 log = logging.getLogger("k3.export")
 
@@ -91,7 +92,7 @@ _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "fl
               "I8": "int8", "I32": "int32", "I64": "int64", "BOOL": "bool"}
 
 
-class _SourceShards:
+class SourceShards:
     """Memory-mapped handles on the source checkpoint's shards, opened once; tensors are read on demand."""
 
     def __init__(self, ckpt):
@@ -117,7 +118,7 @@ class _SourceShards:
         return self._handles[self.where[key]].get_tensor(key)
 
 
-def _stream_plan(src: "_SourceShards", cfg, quantize: bool, tdt) -> list:
+def _stream_plan(src: "SourceShards", cfg, quantize: bool, tdt) -> list:
     """Released entries made lazily from the source checkpoint's tensors (a k3 checkpoint is already in the
     released naming): floating tensors cast to ``tdt`` (fp32-kept ones stay fp32), routed experts re-encoded to
     MXFP4 / decoded to ``tdt`` as needed, one tensor at a time. Nothing is materialised up front."""
@@ -166,7 +167,7 @@ def _stream_plan(src: "_SourceShards", cfg, quantize: bool, tdt) -> list:
     return plan
 
 
-def _check_plan(plan, cfg, quantize: bool, ckpt: str) -> None:
+def check_release_plan(plan, cfg, quantize: bool, ckpt: str) -> None:
     """Names and shapes of the text tensors = what the released format implies for ``cfg`` (A_log: >= H)."""
     from k3.checkpoint.adapter import PREFIX, format_key_report, released_key_shapes
     want = released_key_shapes(cfg, quantize_experts=quantize)
@@ -191,7 +192,7 @@ def _check_plan(plan, cfg, quantize: bool, ckpt: str) -> None:
                               + "\n".join(p for p in parts if p))
 
 
-class _ReleaseTokenizerWriter:
+class ReleaseTokenizerWriter:
     """`save(dir)` hook for save_pretrained: writes the tokenizer in K3's released format."""
 
     def __init__(self, tok, extra_config):
@@ -233,7 +234,7 @@ def export_release(ckpt: str, out: str, *, quantize: Optional[str] = None, dtype
         tok = tokenizer
     check_tokenizer_matches(tok, cfg)
 
-    src = _SourceShards(ckpt)
+    src = SourceShards(ckpt)
     extras = {k for k in src.meta if k.startswith(("vision_tower.", "mm_projector."))}
     vision_config = None
     if extras:
@@ -272,9 +273,9 @@ def export_release(ckpt: str, out: str, *, quantize: Optional[str] = None, dtype
     qcfg = cdict["text_config"].get("quantization_config")
     save_cfg = cfg.replace(quantization_config=qcfg, dtype=dtype_name)
     plan = _stream_plan(src, save_cfg, quantize == "mxfp4", tdt)
-    _check_plan(plan, save_cfg, quantize == "mxfp4", ckpt)
+    check_release_plan(plan, save_cfg, quantize == "mxfp4", ckpt)
     path = save_pretrained(plan, out, max_shard_size=max_shard_size, quantize_experts=(quantize == "mxfp4"),
-                           tokenizer=_ReleaseTokenizerWriter(tok, tok_extra), extra_files=files, config=save_cfg,
+                           tokenizer=ReleaseTokenizerWriter(tok, tok_extra), extra_files=files, config=save_cfg,
                            dtype=tdt, single_file_if_fits=True, config_dict=cdict)
     log.info("exported %s -> %s (%s%s)", ckpt, path, dtype_name, ", MXFP4 experts" if quantize else "")
     return path

@@ -180,7 +180,7 @@ def dcp_to_release(src: str, out: str, *, config: Optional[str] = None, dtype: s
     """DCP checkpoint (or run directory) `src` -> the released layout in `out` (module doc). Returns `out`."""
     from k3.checkpoint.adapter import torch_dtype
     from k3.checkpoint.io import save_pretrained
-    from k3.export import _ReleaseTokenizerWriter, _check_plan, release_config_dict
+    from k3.export import ReleaseTokenizerWriter, check_release_plan, release_config_dict
     from k3.tokenizer import check_tokenizer_matches, load_tokenizer
     if quantize not in (None, "mxfp4"):
         raise CheckpointError(f"--quantize: unknown format {quantize!r} (supported: mxfp4)")
@@ -210,9 +210,9 @@ def dcp_to_release(src: str, out: str, *, config: Optional[str] = None, dtype: s
                                 media_placeholder_token_id=tok.special_tokens.get("<|media_pad|>"), auto_map=auto_map)
     save_cfg = cfg.replace(quantization_config=cdict["text_config"].get("quantization_config"), dtype=dtype_name)
     plan = _lazy_release_plan(_DCPGroups(ckpt, meta), save_cfg, quantize == "mxfp4", tdt)
-    _check_plan(plan, save_cfg, quantize == "mxfp4", ckpt)
+    check_release_plan(plan, save_cfg, quantize == "mxfp4", ckpt)
     path = save_pretrained(plan, out, max_shard_size=max_shard_size, quantize_experts=(quantize == "mxfp4"),
-                           tokenizer=_ReleaseTokenizerWriter(tok, tok_extra), extra_files=files, config=save_cfg,
+                           tokenizer=ReleaseTokenizerWriter(tok, tok_extra), extra_files=files, config=save_cfg,
                            dtype=tdt, single_file_if_fits=True, config_dict=cdict)
     log.info("converted %s -> %s (released layout, %s)", ckpt, path, dtype_name)
     return path
@@ -225,8 +225,8 @@ def _released_reader(src: str, cfg, dtype):
     opened once, memory-mapped)."""
     from k3.checkpoint.adapter import model_key_of
     from k3.checkpoint.assemble import ReleasedAssembler
-    from k3.export import _SourceShards
-    shards = _SourceShards(src)
+    from k3.export import SourceShards
+    shards = SourceShards(src)
     by_model: dict = {}
     for k in shards.meta:
         by_model.setdefault(model_key_of(k), []).append(k)

@@ -82,11 +82,11 @@ def load_released(model, directory: str, config=None, record: Optional[list] = N
     from k3.checkpoint.adapter import PREFIX, model_key_of
     from k3.checkpoint.assemble import ReleasedAssembler
     from k3.checkpoint.io import load_config
-    from k3.export import _SourceShards
+    from k3.export import SourceShards
     from k3.parallel.expert import EP_PARAM_FLAG, is_ep_param
     from k3.parallel.parallelize import refresh_ep_flags
     cfg = config if config is not None else load_config(directory)
-    src = _SourceShards(directory)
+    src = SourceShards(directory)
     by_model: dict = {}
     for k in src.meta:
         by_model.setdefault(model_key_of(k), []).append(k)

@@ -8,11 +8,10 @@ batch shape BEFORE any work (K3ConfigError naming the flag), initialises the pro
 CPU) and returns a `DistTrainer`, a `Trainer` whose steps, evaluation, checkpoints and end-of-run files are
 distributed:
 
-* model: built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2), then materialised per rank. A
-  model of at most `EXACT_INIT_MAX_PARAMS` parameters is initialised exactly as the single-process run does (one CPU
-  copy per rank, from the same seed, each rank keeping its shards), so a run's numbers do not depend on the mesh; a
-  larger one is initialised shard by shard (`init_weights` on the local shards; on CPU that init depends on the
-  mesh) or comes from a checkpoint.
+* model: built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2), materialised per rank. Up to
+  `EXACT_INIT_MAX_PARAMS` parameters it is initialised as the single-process run does (a CPU copy per rank from the
+  same seed, each keeping its shards: the numbers do not depend on the mesh); a larger one shard by shard
+  (`init_weights` on the local shards), or loaded per rank from `--init` / a checkpoint.
 * data: every rank draws the same global batch (the single-process loader, same order) and keeps its data-parallel
   rows (`ParallelMesh.dp_index()`); rows per micro-batch must divide by dp_replicate x dp_shard. Under CP the cp
   ranks of one data index share those rows and each keeps its contiguous slice (`model._k3_cp.shard`).
@@ -21,12 +20,10 @@ distributed:
   `sharded_qk_clip`; the balancers reduce their statistics over the data ranks themselves.
 * checkpoints: DCP (`k3.parallel.checkpoint`) in RUN/checkpoints/step-<N>/ with `extra.pt` = scheduler, balancer,
   loader position, RNG, step counters, the mesh it was written on; `--resume` loads it on any mesh / world size.
-* rank 0 alone writes metrics.jsonl, TensorBoard, the progress bar, samples.txt, report.md, loss.png and final/;
-  evaluation losses are summed over the ranks.
+* rank 0 alone writes metrics.jsonl, TensorBoard, progress, samples, report, plots and final/; eval sums ranks.
 
-`--batch-tokens` stays the global tokens per optimizer step and `--stages` keeps it constant per stage; `--cp` is
-fixed for the whole run (every stage runs with the same cp degree: a stage's rows per data rank x its seq_len is the
-sequence each cp group splits, so longer stages give each cp rank longer slices, not more tokens per step).
+`--batch-tokens` stays the global tokens per optimizer step, constant per stage; `--cp` is fixed for the run (a
+longer stage gives each cp rank a longer slice of the sequence its group splits, not more tokens per step).
 """
 from __future__ import annotations
 
@@ -629,13 +626,16 @@ class DistTrainer(Trainer):
             return f"the final validation loss is {v}"
         return None
 
-    def _finish(self, status: str, wall: float) -> dict:
+    def latest_checkpoint_path(self) -> Optional[str]:
         from k3.parallel.checkpoint import latest_checkpoint
+        return latest_checkpoint(self.ckpt_dir)
+
+    def _finish(self, status: str, wall: float) -> dict:
         from k3.train import report
         from k3.train.trainer import TrainingError
         cfg = self.cfg
         summary = report.build_summary(self, status, wall)
-        summary["checkpoint"] = latest_checkpoint(self.ckpt_dir)
+        summary["checkpoint"] = self.latest_checkpoint_path()
         summary["mesh"] = self.dims.describe()
         failure = self._non_finite() if status == "completed" else None
         if failure is not None:

@@ -17,7 +17,7 @@ _FIELDS = {
     "warmup": "warmup_steps", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "stop_at": "stop_at",
     "max_bad_steps": "max_bad_steps", "val_tokens": "val_tokens", "split_sections": "split_sections",
     "threads": "threads", "compile": "compile", "param_dtype": "param_dtype", "no_progress": "progress",
-    "no_tensorboard": "tensorboard", "no_samples": "samples", "overwrite": "overwrite",
+    "no_tensorboard": "tensorboard", "no_samples": "samples", "overwrite": "overwrite", "init": "init_from",
 }
 _NEGATED = {"no_progress", "no_tensorboard", "no_samples"}
 # `k3 sft`: its own flags -> TrainConfig fields (the shared ones as above; --data is the chats.jsonl)
@@ -49,6 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--overwrite", action="store_true", default=None,
       help="start a new run in an --out that holds one, deleting its checkpoints, metrics and final model")
     a("--stop-at", type=int_at_least(1), default=None, help="stop (with a checkpoint) after this step; resume later")
+    a("--init", default=None, help="start from these weights (fresh optimizer): a model or run directory, a released "
+                                   "checkpoint, or under torchrun a DCP checkpoint (k3 convert --to dcp)")
     a("--data", nargs="+", default=None, help="corpus .txt/.jsonl files or directories [built-in pydocs corpus]")
     a("--split-sections", action="store_true", default=None, help=".txt files: one document per blank-line section")
     a("--tokenizer", default=None, help="tokenizer.json (or its dir) [BPE trained on the corpus, cached]")

@@ -48,7 +48,7 @@ FLAG_NAMES = {
     "val_tokens": "--val-tokens", "split_sections": "--split-sections", "threads": "--threads",
     "compile": "--compile", "param_dtype": "--param-dtype", "progress": "--no-progress",
     "tensorboard": "--no-tensorboard", "samples": "--no-samples", "overwrite": "--overwrite",
-    "init_from": "--ckpt", "task": "the subcommand (k3 train / k3 sft)", "sft_data": "--data (k3 sft)",
+    "init_from": "--init (k3 train) / --ckpt (k3 sft)", "task": "the subcommand (k3 train / k3 sft)", "sft_data": "--data (k3 sft)",
     "sft_per_task": "--per-task", "sft_tasks": "--tasks",
 }
 
@@ -278,7 +278,7 @@ class TrainConfig:
         if self.task not in TASKS:
             raise K3ConfigError(f"TrainConfig.task must be one of {TASKS}, got {self.task!r}")
         if self.init_from is not None:
-            resolve_init_checkpoint(self.init_from)
+            resolve_init_checkpoint(self.init_from, allow_dcp=True)
         if self.task == "sft":
             if self.init_from is None and self.tokenizer is None:
                 raise K3ConfigError("k3 sft needs --ckpt (a trained checkpoint: its tokenizer has the chat tokens)")
@@ -294,14 +294,21 @@ class TrainConfig:
                 raise K3ConfigError(f"--tasks: unknown task(s) {bad} (built in: {', '.join(list_envs())})")
 
 
-def resolve_init_checkpoint(path: str) -> str:
-    """The model directory `--ckpt` names: itself when it holds a model (config.json + safetensors), else a run
-    directory's final/, else its latest checkpoint. K3ConfigError when there is none."""
+def resolve_init_checkpoint(path: str, allow_dcp: bool = False) -> str:
+    """The model directory `--init` / `--ckpt` names: itself when it holds a model (config.json + safetensors), else
+    a run directory's final/, else its latest checkpoint. A DCP checkpoint (a `.metadata` file: a distributed run's
+    checkpoint or `k3 convert --to dcp`'s output) only with allow_dcp (the distributed trainer reads those).
+    K3ConfigError when there is none."""
     def is_model(d):
         return os.path.isfile(os.path.join(d, "config.json")) and any(
             n.endswith(".safetensors") for n in os.listdir(d))
     if not isinstance(path, str) or not os.path.isdir(path):
         raise K3ConfigError(f"--ckpt: {path!r} is not a directory")
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        if allow_dcp:
+            return path
+        raise K3ConfigError(f"--init: {path!r} is a DCP checkpoint: start from it under torchrun, or turn it into "
+                            f"safetensors first with `k3 convert {path} OUT`")
     if is_model(path):
         return path
     if os.path.isdir(os.path.join(path, "final")) and is_model(os.path.join(path, "final")):

@@ -287,6 +287,10 @@ class Trainer:
             "train_config": self.cfg.to_dict(), "tokenizer_fingerprint": self.tokenizer.fingerprint,
         }
 
+    def latest_checkpoint_path(self) -> Optional[str]:
+        """The run's newest checkpoint (None: none yet); the distributed trainer's are DCP directories."""
+        return latest_checkpoint(self.cfg.out_dir)
+
     def save_checkpoint(self) -> str:
         """Write checkpoints/step-<step>/ atomically; prune to the last `keep`. Returns its path."""
         return ckpt_io.save_checkpoint(self)
@@ -499,7 +503,7 @@ class Trainer:
                     raise TrainingError(
                         f"stopping at step {self.step}: the loss or gradient was NaN/inf for {self.bad_streak} "
                         f"consecutive steps (limit --max-bad-steps {cfg.max_bad_steps}). Lower --lr, check the "
-                        f"data, or resume from the last good checkpoint ({latest_checkpoint(cfg.out_dir)}).")
+                        f"data, or resume from the last good checkpoint ({self.latest_checkpoint_path()}).")
                 for cb in self.callbacks:
                     cb.on_step_end(self, rec)
                 if eval_every and self.step % eval_every == 0 and self.step < end:
@@ -514,7 +518,7 @@ class Trainer:
             if self.step < cfg.steps:
                 status = "stopped"
         except _Abort:
-            print(f"\nk3 train: aborted at step {self.step}; last checkpoint: {latest_checkpoint(cfg.out_dir)}",
+            print(f"\nk3 train: aborted at step {self.step}; last checkpoint: {self.latest_checkpoint_path()}",
                   flush=True)
             raise
         except KeyboardInterrupt:
