@@ -7,6 +7,7 @@ before and after, the chance level, steps and times. Results: benchmarks/RESULTS
 """
 import argparse
 import json
+import os
 import sys
 import time
 

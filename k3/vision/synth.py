@@ -104,13 +104,18 @@ class VisionSynthTask:
         draw = ImageDraw.Draw(img)
         colour = rng.choice(tuple(COLOURS))
         kind = rng.choice(SHAPES)
-        r = rng.uniform(10, 16)
+        scale = min(1.0, min(W, H) / 84.0)  # images under 84 px get proportionally smaller shapes
+        r = rng.uniform(10, 16) * scale
         if task == "count":
             n = rng.randint(1, 4)
             answer = COUNTS[n - 1]
-            r = rng.uniform(7, 10)
+            r = rng.uniform(7, 10) * scale
             centres: list = []
+            tries = 0
             while len(centres) < n:  # rejection sampling: no overlaps
+                tries += 1
+                if tries > 200:  # the shapes placed so far leave no room: start the placement over
+                    centres, tries = [], 0
                 c = (rng.uniform(r + 1, W - r - 1), rng.uniform(r + 1, H - r - 1))
                 if all(math.hypot(c[0] - x, c[1] - y) > 2.3 * r for x, y in centres):
                     centres.append(c)
