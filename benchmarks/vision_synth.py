@@ -29,6 +29,8 @@ def main(argv=None):
                     "norms, the patch embedding) [--lr]")
     ap.add_argument("--micro", action="store_true", help="the micro text model (k3.vision.train.MICRO_TEXT) "
                     "instead of the tiny preset's (for a loaded CPU)")
+    ap.add_argument("--no-eval-before", action="store_true", help="skip the evaluation before training (chance "
+                    "is known; saves minutes on a loaded CPU)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import torch
@@ -38,6 +40,7 @@ def main(argv=None):
     res = train_vision_synth(steps=a.steps, time_budget_s=a.time_budget, lr=a.lr, warmup=a.warmup, seq_len=a.seq_len,
                              eval_n=a.eval_n, text_every=a.text_every, seed=a.seed, tasks=a.tasks.split(","),
                              sizes=[int(x) for x in a.sizes.split(",")] if a.sizes else None, adamw_lr=a.adamw_lr,
+                             eval_before=not a.no_eval_before,
                              log_fn=lambda s: print(s, flush=True), **(MICRO_TEXT if a.micro else {}))
     out = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "examples_seen")}
     out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, adamw_lr=a.adamw_lr,

@@ -47,7 +47,7 @@ def _images_of(images, rows):
     return torch.cat([pv for pv, _ in got]), torch.cat([gr for _, gr in got])
 
 
-def vision_fsdp_steps(image_rows_per_step=((0, 1, 2, 3),), check_always_run=True):
+def vision_fsdp_steps(image_rows_per_step=((0, 1, 2, 3),), always_run_tower=True):
     """Per step: forward + backward of FSDP2 over 2 ranks (rank r takes rows 2r, 2r+1 and their images) and of
     one process on all 4 rows. Returns (rank 0) the global losses, the full gradients of each step, both ways."""
     import torch.distributed as dist
@@ -66,6 +66,7 @@ def vision_fsdp_steps(image_rows_per_step=((0, 1, 2, 3),), check_always_run=True
     materialize(model, "cpu", init=False)
     load_full_state_dict(model, sd)
     assert model.always_run_tower
+    model.always_run_tower = always_run_tower   # False: only to show what the dummy prevents
     res = {"loss": [], "ref_loss": [], "grads": [], "ref_grads": [], "local_images": []}
     mine = list(range(rank * ROWS // world, (rank + 1) * ROWS // world))
     for image_rows in image_rows_per_step:
@@ -74,7 +75,7 @@ def vision_fsdp_steps(image_rows_per_step=((0, 1, 2, 3),), check_always_run=True
         pv, grid = _images_of(images, range(ROWS))
         out = ref(ids, pv, grid, labels=labels)
         out.loss.backward()
-        res["ref_loss"].append(float(out.loss))
+        res["ref_loss"].append(float(out.loss.detach()))
         res["ref_grads"].append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})
         ref.zero_grad(set_to_none=True)
         # this rank's rows
