@@ -1,9 +1,10 @@
 """Learning check of the multimodal path: the `tiny` multimodal model on the synthetic image task (k3.vision.synth).
 
-    PYTHONPATH=. python benchmarks/vision_synth.py --threads 2 --time-budget 420 [--lr 6e-3] [--json out.json]
+    PYTHONPATH=. python benchmarks/vision_synth.py --micro --time-budget 480 --seq-len 2048 --lr 2e-2 --adamw-lr 3e-3 \
+        --warmup 5 --text-every 0 --sizes 84 --eval-n 120 --no-eval-before [--json out.json]
 
 Trains from scratch on CPU for a wall-clock budget and prints held-out accuracy (argmax over the answer choices)
-before and after, the chance level, steps and times. Results: benchmarks/RESULTS.md (vision-synth).
+before and after, the chance level, steps and times. Results: benchmarks/vision_synth.md.
 """
 import argparse
 import json
@@ -14,7 +15,8 @@ import time
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads [1]: on a shared CPU 2 threads ran "
+                    "~25x slower per step (OpenMP threads spinning against other jobs)")
     ap.add_argument("--time-budget", type=float, default=420.0, help="training seconds (evaluation excluded)")
     ap.add_argument("--steps", type=int, default=None, help="fixed step count (default: as the budget allows)")
     ap.add_argument("--lr", type=float, default=6e-3)

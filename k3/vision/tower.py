@@ -189,6 +189,7 @@ def packed_attention(q_LHD: torch.Tensor, k_LHD: torch.Tensor, v_LHD: torch.Tens
         cu = cu_tensor if cu_tensor is not None else torch.tensor(cu_seqlens, dtype=torch.int32,
                                                                    device=q_LHD.device)
         m = max(e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        q_LHD, k_LHD, v_LHD = (z.contiguous() for z in (q_LHD, k_LHD, v_LHD))   # v is a strided view of qkv
         return _varlen_op()(q_LHD, k_LHD, v_LHD, cu, cu, m, m, scale=scale)
     out = []
     for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one SDPA call per image

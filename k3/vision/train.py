@@ -234,13 +234,12 @@ def run_train_cli(args) -> int:
     seq = args.batch_tokens or 2048
     lr = args.lr or 2e-2
     # the recipe of benchmarks/vision_synth.md: Muon at lr, AdamW (embeddings, lm_head, norms) at 0.15 lr (at lr
-    # itself the lm_head thrashes and the answer stays at its prior), colour questions on 56 px images
+    # itself the lm_head thrashes and the answer stays at its prior), the four-task mix on 84 px images
     res = train_vision_synth(steps=args.steps, time_budget_s=budget, seq_len=seq, model=model, tokenizer=tok,
                              lr=lr, adamw_lr=0.15 * lr, warmup=args.warmup if args.warmup is not None else 5,
                              seed=args.seed or 0, task=pairs, text_every=0,
                              eval_n=CLI_EVAL_N if pairs is None else min(CLI_EVAL_N, len(pairs.splits["val"])),
-                             sizes=(56,) if pairs is None else None, log_fn=say,
-                             tasks=("colour",) if pairs is None else TASKS)
+                             sizes=(84,) if pairs is None else None, log_fn=say, tasks=TASKS)
     final = os.path.join(out_dir, "final")
     res["model"].save_pretrained(final, tokenizer=tok)
     summary = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "wall_s", "examples_seen")}
