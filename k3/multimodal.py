@@ -22,7 +22,9 @@ Placement (what the release does, HF/NeMo style):
   Text-only input without `[PAD]` tokens therefore gives exactly `K3ForCausalLM`'s output.
 - `always_run_tower=True` runs the tower on a dummy image when a batch has none and adds 0 * its output, so every
   vision parameter takes part in forward and backward on every step: needed under FSDP/DDP, where a rank with
-  images and one without must take the same collective path (TorchTitan notes a deadlock). Off by default.
+  images and one without must take the same collective path (TorchTitan notes a deadlock); the dummy runs before
+  the embedding lookup, where a rank with images runs its tower. Off by default; `k3.parallel.vision`'s
+  `parallelize_multimodal` turns it on.
 """
 from __future__ import annotations
 

@@ -29,8 +29,9 @@ from k3.errors import K3ConfigError
 from k3.vision.config import VisionConfig
 from k3.vision.errors import K3ImageError
 
-__all__ = ["VisionRMSNorm", "MoonViT", "packed_attention", "varlen_supported", "ATTN_IMPLS", "rope_2d_angles", "apply_rope_2d", "time_embedding", "merge_sd2_tpool",
-           "check_grid", "cu_seqlens_from_grid", "image_token_counts"]
+__all__ = ["VisionRMSNorm", "MoonViT", "packed_attention", "varlen_supported", "ATTN_IMPLS", "rope_2d_angles",
+           "apply_rope_2d", "time_embedding", "merge_sd2_tpool", "check_grid", "cu_seqlens_from_grid",
+           "image_token_counts"]
 
 
 class VisionRMSNorm(nn.Module):
