@@ -26,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--text-every", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tasks", default="colour,shape,count,position")
+    ap.add_argument("--train-weights", default=None, help="how often each of --tasks is drawn in training, "
+                    "comma-separated (held-out examples stay uniform) [uniform]")
     ap.add_argument("--sizes", default=None, help="image side lengths in px, comma-separated [84,112]")
     ap.add_argument("--adamw-lr", type=float, default=None, help="LR of the AdamW parameters (embeddings, lm_head, "
                     "norms, the patch embedding) [--lr]")
@@ -43,10 +45,13 @@ def main(argv=None):
                              eval_n=a.eval_n, text_every=a.text_every, seed=a.seed, tasks=a.tasks.split(","),
                              sizes=[int(x) for x in a.sizes.split(",")] if a.sizes else None, adamw_lr=a.adamw_lr,
                              eval_before=not a.no_eval_before,
+                             train_weights=([float(x) for x in a.train_weights.split(",")] if a.train_weights
+                                            else None),
                              log_fn=lambda s: print(s, flush=True), **(MICRO_TEXT if a.micro else {}))
     out = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "examples_seen")}
     out.update(wall_s=time.time() - t, threads=a.threads, micro=a.micro, lr=a.lr, adamw_lr=a.adamw_lr,
-               sizes=a.sizes, load_avg=os.getloadavg(), warmup=a.warmup, seq_len=a.seq_len,
+               sizes=a.sizes, train_weights=a.train_weights, load_avg=os.getloadavg(), warmup=a.warmup,
+               seq_len=a.seq_len,
                first_losses=res["losses"][:3], last_losses=res["losses"][-3:],
                params=sum(p.numel() for p in res["model"].parameters()), torch=torch.__version__,
                command="python benchmarks/vision_synth.py " + " ".join(argv if argv is not None else sys.argv[1:]))

@@ -127,7 +127,8 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
                        text_every: int = 4, eval_n: int = 120, model=None, tokenizer=None, text_docs=None,
                        eval_before: bool = True, device="cpu", log_every: int = 10,
                        log_fn: Optional[Callable[[str], None]] = None, sizes: Optional[Sequence[int]] = None,
-                       task=None, adamw_lr: Optional[float] = None, **model_overrides) -> dict:
+                       task=None, adamw_lr: Optional[float] = None,
+                       train_weights: Optional[Sequence[float]] = None, **model_overrides) -> dict:
     """Train `model` (default: `build_synth_model(tokenizer)`, the `tiny` multimodal preset) on the synthetic
     task for `steps` steps or until `time_budget_s` (training time, evaluation excluded) runs out (`steps=None`:
     as many as the budget allows; the LR schedule's length is estimated from the first 3 steps, the LR stays at its
@@ -147,6 +148,7 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
     model.to(device)
     if task is None:
         task = VisionSynthTask(tokenizer, tasks=tasks, seed=seed, processor_config=model.processor_config,
+                               train_weights=train_weights,
                                **({"sizes": tuple(sizes)} if sizes else {}))
     elif getattr(task, "processor_config", None) is None:
         task.processor_config = model.processor_config

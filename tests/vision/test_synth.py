@@ -36,6 +36,25 @@ def test_examples_deterministic_and_split(task):
     assert chance_level(("colour", "shape")) == pytest.approx((1 / 6 + 1 / 3) / 2)
 
 
+def test_train_weights_skew_training_only(tok):
+    t = VisionSynthTask(tok, seed=3, train_weights=(0, 1, 0, 0))
+    assert {t.example(i).task for i in range(30)} == {"shape"}
+    assert len({t.example(i, "val").task for i in range(40)}) == 4      # held-out stays uniform: chance holds
+    assert t.chance == chance_level()
+    u = VisionSynthTask(tok, seed=3)
+    assert [u.example(i, "val").answer for i in range(10)] == [t.example(i, "val").answer for i in range(10)]
+    from k3.errors import K3ConfigError
+    for bad in ((1, 1), (0, 0, 0, 0), (1, -1, 1, 1)):
+        with pytest.raises(K3ConfigError, match="train_weights"):
+            VisionSynthTask(tok, train_weights=bad)
+
+
+def test_small_images_count_examples_terminate(tok):
+    """56 px count examples: four shapes always fit (the placement restarts instead of looping forever)."""
+    t = VisionSynthTask(tok, tasks=("count",), sizes=(56,))
+    assert {t.example(i).answer for i in range(60)} == set(CHOICES["count"])
+
+
 def test_encode_chat_block_and_labels(task, tok):
     ex = task.example(1)
     enc = task.encode(ex)
