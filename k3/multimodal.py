@@ -22,7 +22,9 @@ Placement (what the release does, HF/NeMo style):
   Text-only input without `[PAD]` tokens therefore gives exactly `K3ForCausalLM`'s output.
 - `always_run_tower=True` runs the tower on a dummy image when a batch has none and adds 0 * its output, so every
   vision parameter takes part in forward and backward on every step: needed under FSDP/DDP, where a rank with
-  images and one without must take the same collective path (TorchTitan notes a deadlock). Off by default.
+  images and one without must take the same collective path (TorchTitan notes a deadlock); the dummy runs before
+  the embedding lookup, where a rank with images runs its tower. Off by default; `k3.parallel.vision`'s
+  `parallelize_multimodal` turns it on.
 """
 from __future__ import annotations
 
@@ -253,6 +255,22 @@ class K3ForConditionalGeneration(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise in place as the constructor does (the language model's init; the vision linears / conv
+        torch's defaults, norms 1, the position table U(+-0.02*sqrt(3))); works on FSDP shards (DTensors)."""
+        from k3.vision.tower import PosEmb, VisionRMSNorm
+        self.language_model.reset_parameters()
+        for mod in (self.vision_tower, self.mm_projector):
+            for m in mod.modules():
+                if isinstance(m, (nn.Linear, nn.Conv2d)):
+                    m.reset_parameters()
+                elif isinstance(m, VisionRMSNorm):
+                    nn.init.ones_(m.weight)
+                elif isinstance(m, PosEmb):
+                    b = 0.02 * 3 ** 0.5
+                    nn.init.uniform_(m.weight, -b, b)
+
     def set_gradient_checkpointing(self, on: bool = True) -> None:
         """Activation checkpointing of the language model's layers (the tower is small next to it)."""
         self.language_model.set_gradient_checkpointing(on)
@@ -296,9 +314,14 @@ class K3ForConditionalGeneration(nn.Module):
         [PAD] embeddings zeroed. `image_embeds` + `image_counts` (from `encode_images`) skip the tower."""
         _check_ids(input_ids)
         pid = self.media_placeholder_token_id
+        dummy = None
         if image_embeds is None:
             if pixel_values is None and grid_thw is None:
                 image_counts = []
+                if self.always_run_tower:
+                    # before the embedding lookup, as a rank with images runs its tower: under FSDP every rank
+                    # must gather the tower, projector and embedding units in the same order
+                    dummy = self._dummy_tower_output()
             else:
                 image_embeds, image_counts = self.encode_images(pixel_values, grid_thw)
         elif image_counts is None or sum(image_counts) != image_embeds.shape[0]:
@@ -314,7 +337,7 @@ class K3ForConditionalGeneration(nn.Module):
         if image_embeds is not None and image_embeds.shape[0]:
             emb = emb.masked_scatter(exp.image_mask.unsqueeze(-1), image_embeds.to(emb.dtype))
         elif self.always_run_tower:
-            emb = emb + self._dummy_tower_output().to(emb.dtype)
+            emb = emb + (dummy if dummy is not None else self._dummy_tower_output()).to(emb.dtype)
         if self.zero_pad_embeddings:
             pad = exp.input_ids == self.config.pad_token_id
             if input_ids.device.type != "cpu" or bool(pad.any()):

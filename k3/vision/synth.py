@@ -71,10 +71,11 @@ def _draw_shape(draw, kind: str, cx: float, cy: float, r: float, fill) -> None:
 
 class VisionSynthTask:
     """Deterministic example factory + tokenisation. `sizes`: image side lengths (px) drawn per axis; multiples of
-    28 keep the images unpadded (at 84-112 px: 9-16 image tokens each)."""
+    28 keep the images unpadded (at 84-112 px: 9-16 image tokens each). `train_weights`: how often each task is
+    drawn in the `train` split (default uniform); `val` / `test` stay uniform, so `chance` holds for them."""
 
     def __init__(self, tokenizer, tasks: Sequence[str] = TASKS, seed: int = 0, sizes: Sequence[int] = (84, 112),
-                 processor_config=None):
+                 processor_config=None, train_weights: Optional[Sequence[float]] = None):
         for t in tasks:
             if t not in CHOICES:
                 raise K3ConfigError(f"vision-synth task {t!r}: unknown; known: {sorted(CHOICES)}")
@@ -85,6 +86,12 @@ class VisionSynthTask:
         self.seed = int(seed)
         self.sizes = tuple(int(s) for s in sizes)
         self.processor_config = processor_config
+        if train_weights is not None:
+            train_weights = tuple(float(w) for w in train_weights)
+            if len(train_weights) != len(self.tasks) or any(w < 0 for w in train_weights) or not sum(train_weights):
+                raise K3ConfigError(f"vision-synth train_weights {list(train_weights)}: need one weight >= 0 per "
+                                    f"task {list(self.tasks)}, not all 0")
+        self.train_weights = train_weights
         self._prompt_cache: dict = {}
 
     @property
@@ -97,20 +104,28 @@ class VisionSynthTask:
         if split not in _SPLITS:
             raise K3ConfigError(f"split {split!r}: expected one of {sorted(_SPLITS)}")
         rng = random.Random(f"k3-vision-synth/{self.seed}/{split}/{int(index)}")
-        task = self.tasks[rng.randrange(len(self.tasks))]
+        if split == "train" and self.train_weights is not None:   # held-out splits stay uniform over tasks
+            task = rng.choices(self.tasks, weights=self.train_weights)[0]
+        else:
+            task = self.tasks[rng.randrange(len(self.tasks))]
         W, H = rng.choice(self.sizes), rng.choice(self.sizes)
         bg = tuple(rng.randint(215, 255) for _ in range(3))
         img = Image.new("RGB", (W, H), bg)
         draw = ImageDraw.Draw(img)
         colour = rng.choice(tuple(COLOURS))
         kind = rng.choice(SHAPES)
-        r = rng.uniform(10, 16)
+        scale = min(1.0, min(W, H) / 84.0)  # images under 84 px get proportionally smaller shapes
+        r = rng.uniform(10, 16) * scale
         if task == "count":
             n = rng.randint(1, 4)
             answer = COUNTS[n - 1]
-            r = rng.uniform(7, 10)
+            r = rng.uniform(7, 10) * scale
             centres: list = []
+            tries = 0
             while len(centres) < n:  # rejection sampling: no overlaps
+                tries += 1
+                if tries > 200:  # the shapes placed so far leave no room: start the placement over
+                    centres, tries = [], 0
                 c = (rng.uniform(r + 1, W - r - 1), rng.uniform(r + 1, H - r - 1))
                 if all(math.hypot(c[0] - x, c[1] - y) > 2.3 * r for x, y in centres):
                     centres.append(c)

@@ -12,7 +12,10 @@ Notes that matter for matching the release:
 - Pixels are cast to the tower dtype before the patch conv; q and k are rotated in fp32 and cast back.
 - 2-D RoPE: head dim viewed as complex pairs of adjacent elements (2m, 2m+1); pair 2i turns by col*f_i and pair
   2i+1 by row*f_i, f_i = 10000^(-4i/head_dim).
-- Attention is bidirectional within each image only. Here: one SDPA call per image (no L x L mask is built).
+- Attention is bidirectional within each image only (no L x L mask is built). `MoonViT.attn_impl`:
+  "sdpa" = one SDPA call per image; "varlen" = one flash varlen call over the packed images
+  (`torch.nn.attention.varlen.varlen_attn` with the images' cu_seqlens; CUDA, fp16/bf16, head_dim <= 256 and a
+  multiple of 8: the release's `flash_attention_2` path); "auto" (default) = varlen where it can run, else sdpa.
 """
 from __future__ import annotations
 
@@ -22,11 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.errors import K3ConfigError
 from k3.vision.config import VisionConfig
 from k3.vision.errors import K3ImageError
 
-__all__ = ["VisionRMSNorm", "MoonViT", "rope_2d_angles", "apply_rope_2d", "time_embedding", "merge_sd2_tpool",
-           "check_grid", "cu_seqlens_from_grid", "image_token_counts"]
+__all__ = ["VisionRMSNorm", "MoonViT", "packed_attention", "varlen_supported", "ATTN_IMPLS", "rope_2d_angles",
+           "apply_rope_2d", "time_embedding", "merge_sd2_tpool", "check_grid", "cu_seqlens_from_grid",
+           "image_token_counts"]
 
 
 class VisionRMSNorm(nn.Module):
@@ -151,6 +156,49 @@ class PatchEmbed(nn.Module):
         return x_LD + pos_LD.to(x_LD.dtype)
 
 
+ATTN_IMPLS = ("auto", "sdpa", "varlen")
+
+
+def _varlen_op():
+    """torch's flash varlen attention (CUDA only; raises NotImplementedError on CPU tensors)."""
+    from torch.nn.attention.varlen import varlen_attn
+    return varlen_attn
+
+
+def varlen_supported(q_LHD: torch.Tensor) -> bool:
+    """Whether the flash varlen kernel can take these queries: CUDA, fp16/bf16, head_dim <= 256 and % 8 == 0."""
+    if not (q_LHD.is_cuda and q_LHD.dtype in (torch.float16, torch.bfloat16)):
+        return False
+    d = q_LHD.shape[-1]
+    if d > 256 or d % 8:
+        return False
+    try:
+        _varlen_op()
+    except ImportError:
+        return False
+    return True
+
+
+def packed_attention(q_LHD: torch.Tensor, k_LHD: torch.Tensor, v_LHD: torch.Tensor, cu_seqlens: list[int],
+                     scale: float, impl: str = "auto", cu_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Bidirectional attention within each packed image ([L, H, D] in, [L, H, D] out); images are the
+    segments [cu_seqlens[i], cu_seqlens[i+1]). `impl`: see the module docstring; `cu_tensor`: cu_seqlens as an
+    int32 tensor on q's device (built here when None; the tower builds it once per forward)."""
+    if impl not in ATTN_IMPLS:
+        raise K3ConfigError(f"vision attn_impl {impl!r}: expected one of {ATTN_IMPLS}")
+    if impl == "varlen" or (impl == "auto" and varlen_supported(q_LHD)):
+        cu = cu_tensor if cu_tensor is not None else torch.tensor(cu_seqlens, dtype=torch.int32,
+                                                                   device=q_LHD.device)
+        m = max(e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+        q_LHD, k_LHD, v_LHD = (z.contiguous() for z in (q_LHD, k_LHD, v_LHD))   # v is a strided view of qkv
+        return _varlen_op()(q_LHD, k_LHD, v_LHD, cu, cu, m, m, scale=scale)
+    out = []
+    for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # one SDPA call per image
+        qi, ki, vi = (z[s:e].transpose(0, 1)[None] for z in (q_LHD, k_LHD, v_LHD))
+        out.append(F.scaled_dot_product_attention(qi, ki, vi, scale=scale)[0].transpose(0, 1))
+    return torch.cat(out, 0) if len(out) > 1 else out[0]
+
+
 class VisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool):
         super().__init__()
@@ -172,21 +220,18 @@ class VisionBlock(nn.Module):
         self.norm1 = VisionRMSNorm(d)
         self.mlp = VisionMLP(d, cfg.vt_intermediate_size, cfg.linear_bias)
 
-    def attention(self, x_LD, cos_LP, sin_LP, cu_seqlens: list[int]) -> torch.Tensor:
+    def attention(self, x_LD, cos_LP, sin_LP, cu_seqlens: list[int], impl: str = "auto",
+                  cu_tensor: Optional[torch.Tensor] = None) -> torch.Tensor:
         L = x_LD.shape[0]
         qkv = self.wqkv(x_LD).view(L, 3, self.num_heads, self.head_dim)
         q_LHD = apply_rope_2d(qkv[:, 0], cos_LP, sin_LP)
         k_LHD = apply_rope_2d(qkv[:, 1], cos_LP, sin_LP)
         v_LHD = qkv[:, 2]
-        out = []
-        for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]):  # bidirectional within each image only
-            qi, ki, vi = (z[s:e].transpose(0, 1)[None] for z in (q_LHD, k_LHD, v_LHD))
-            out.append(F.scaled_dot_product_attention(qi, ki, vi, scale=self.head_dim ** -0.5)[0].transpose(0, 1))
-        o_LHD = torch.cat(out, 0) if len(out) > 1 else out[0]
+        o_LHD = packed_attention(q_LHD, k_LHD, v_LHD, cu_seqlens, self.head_dim ** -0.5, impl, cu_tensor)
         return self.wo(o_LHD.reshape(L, -1))
 
-    def forward(self, x_LD, cos_LP, sin_LP, cu_seqlens):
-        x_LD = x_LD + self.attention(self.norm0(x_LD), cos_LP, sin_LP, cu_seqlens)
+    def forward(self, x_LD, cos_LP, sin_LP, cu_seqlens, impl: str = "auto", cu_tensor=None):
+        x_LD = x_LD + self.attention(self.norm0(x_LD), cos_LP, sin_LP, cu_seqlens, impl, cu_tensor)
         return x_LD + self.mlp(self.norm1(x_LD))
 
 
@@ -206,6 +251,7 @@ class MoonViT(nn.Module):
         self.config = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.encoder = VisionEncoder(cfg)
+        self.attn_impl = "auto"   # "auto" | "sdpa" | "varlen" (packed_attention)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -222,8 +268,14 @@ class MoonViT(nn.Module):
         x_LD = self.patch_embed(pixel_values, rows)
         ang_LP = torch.cat([rope_2d_angles(t, h, w, cfg.head_dim, device=x_LD.device) for t, h, w in rows], 0)
         cos_LP, sin_LP = ang_LP.cos(), ang_LP.sin()
+        impl = self.attn_impl
+        if impl not in ATTN_IMPLS:
+            raise K3ConfigError(f"MoonViT.attn_impl {impl!r}: expected one of {ATTN_IMPLS}")
+        cu_t = None
+        if impl == "varlen" or (impl == "auto" and x_LD.is_cuda):   # built once, not per block
+            cu_t = torch.tensor(cu, dtype=torch.int32, device=x_LD.device)
         for blk in self.encoder.blocks:
-            x_LD = blk(x_LD, cos_LP, sin_LP, cu)
+            x_LD = blk(x_LD, cos_LP, sin_LP, cu, impl, cu_t)
         return self.encoder.final_layernorm(x_LD)
 
 

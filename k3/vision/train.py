@@ -127,7 +127,8 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
                        text_every: int = 4, eval_n: int = 120, model=None, tokenizer=None, text_docs=None,
                        eval_before: bool = True, device="cpu", log_every: int = 10,
                        log_fn: Optional[Callable[[str], None]] = None, sizes: Optional[Sequence[int]] = None,
-                       task=None, adamw_lr: Optional[float] = None, **model_overrides) -> dict:
+                       task=None, adamw_lr: Optional[float] = None,
+                       train_weights: Optional[Sequence[float]] = None, **model_overrides) -> dict:
     """Train `model` (default: `build_synth_model(tokenizer)`, the `tiny` multimodal preset) on the synthetic
     task for `steps` steps or until `time_budget_s` (training time, evaluation excluded) runs out (`steps=None`:
     as many as the budget allows; the LR schedule's length is estimated from the first 3 steps, the LR stays at its
@@ -147,6 +148,7 @@ def train_vision_synth(steps: Optional[int] = None, time_budget_s: Optional[floa
     model.to(device)
     if task is None:
         task = VisionSynthTask(tokenizer, tasks=tasks, seed=seed, processor_config=model.processor_config,
+                               train_weights=train_weights,
                                **({"sizes": tuple(sizes)} if sizes else {}))
     elif getattr(task, "processor_config", None) is None:
         task.processor_config = model.processor_config
@@ -234,13 +236,12 @@ def run_train_cli(args) -> int:
     seq = args.batch_tokens or 2048
     lr = args.lr or 2e-2
     # the recipe of benchmarks/vision_synth.md: Muon at lr, AdamW (embeddings, lm_head, norms) at 0.15 lr (at lr
-    # itself the lm_head thrashes and the answer stays at its prior), colour questions on 56 px images
+    # itself the lm_head thrashes and the answer stays at its prior), the four-task mix on 84 px images
     res = train_vision_synth(steps=args.steps, time_budget_s=budget, seq_len=seq, model=model, tokenizer=tok,
                              lr=lr, adamw_lr=0.15 * lr, warmup=args.warmup if args.warmup is not None else 5,
                              seed=args.seed or 0, task=pairs, text_every=0,
                              eval_n=CLI_EVAL_N if pairs is None else min(CLI_EVAL_N, len(pairs.splits["val"])),
-                             sizes=(56,) if pairs is None else None, log_fn=say,
-                             tasks=("colour",) if pairs is None else TASKS)
+                             sizes=(84,) if pairs is None else None, log_fn=say, tasks=TASKS)
     final = os.path.join(out_dir, "final")
     res["model"].save_pretrained(final, tokenizer=tok)
     summary = {k: res[k] for k in ("before", "after", "chance", "steps", "train_s", "wall_s", "examples_seen")}

@@ -374,3 +374,27 @@ def test_prompt_embeds_text_path_and_errors(mm):
         text_generate(lm, prompts, 1, prompt_embeds=[embeds[0], embeds[0]])
     with pytest.raises(RequestError, match="1 tensor"):
         text_generate(lm, prompts, 1, prompt_embeds=embeds[:1])
+
+
+def test_reset_parameters_reinitialises_every_part(mm_cfg):
+    """reset_parameters (what k3.parallel's materialize(init=True) calls on the shards): the language model's own
+    init, vision norms 1, the position table within its uniform bound, linears within torch's default bound."""
+    torch.manual_seed(0)
+    m = K3ForConditionalGeneration(mm_cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(7.0)
+    torch.manual_seed(1)
+    m.reset_parameters()
+    m.requires_grad_(False)
+    assert not any(bool((p == 7.0).all()) for p in m.parameters() if p.numel() > 1)
+    vt = m.vision_tower
+    assert bool((vt.encoder.final_layernorm.weight == 1).all()) and bool((m.mm_projector.post_norm.weight == 1).all())
+    assert float(vt.patch_embed.pos_emb.weight.abs().max()) <= 0.02 * 3 ** 0.5
+    w = vt.encoder.blocks[0].wqkv.weight
+    assert float(w.abs().max()) <= 1 / w.shape[1] ** 0.5 + 1e-6 and float(w.std()) > 0
+    torch.manual_seed(1)
+    lm = K3ForCausalLM(mm_cfg)
+    torch.manual_seed(1)
+    lm.reset_parameters()
+    torch.testing.assert_close(m.language_model.state_dict(), lm.state_dict())

@@ -36,6 +36,25 @@ def test_examples_deterministic_and_split(task):
     assert chance_level(("colour", "shape")) == pytest.approx((1 / 6 + 1 / 3) / 2)
 
 
+def test_train_weights_skew_training_only(tok):
+    t = VisionSynthTask(tok, seed=3, train_weights=(0, 1, 0, 0))
+    assert {t.example(i).task for i in range(30)} == {"shape"}
+    assert len({t.example(i, "val").task for i in range(40)}) == 4      # held-out stays uniform: chance holds
+    assert t.chance == chance_level()
+    u = VisionSynthTask(tok, seed=3)
+    assert [u.example(i, "val").answer for i in range(10)] == [t.example(i, "val").answer for i in range(10)]
+    from k3.errors import K3ConfigError
+    for bad in ((1, 1), (0, 0, 0, 0), (1, -1, 1, 1)):
+        with pytest.raises(K3ConfigError, match="train_weights"):
+            VisionSynthTask(tok, train_weights=bad)
+
+
+def test_small_images_count_examples_terminate(tok):
+    """56 px count examples: four shapes always fit (the placement restarts instead of looping forever)."""
+    t = VisionSynthTask(tok, tasks=("count",), sizes=(56,))
+    assert {t.example(i).answer for i in range(60)} == set(CHOICES["count"])
+
+
 def test_encode_chat_block_and_labels(task, tok):
     ex = task.example(1)
     enc = task.encode(ex)
@@ -86,6 +105,13 @@ def test_training_steps_reduce_loss_and_accuracy_runs(tok):
 
 @pytest.mark.slow
 def test_learns_well_above_chance():
-    """The learning run (minutes on CPU): benchmarks/vision_synth.py reports the same numbers."""
-    res = train_vision_synth(steps=None, time_budget_s=540, seq_len=512, text_every=8, eval_n=60, **MICRO_TEXT)
-    assert res["after"]["accuracy"] >= res["chance"] + 0.2, res["after"]
+    """The learning run of benchmarks/vision_synth.md with text documents packed in (one per 16 examples): the
+    four-task mix on 84 px images, 480 s of training on one CPU thread (~440 steps when a step takes ~1 s), 120
+    held-out examples. Prints the result (pytest -s)."""
+    res = train_vision_synth(steps=None, time_budget_s=480, seq_len=2048, lr=2e-2, adamw_lr=3e-3, warmup=5,
+                             text_every=16, sizes=(84,), eval_n=120, eval_before=False, **MICRO_TEXT)
+    after = res["after"]
+    print({"steps": res["steps"], "train_s": round(res["train_s"]), "examples": res["examples_seen"], **after})
+    assert after["accuracy"] >= res["chance"] + 0.25, after
+    easy = [t for t in ("colour", "position") if t in after["per_task"]]
+    assert all(after["per_task"][t] >= 0.7 for t in easy), after

@@ -270,3 +270,74 @@ def test_tower_input_errors():
         tw(torch.zeros(4, 3, 16, 16), torch.tensor([[1, 2, 2]]))
     with pytest.raises(K3ImageError, match="grid_thw"):
         tw(pv, grids[:, :2])
+
+
+# ------------------------------------------------------------------------------------------------ varlen path
+def _reference_varlen(calls):
+    """A CPU stand-in for torch's flash varlen op with its calling convention ([T, H, D] packed, int32
+    cu_seqlens, max lengths): a dense block-diagonal mask over the whole pack (an independent formulation)."""
+    def op(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None):
+        calls.append(dict(cu_q=cu_q.clone(), cu_k=cu_k.clone(), max_q=max_q, max_k=max_k, scale=scale,
+                          shape=tuple(q.shape)))
+        seg = torch.repeat_interleave(torch.arange(len(cu_q) - 1), (cu_q[1:] - cu_q[:-1]).long())
+        mask = seg[:, None] == seg[None, :]
+        s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+        p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", p, v.float()).to(q.dtype)
+    return op
+
+
+def test_varlen_path_equals_per_image_sdpa(monkeypatch):
+    """attn_impl="varlen" (one call over the packed images with cu_seqlens) = the per-image SDPA path; the op gets
+    int32 cu_seqlens on the tower's device, the longest image as max_q = max_k and the 1/sqrt(head_dim) scale."""
+    import k3.vision.tower as tower
+    calls = []
+    monkeypatch.setattr(tower, "_varlen_op", lambda: _reference_varlen(calls))
+    cfg = VisionConfig.preset("tiny")
+    torch.manual_seed(0)
+    m = MoonViT(cfg).eval()
+    grid = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 6, 4]])
+    pv = torch.randn(int(grid.prod(1).sum()), 3, 14, 14)
+    m.attn_impl = "sdpa"
+    ref = m(pv, grid)
+    m.attn_impl = "varlen"
+    out = m(pv, grid)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert len(calls) == cfg.vt_num_hidden_layers
+    c = calls[0]
+    assert c["cu_q"].dtype == torch.int32 and c["cu_q"].tolist() == [0, 24, 28, 52] and c["max_q"] == c["max_k"] == 24
+    assert c["scale"] == pytest.approx(cfg.head_dim ** -0.5) and c["shape"] == (52, cfg.vt_num_attention_heads,
+                                                                                cfg.head_dim)
+
+
+def test_attn_impl_auto_is_sdpa_on_cpu_and_bad_names_fail():
+    from k3.vision.tower import packed_attention, varlen_supported
+    q = torch.randn(10, 2, 16)
+    assert not varlen_supported(q) and not varlen_supported(q.bfloat16())
+    cu = [0, 4, 10]
+    out = packed_attention(q, q, q, cu, 0.25, "auto")
+    for s, e in zip(cu[:-1], cu[1:]):
+        qi = q[s:e].transpose(0, 1)
+        exp = F.scaled_dot_product_attention(qi, qi, qi, scale=0.25).transpose(0, 1)
+        torch.testing.assert_close(out[s:e], exp)
+    with pytest.raises(K3ConfigError, match="attn_impl"):
+        packed_attention(q, q, q, cu, 0.25, "flash")
+    m = MoonViT(VisionConfig.preset("tiny"))
+    m.attn_impl = "xformers"
+    with pytest.raises(K3ConfigError, match="attn_impl"):
+        m(torch.randn(4, 3, 14, 14), torch.tensor([[1, 2, 2]]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash varlen attention needs CUDA")
+def test_varlen_equals_sdpa_on_cuda_bf16():
+    cfg = VisionConfig.preset("tiny")
+    torch.manual_seed(0)
+    m = MoonViT(cfg).cuda().to(torch.bfloat16).eval()
+    grid = torch.tensor([[1, 4, 6], [1, 2, 2], [1, 6, 4]])
+    pv = torch.randn(int(grid.prod(1).sum()), 3, 14, 14, device="cuda")
+    with torch.inference_mode():
+        m.attn_impl = "sdpa"
+        ref = m(pv, grid).float()
+        m.attn_impl = "varlen"
+        out = m(pv, grid).float()
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
