@@ -136,6 +136,17 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   moe) step moe 150 python3 benchmarks/moe_gpu.py --json "$OUT/moe_gpu.json" ;;
   # the SiTU-GLU kernels (hardware and exact tanh) against torch eager
   situ) step situ 120 python3 benchmarks/situ_gpu.py --json "$OUT/situ_gpu.json" ;;
+  # --- vision, checkpoints, post-training
+  # MoonViT-V2 at the released width (bf16, random weights): flash varlen vs per-image SDPA, then the tower's CUDA tests
+  vision) step vision 200 python3 benchmarks/vision_tower.py --sizes 256 1024 2048 --batch 1 8 --reps 5 \
+      --json "$OUT/vision_tower_h200.json"
+    step vision-tests 120 python3 -m pytest -q -s --timeout 100 tests/vision/test_tower.py -k "varlen or cuda" ;;
+  # routed experts kept packed as MXFP4 vs dequantised on load, `small`, bf16
+  mxfp4) step mxfp4 150 python3 benchmarks/mxfp4_experts.py --device cuda --preset small --dtype bfloat16 \
+      --json "$OUT/mxfp4_h200.json" ;;
+  # RL rollout and training tokens/s, `small` (untrained policy; no eval)
+  rl) step rl 200 python3 benchmarks/posttrain_cpu.py --device cuda --preset small --throughput --out /tmp/pt_gpu \
+      ${RL_ARGS:-} ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache
