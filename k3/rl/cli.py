@@ -16,6 +16,7 @@ _FIELDS = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_turns": "max_turns",
     "max_tokens": "max_tokens", "max_new_tokens": "max_new_tokens_per_turn", "iteration_budget": "iteration_budget",
     "thinking": "thinking", "no_replay": "replay", "no_std_norm": "normalize_std", "seed": "seed",
+    "skip_uniform_groups": "skip_uniform_groups",
     "seed_offset": "seed_offset", "filter_rules": "filter_rules", "review_every": "review_every",
     "review_timeout": "review_timeout", "eval_prompts": "eval_prompts", "save_every": "save_every", "keep": "keep",
     "device": "device", "threads": "threads", "no_plot": "plot", "overwrite": "overwrite", "stop_at": "stop_at",
@@ -63,6 +64,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--tis-cap", type=finite_float(0), default=None,
       help=f"truncated importance sampling cap, 0 = off [{d.tis_cap}]")
     a("--no-std-norm", action="store_true", default=None, help="advantages r - mean (no division by the std)")
+    a("--skip-uniform-groups", action="store_true", default=None,
+      help="train only on groups whose rewards differ (equal rewards: advantage 0, no policy gradient) [off]")
     a("--temperature", type=finite_float(0, lo_open=True), default=None, help=f"sampling temperature [{d.temperature}]")
     a("--top-p", type=finite_float(0, 1, lo_open=True), default=None, help=f"[{d.top_p}]")
     a("--top-k", type=int_at_least(0), default=None, help=f"0 = off [{d.top_k}]")

@@ -48,7 +48,7 @@ CONFIG_NAME = "rl_config.json"
 RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "weight_decay", "kl_coef",
             "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature", "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
-            "seed_offset", "normalize_std", "filter_rules")
+            "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups")
 SESSION_ONLY = ("resume", "overwrite", "stop_at")
 FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
          "steps": "--steps", "lr": "--lr", "kl_coef": "--kl-coef", "clip_low": "--clip-low",
@@ -59,7 +59,8 @@ FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompt
          "max_grad_norm": "--grad-clip", "save_every": "--save-every", "keep": "--keep",
          "eval_prompts": "--eval-prompts", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
          "env_options": "--env-option", "thinking": "--thinking", "replay": "--no-replay",
-         "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm", "review_timeout": "--review-timeout"}
+         "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm",
+         "skip_uniform_groups": "--skip-uniform-groups", "review_timeout": "--review-timeout"}
 
 
 def _flag(name: str) -> str:
@@ -86,6 +87,8 @@ class RLConfig:
     clip_high: float = 0.28
     tis_cap: float = 2.0                     # 0 = no truncated importance sampling
     normalize_std: bool = True
+    skip_uniform_groups: bool = False        # train only on groups whose rewards differ (the others have
+    #                                          advantage 0 everywhere: no policy gradient, only compute)
     replay: bool = True                      # replay the rollout's expert choices in the training forward
     # rollouts
     temperature: float = 1.0
@@ -229,6 +232,7 @@ class RLRunner:
         self.tokens_seen = 0
         self.train_time = 0.0
         self.history: List[dict] = []
+        self.eval_rewards: Dict[str, List[float]] = {}   # "start" / "end" -> per-prompt greedy rewards
         self._lock = None
 
     def _path(self, *p) -> str:
@@ -363,16 +367,20 @@ class RLRunner:
         decision = self.review.review(step, trajs) if trajs else "skipped"
         upd: Dict[str, Any] = {}
         t1 = time.perf_counter()
-        if groups and decision != "rejected":
-            trajs, adv = flatten_groups(groups, self.grpo)
+        train_groups = groups
+        if cfg.skip_uniform_groups:
+            train_groups = [g for g in groups if len({t.reward for t in g}) > 1]
+        if train_groups and decision != "rejected":
+            ttrajs, adv = flatten_groups(train_groups, self.grpo)
             self.model.train()
-            upd = grpo_update(self.model, self.optimizer, trajs, adv, self.grpo, ref_model=self.ref_model,
+            upd = grpo_update(self.model, self.optimizer, ttrajs, adv, self.grpo, ref_model=self.ref_model,
                               replay=cfg.replay, epochs=cfg.epochs, temperature=cfg.temperature,
                               max_grad_norm=cfg.max_grad_norm or None)
             self.model.eval()
         train_s = time.perf_counter() - t1 if upd else 0.0
         row = metrics_row(step, trajs, upd, rollout_s, train_s)
         row.update({"review": decision, "lr": self.optimizer.param_groups[0]["lr"],
+                    "groups_trained": len(train_groups) if upd else 0,
                     "rollout_s": rollout_s, "train_s": train_s, "pending_groups": len(self.engine.pending)})
         for k in ("grad_norm", "ratio_mean", "ratio_min", "ratio_max", "tis_weight_mean", "tis_capped_frac",
                   "pg_loss", "packed_tokens"):
@@ -400,7 +408,9 @@ class RLRunner:
         if not self.cfg.eval_prompts:
             return None
         ev = evaluate_reward(self.model, self.tokenizer, self.cfg, self.cfg.eval_prompts)
-        rec = {"type": "eval", "when": when, "step": self.step, **{k: v for k, v in ev.items() if k != "rewards"}}
+        self.eval_rewards[when] = list(ev["rewards"])
+        rec = {"type": "eval", "when": when, "step": self.step, "stderr": _stderr(ev["rewards"]),
+               **{k: v for k, v in ev.items() if k != "rewards"}}
         self._log(self._path("eval.jsonl"), rec)
         log.info("eval (%s, step %d): greedy reward %.3f on %d prompts", when, self.step, ev["reward_mean"],
                  self.cfg.eval_prompts)
@@ -446,11 +456,25 @@ class RLRunner:
                    "reward_curve": [r["reward_mean"] for r in rows],
                    "eval_reward_start": first_eval["reward_mean"] if first_eval else None,
                    "eval_reward_end": last_eval["reward_mean"] if last_eval else None,
+                   **self._eval_stats(),
                    "rollout_tokens_per_s": _mean([r["rollout_tokens_per_s"] for r in rows]),
                    "train_tokens_per_s": _mean([r["train_tokens_per_s"] for r in rows if r["train_s"]]),
                    "checkpoint": latest_checkpoint(cfg.out_dir), "plot": plot,
                    "final": self._path("final") if status == "completed" else None}
         return summary
+
+    def _eval_stats(self) -> Dict[str, Any]:
+        """The eval's size and standard errors; with both evals (the same prompts) the paired difference
+        end - start and its standard error (the per-prompt differences' std / sqrt(n))."""
+        st, en = self.eval_rewards.get("start"), self.eval_rewards.get("end")
+        out: Dict[str, Any] = {"eval_prompts": self.cfg.eval_prompts,
+                               "eval_stderr_start": _stderr(st) if st else None,
+                               "eval_stderr_end": _stderr(en) if en else None}
+        if st and en and len(st) == len(en):
+            d = [b - a for a, b in zip(st, en)]
+            out["eval_delta"] = statistics.fmean(d)
+            out["eval_delta_stderr"] = _stderr(d)
+        return out
 
     def plot(self) -> Optional[str]:
         """rewards.png: reward mean (+- std) per step, and the greedy eval reward when measured."""
@@ -475,8 +499,10 @@ class RLRunner:
             with open(self._path("eval.jsonl")) as f:
                 ev = [json.loads(ln) for ln in f if ln.strip()]
         if ev:
-            ax.scatter([e["step"] for e in ev], [e["reward_mean"] for e in ev], color="k", marker="x",
-                       label="greedy eval (held-out prompts)", zorder=3)
+            err = [2 * (e.get("stderr") or 0.0) for e in ev]
+            ax.errorbar([e["step"] for e in ev], [e["reward_mean"] for e in ev], yerr=err, color="k", fmt="x",
+                        capsize=4, label=f"greedy eval, {self.cfg.eval_prompts} held-out prompts (+- 2 s.e.)",
+                        zorder=3)
         ax.set_xlabel("RL step")
         ax.set_ylabel("reward")
         ax.set_title(f"k3 rl --env {self.cfg.env}")
@@ -486,6 +512,12 @@ class RLRunner:
         fig.savefig(p, dpi=100)
         plt.close(fig)
         return p
+
+
+def _stderr(xs) -> Optional[float]:
+    """Standard error of the mean (population std / sqrt(n)); None for fewer than 2 values."""
+    xs = list(xs or [])
+    return statistics.pstdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
 
 
 def _mean(xs):
