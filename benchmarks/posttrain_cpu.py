@@ -100,6 +100,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64, help="RL: tokens per assistant turn")
     p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
     p.add_argument("--calc-digits", type=int, default=1, help="calculator env: digits per operand")
+    p.add_argument("--calc-given-call", action="store_true",
+                   help="calculator env, first curriculum level: the prompt holds the correct call and its result, "
+                        "the policy only answers (the SFT conversations are the same tokens)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plot", default=None, help="also write the reward curve PNG here")
     p.add_argument("--skip-done", action="store_true", help="reuse finished stages found in --out")
@@ -121,11 +124,13 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     model_name = "micro (d=64, 4 layers)" if a.micro else a.preset
     res = {"model": model_name, "device": a.device, "threads": a.threads, "temperature": a.temperature,
-           "env_options": {"terms": a.calc_terms, "digits": a.calc_digits},
+           "env_options": {"terms": a.calc_terms, "digits": a.calc_digits, "given_call": a.calc_given_call},
            "load_avg_start": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else list(argv)}
     if a.device.startswith("cuda"):
         res["gpu"] = torch.cuda.get_device_name()
     env_options = {"terms": a.calc_terms, "digits": a.calc_digits}
+    if a.calc_given_call:
+        env_options["given_call"] = True
     common = dict(progress=False, tensorboard=False, samples=False, threads=a.threads, overwrite=True,
                   eval_every=0, val_tokens=2048, device=a.device, compile="none")
 
