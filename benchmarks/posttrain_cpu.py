@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro", action="store_true", help="a 4-layer d=64 model (the tiny preset, shrunk)")
     p.add_argument("--device", default="cpu", help="cpu | cuda [cpu]")
     p.add_argument("--throughput", action="store_true",
-                   help="only measure tokens/s: " + ", ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
-                                                                for k, v in THROUGHPUT.items()))
+                   help="only measure tokens/s: " + ", ".join(
+                       f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in THROUGHPUT.items()))
     p.add_argument("--pt-steps", type=int, default=40)
     p.add_argument("--sft-steps", type=int, default=220, help="0: no SFT stage (RL from the pre-trained model)")
     p.add_argument("--sft-per-task", type=int, default=800)
@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--rl-lr", type=float, default=3e-4, help="RL AdamW learning rate (constant)")
+    p.add_argument("--rl-warmup", type=int, default=5, help="RL linear LR warmup steps")
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--keep-uniform-groups", action="store_true",
                    help="also train on groups whose rewards are all equal (advantage 0: compute, no gradient)")
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
     rl_dir = os.path.join(out, "rl")
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options, out_dir=rl_dir,
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  kl_coef=a.kl_coef, epochs=a.epochs, temperature=a.temperature, max_turns=3,
+                  warmup_steps=a.rl_warmup, kl_coef=a.kl_coef, epochs=a.epochs, temperature=a.temperature, max_turns=3,
                   max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   skip_uniform_groups=not a.keep_uniform_groups, device=a.device, threads=a.threads,
                   overwrite=True)

@@ -11,7 +11,8 @@ from k3.rl.trainer import RLConfig
 # flag dest -> RLConfig field (flags default to None so --resume can tell which were given)
 _FIELDS = {
     "ckpt": "ckpt", "env": "env", "out": "out_dir", "steps": "steps", "group_size": "group_size",
-    "prompts_per_step": "prompts_per_step", "lr": "lr", "weight_decay": "weight_decay", "grad_clip": "max_grad_norm",
+    "prompts_per_step": "prompts_per_step", "lr": "lr", "warmup_steps": "warmup_steps",
+    "weight_decay": "weight_decay", "grad_clip": "max_grad_norm",
     "epochs": "epochs", "kl_coef": "kl_coef", "clip_low": "clip_low", "clip_high": "clip_high", "tis_cap": "tis_cap",
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_turns": "max_turns",
     "max_tokens": "max_tokens", "max_new_tokens": "max_new_tokens_per_turn", "iteration_budget": "iteration_budget",
@@ -55,6 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--group-size", type=int_at_least(1), default=None, help=f"samples per prompt (G) [{d.group_size}]")
     a("--prompts-per-step", type=int_at_least(1), default=None, help=f"prompts per step [{d.prompts_per_step}]")
     a("--lr", type=finite_float(0, lo_open=True), default=None, help=f"AdamW learning rate [{d.lr}]")
+    a("--warmup-steps", type=int_at_least(0), default=None, help=f"linear LR warmup, RL steps [{d.warmup_steps}]")
     a("--weight-decay", type=finite_float(0), default=None, help=f"[{d.weight_decay}]")
     a("--grad-clip", type=finite_float(0), default=None, help=f"gradient-norm clip, 0 = off [{d.max_grad_norm}]")
     a("--epochs", type=int_at_least(1), default=None, help=f"optimizer steps per batch [{d.epochs}]")

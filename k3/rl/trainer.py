@@ -45,14 +45,14 @@ __all__ = ["RLConfig", "RLRunner", "RL_FIXED", "evaluate_reward"]
 CONFIG_NAME = "rl_config.json"
 
 # what the continued run's numbers depend on: a resumed run keeps them (a different value is refused)
-RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "weight_decay", "kl_coef",
-            "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature", "top_p", "top_k",
+RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "warmup_steps", "weight_decay",
+            "kl_coef", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature", "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
             "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups")
 SESSION_ONLY = ("resume", "overwrite", "stop_at")
 FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
-         "steps": "--steps", "lr": "--lr", "kl_coef": "--kl-coef", "clip_low": "--clip-low",
-         "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
+         "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "kl_coef": "--kl-coef",
+         "clip_low": "--clip-low", "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
          "filter_rules": "--filter-rules", "iteration_budget": "--iteration-budget", "max_tokens": "--max-tokens",
          "max_new_tokens_per_turn": "--max-new-tokens", "max_turns": "--max-turns", "temperature": "--temperature",
          "seed": "--seed", "epochs": "--epochs", "weight_decay": "--weight-decay",
@@ -76,8 +76,10 @@ class RLConfig:
     steps: int = 50
     group_size: int = 8
     prompts_per_step: int = 4
-    # optimisation (AdamW, constant LR)
+    # optimisation (AdamW, constant LR after an optional linear warmup)
     lr: float = 1e-4
+    warmup_steps: int = 0                    # linear LR warmup over the first N RL steps (AdamW's first updates
+    #                                          are sign-like, lr on every parameter: a fine-tuned policy can collapse)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0               # 0 = off
     epochs: int = 1                          # optimizer steps per batch (the first one is on-policy: ratio 1)
@@ -138,7 +140,7 @@ class RLConfig:
         for n in ("steps", "group_size", "prompts_per_step", "epochs", "max_turns", "max_tokens",
                   "max_new_tokens_per_turn", "keep"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 1, n, "an integer >= 1")
-        for n in ("top_k", "review_every", "eval_prompts", "save_every", "seed_offset"):
+        for n in ("top_k", "review_every", "eval_prompts", "save_every", "seed_offset", "warmup_steps"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 0, n, "an integer >= 0")
         need(is_int(self.seed), "seed", "an integer")
         for n in ("iteration_budget", "threads", "stop_at"):
@@ -350,6 +352,11 @@ class RLRunner:
         log.info("resumed from %s (step %d)", path, self.step)
 
     # ------------------------------------------------------------------ one step
+    def lr_at(self, step: int) -> float:
+        """The LR of RL step `step` (1-based): linear warmup over warmup_steps, then constant."""
+        w = self.cfg.warmup_steps
+        return self.cfg.lr * (min(1.0, step / w) if w else 1.0)
+
     def rl_step(self) -> dict:
         from k3.rl.loop import flatten_groups, grpo_update, metrics_row
         from k3.rl.safety import apply_filter
@@ -372,6 +379,8 @@ class RLRunner:
             train_groups = [g for g in groups if len({t.reward for t in g}) > 1]
         if train_groups and decision != "rejected":
             ttrajs, adv = flatten_groups(train_groups, self.grpo)
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.lr_at(step)
             self.model.train()
             upd = grpo_update(self.model, self.optimizer, ttrajs, adv, self.grpo, ref_model=self.ref_model,
                               replay=cfg.replay, epochs=cfg.epochs, temperature=cfg.temperature,

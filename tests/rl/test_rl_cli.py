@@ -130,6 +130,16 @@ def test_rl_skip_uniform_groups(tiny_ckpt, tmp_path):
         assert json.load(f)["skip_uniform_groups"] is True
 
 
+def test_rl_lr_warmup():
+    from k3.errors import K3ConfigError
+    from k3.rl.trainer import RLConfig, RLRunner
+    r = RLRunner(RLConfig(lr=1e-3, warmup_steps=4))
+    assert [r.lr_at(s) for s in (1, 2, 4, 9)] == [2.5e-4, 5e-4, 1e-3, 1e-3]
+    assert RLRunner(RLConfig(lr=1e-3)).lr_at(1) == 1e-3
+    with pytest.raises(K3ConfigError, match="--warmup-steps"):
+        RLConfig(ckpt="x", warmup_steps=-1).validate()
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["rl", "--group-size", "0"], "--group-size"),
     (["rl", "--lr", "nan"], "--lr"),
