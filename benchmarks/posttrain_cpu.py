@@ -13,9 +13,11 @@ driven through the library (so --micro can override the model shape, which `k3 t
 
 The default task is the easy end of the calculator curriculum (`--calc-terms 2 --calc-digits 1`: "What is 7 * 8?"):
 the calculator tool makes it solvable, the policy only has to call it with the right expression and copy the result.
-The SFT stage is kept short on purpose (the SFT baseline well above 0, below 1), then RL (AdamW, constant LR) must
-raise the greedy reward on `--eval-prompts` held-out prompts (the same prompts before and after: a paired
-difference with its standard error is reported).
+`--calc-given-call` is the first curriculum level (the prompt already holds the correct call and its result; the
+policy only answers): its expert conversations are the same tokens, so one SFT run serves both (`--skip-done`).
+RL (AdamW, linear warmup then constant LR, groups without a reward spread skipped) is measured by the greedy reward
+on `--eval-prompts` held-out prompts, the same prompts before and after: the paired difference and its standard
+error (`eval_delta`, `eval_delta_stderr`, `eval_delta_z`) say whether RL moved it.
 
 Prints a JSON summary (greedy reward on held-out prompts before / after RL with standard errors, the per-step
 sampled reward curve, rollout and training tokens per second, wall times, the 1-minute load average) and writes it
