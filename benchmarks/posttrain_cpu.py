@@ -97,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--rl-lr", type=float, default=3e-4, help="RL AdamW learning rate (constant)")
     p.add_argument("--rl-warmup", type=int, default=5, help="RL linear LR warmup steps")
     p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--neg-adv-scale", type=float, default=1.0, help="RL: scale of negative advantages")
     p.add_argument("--keep-uniform-groups", action="store_true",
                    help="also train on groups whose rewards are all equal (advantage 0: compute, no gradient)")
     p.add_argument("--epochs", type=int, default=1, help="RL optimizer steps per batch")
@@ -181,7 +182,8 @@ def main(argv=None) -> int:
     rl_dir = os.path.join(out, "rl")
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options, out_dir=rl_dir,
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  warmup_steps=a.rl_warmup, kl_coef=a.kl_coef, epochs=a.epochs, temperature=a.temperature, max_turns=3,
+                  warmup_steps=a.rl_warmup, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
+                  temperature=a.temperature, max_turns=3,
                   max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   skip_uniform_groups=not a.keep_uniform_groups, device=a.device, threads=a.threads,
                   overwrite=True)

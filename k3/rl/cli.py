@@ -13,7 +13,8 @@ _FIELDS = {
     "ckpt": "ckpt", "env": "env", "out": "out_dir", "steps": "steps", "group_size": "group_size",
     "prompts_per_step": "prompts_per_step", "lr": "lr", "warmup_steps": "warmup_steps",
     "weight_decay": "weight_decay", "grad_clip": "max_grad_norm",
-    "epochs": "epochs", "kl_coef": "kl_coef", "clip_low": "clip_low", "clip_high": "clip_high", "tis_cap": "tis_cap",
+    "epochs": "epochs", "kl_coef": "kl_coef", "neg_adv_scale": "neg_adv_scale", "clip_low": "clip_low",
+    "clip_high": "clip_high", "tis_cap": "tis_cap",
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_turns": "max_turns",
     "max_tokens": "max_tokens", "max_new_tokens": "max_new_tokens_per_turn", "iteration_budget": "iteration_budget",
     "thinking": "thinking", "no_replay": "replay", "no_std_norm": "normalize_std", "seed": "seed",
@@ -61,6 +62,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--grad-clip", type=finite_float(0), default=None, help=f"gradient-norm clip, 0 = off [{d.max_grad_norm}]")
     a("--epochs", type=int_at_least(1), default=None, help=f"optimizer steps per batch [{d.epochs}]")
     a("--kl-coef", type=finite_float(0), default=None, help=f"KL to the --ckpt model, 0 = off [{d.kl_coef}]")
+    a("--neg-adv-scale", type=finite_float(0, 1), default=None,
+      help=f"multiply negative advantages by this; 0 learns from successes only [{d.neg_adv_scale}]")
     a("--clip-low", type=finite_float(0, 1), default=None, help=f"ratio clip below 1 - eps [{d.clip_low}]")
     a("--clip-high", type=finite_float(0), default=None, help=f"ratio clip above 1 + eps [{d.clip_high}]")
     a("--tis-cap", type=finite_float(0), default=None,

@@ -46,12 +46,14 @@ CONFIG_NAME = "rl_config.json"
 
 # what the continued run's numbers depend on: a resumed run keeps them (a different value is refused)
 RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "warmup_steps", "weight_decay",
-            "kl_coef", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature", "top_p", "top_k",
+            "kl_coef", "neg_adv_scale", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature",
+            "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
             "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups")
 SESSION_ONLY = ("resume", "overwrite", "stop_at")
 FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
          "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "kl_coef": "--kl-coef",
+         "neg_adv_scale": "--neg-adv-scale",
          "clip_low": "--clip-low", "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
          "filter_rules": "--filter-rules", "iteration_budget": "--iteration-budget", "max_tokens": "--max-tokens",
          "max_new_tokens_per_turn": "--max-new-tokens", "max_turns": "--max-turns", "temperature": "--temperature",
@@ -89,6 +91,7 @@ class RLConfig:
     clip_high: float = 0.28
     tis_cap: float = 2.0                     # 0 = no truncated importance sampling
     normalize_std: bool = True
+    neg_adv_scale: float = 1.0               # scale of negative advantages (0: learn from successes only)
     skip_uniform_groups: bool = False        # train only on groups whose rewards differ (the others have
     #                                          advantage 0 everywhere: no policy gradient, only compute)
     replay: bool = True                      # replay the rollout's expert choices in the training forward
@@ -150,6 +153,7 @@ class RLConfig:
         need(is_num(self.temperature) and self.temperature > 0, "temperature", "a finite number > 0")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(is_num(self.clip_low) and 0 <= self.clip_low < 1, "clip_low", "in [0, 1)")
+        need(is_num(self.neg_adv_scale) and 0 <= self.neg_adv_scale <= 1, "neg_adv_scale", "in [0, 1]")
         for n in ("weight_decay", "max_grad_norm", "kl_coef", "clip_high", "tis_cap", "review_timeout"):
             need(is_num(getattr(self, n)) and getattr(self, n) >= 0, n, "a finite number >= 0")
         if self.group_size < 2:
@@ -181,7 +185,7 @@ class RLConfig:
     def grpo_config(self):
         from k3.rl.grpo import GRPOConfig
         return GRPOConfig(group_size=self.group_size, eps_low=self.clip_low, eps_high=self.clip_high,
-                          normalize_std=self.normalize_std, kl_coef=self.kl_coef,
+                          normalize_std=self.normalize_std, kl_coef=self.kl_coef, neg_adv_scale=self.neg_adv_scale,
                           tis_cap=self.tis_cap if self.tis_cap > 0 else None)
 
 
