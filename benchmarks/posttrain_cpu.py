@@ -1,22 +1,36 @@
-"""Post-training on CPU, end to end: pre-train -> SFT on the generated calculator set -> GRPO RL on `calculator`.
+"""Post-training end to end: pre-train -> SFT on the generated calculator set -> GRPO RL on `calculator`.
 
-    python benchmarks/posttrain_cpu.py --out /tmp/posttrain                 # the `tiny` preset
-    python benchmarks/posttrain_cpu.py --out /tmp/posttrain --micro         # a 4-layer d=64 model (loaded CPUs)
+    python benchmarks/posttrain_cpu.py --micro --threads 1 --out /tmp/posttrain --plot benchmarks/posttrain_cpu.png
+    python benchmarks/posttrain_cpu.py --preset tiny --out /tmp/posttrain              # the `tiny` preset (slower)
+    python benchmarks/posttrain_cpu.py --device cuda --preset small --throughput --out /tmp/pt_gpu
+                                                     # rollout / training tokens per second on one GPU (no eval)
 
 The same as the CLI pipeline
     k3 train --steps N --stages 256:1 --out RUN/pt
     k3 sft   --ckpt RUN/pt --tasks calculator --out RUN/sft
-    k3 rl    --ckpt RUN/sft --env calculator --eval-prompts 32 --out RUN/rl
+    k3 rl    --ckpt RUN/sft --env calculator --env-option digits=1 --eval-prompts 256 --out RUN/rl
 driven through the library (so --micro can override the model shape, which `k3 train` has no flag for).
-Prints a JSON summary (greedy reward on held-out prompts before / after RL, the per-step reward curve, rollout and
-training tokens per second, wall times, the 1-minute load average) and writes it to RUN/summary.json.
+
+The default task is the easy end of the calculator curriculum (`--calc-terms 2 --calc-digits 1`: "What is 7 * 8?"):
+the calculator tool makes it solvable, the policy only has to call it with the right expression and copy the result.
+`--calc-given-call` is the first curriculum level (the prompt already holds the correct call and its result; the
+policy only answers): its expert conversations are the same tokens, so one SFT run serves both (`--skip-done`).
+RL (AdamW, linear warmup then constant LR, groups without a reward spread skipped) is measured by the greedy reward
+on `--eval-prompts` held-out prompts, the same prompts before and after: the paired difference and its standard
+error (`eval_delta`, `eval_delta_stderr`, `eval_delta_z`) say whether RL moved it.
+
+Prints a JSON summary (greedy reward on held-out prompts before / after RL with standard errors, the per-step
+sampled reward curve, rollout and training tokens per second, wall times, the 1-minute load average) and writes it
+to RUN/summary.json; `--plot PATH` also writes the reward curve (sampled reward per step, greedy eval +- 2 s.e.).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import math
 import os
+import shutil
 import sys
 import time
 
@@ -29,56 +43,124 @@ MICRO = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key
                                      full_attn_layers=[4], kda_layers=[1, 2, 3]))
 
 
+# --throughput: an untrained policy earns reward 0 everywhere, so uniform groups are kept (trained on) to time training
+# (no SFT stage: RL starts from the pre-trained checkpoint; the pre-training checkpoints are removed, only final/ is
+# kept, so `small` fits the disk: fp32 RL state of 1.45B parameters is ~23 GB)
+THROUGHPUT = dict(pt_steps=3, sft_steps=0, rl_steps=3, eval_prompts=0, prompts_per_step=8, group_size=8,
+                  keep_uniform_groups=True)
+
+
+def plot_curve(summary: dict, path: str) -> None:
+    """Sampled train reward per RL step (mean +- s.e. over the step's rollouts) and the greedy eval before /
+    after (+- 2 s.e.)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rl = summary["rl"]
+    ys = rl["reward_curve"]
+    se = rl.get("reward_stderr_curve") or [0.0] * len(ys)
+    xs = list(range(1, len(ys) + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.plot(xs, ys, "o-", ms=3, label="sampled reward (train rollouts, T=%g)" % summary["temperature"])
+    ax.fill_between(xs, [y - e for y, e in zip(ys, se)], [y + e for y, e in zip(ys, se)], alpha=0.2)
+    if rl.get("eval_reward_start") is not None and rl.get("eval_reward_end") is not None:
+        ax.errorbar([0, len(ys)], [rl["eval_reward_start"], rl["eval_reward_end"]],
+                    yerr=[2 * (rl.get("eval_stderr_start") or 0), 2 * (rl.get("eval_stderr_end") or 0)],
+                    fmt="s", color="k", capsize=4,
+                    label=f"greedy eval, {rl['eval_prompts']} held-out prompts (+-2 s.e.)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("reward (exact match)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"calculator: SFT -> GRPO, {summary['model']} on {summary['device']}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/posttrain_cpu")
-    p.add_argument("--micro", action="store_true", help="a 4-layer d=64 model instead of `tiny`")
+    p.add_argument("--preset", default="tiny", help="model preset (tiny, small, ...) [tiny]")
+    p.add_argument("--micro", action="store_true", help="a 4-layer d=64 model (the tiny preset, shrunk)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda [cpu]")
+    p.add_argument("--throughput", action="store_true",
+                   help="only measure tokens/s: " + ", ".join(
+                       f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in THROUGHPUT.items()))
     p.add_argument("--pt-steps", type=int, default=40)
-    p.add_argument("--sft-steps", type=int, default=80)
-    p.add_argument("--sft-per-task", type=int, default=400)
-    p.add_argument("--sft-lr", type=float, default=3e-3)
+    p.add_argument("--sft-steps", type=int, default=220, help="0: no SFT stage (RL from the pre-trained model)")
+    p.add_argument("--sft-per-task", type=int, default=800)
+    p.add_argument("--sft-lr", type=float, default=6e-3)
     p.add_argument("--rl-steps", type=int, default=15)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--prompts-per-step", type=int, default=4)
-    p.add_argument("--rl-lr", type=float, default=1e-5)
-    p.add_argument("--temperature", type=float, default=0.7, help="RL sampling temperature")
-    p.add_argument("--eval-prompts", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="RL: tokens per assistant turn")
+    p.add_argument("--prompts-per-step", type=int, default=8)
+    p.add_argument("--rl-lr", type=float, default=3e-4, help="RL AdamW learning rate (constant)")
+    p.add_argument("--rl-warmup", type=int, default=5, help="RL linear LR warmup steps")
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--neg-adv-scale", type=float, default=1.0, help="RL: scale of negative advantages")
+    p.add_argument("--keep-uniform-groups", action="store_true",
+                   help="also train on groups whose rewards are all equal (advantage 0: compute, no gradient)")
+    p.add_argument("--epochs", type=int, default=1, help="RL optimizer steps per batch")
+    p.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
+    p.add_argument("--eval-prompts", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="RL: tokens per assistant turn")
     p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
-    p.add_argument("--calc-digits", type=int, default=2, help="calculator env: digits per operand")
+    p.add_argument("--calc-digits", type=int, default=1, help="calculator env: digits per operand")
+    p.add_argument("--calc-given-call", action="store_true",
+                   help="calculator env, first curriculum level: the prompt holds the correct call and its result, "
+                        "the policy only answers (the SFT conversations are the same tokens)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--plot", default=None, help="also write the reward curve PNG here")
     p.add_argument("--skip-done", action="store_true", help="reuse finished stages found in --out")
     a = p.parse_args(argv)
+    if a.throughput:
+        given = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:])}
+        for k, v in THROUGHPUT.items():
+            if f"--{k.replace('_', '-')}" not in given:
+                setattr(a, k, v)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("k3.checkpoint").setLevel(logging.WARNING)
+    import torch
     from k3.rl.trainer import RLConfig, RLRunner
     from k3.train.config import TrainConfig
     from k3.train.trainer import Trainer
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: CUDA is not available")
     out = a.out
     os.makedirs(out, exist_ok=True)
-    res = {"model": "micro (d=64, 4 layers)" if a.micro else "tiny", "load_avg_start": os.getloadavg()[0],
-           "argv": sys.argv[1:]}
+    model_name = "micro (d=64, 4 layers)" if a.micro else a.preset
+    res = {"model": model_name, "device": a.device, "threads": a.threads, "temperature": a.temperature,
+           "env_options": {"terms": a.calc_terms, "digits": a.calc_digits, "given_call": a.calc_given_call},
+           "load_avg_start": os.getloadavg()[0], "argv": sys.argv[1:] if argv is None else list(argv)}
+    if a.device.startswith("cuda"):
+        res["gpu"] = torch.cuda.get_device_name()
     env_options = {"terms": a.calc_terms, "digits": a.calc_digits}
+    if a.calc_given_call:
+        env_options["given_call"] = True
     common = dict(progress=False, tensorboard=False, samples=False, threads=a.threads, overwrite=True,
-                  eval_every=0, val_tokens=2048)
+                  eval_every=0, val_tokens=2048, device=a.device, compile="none")
+
+    def done(stage, steps):
+        d = os.path.join(out, stage)
+        if not (a.skip_done and os.path.isdir(os.path.join(d, "final"))):
+            return False
+        with open(os.path.join(d, "train_config.json")) as f:
+            return json.load(f)["steps"] >= steps
 
     t0 = time.time()
     pt = os.path.join(out, "pt")
-    if not (a.skip_done and os.path.isdir(os.path.join(pt, "final"))):
-        cfg = TrainConfig(preset="tiny", out_dir=pt, steps=a.pt_steps, stages=[(256, 1.0)], tokens_per_step=2048,
+    if not done("pt", a.pt_steps):
+        cfg = TrainConfig(preset=a.preset, out_dir=pt, steps=a.pt_steps, stages=[(256, 1.0)], tokens_per_step=2048,
                           model_overrides=dict(MICRO) if a.micro else {}, **common)
         s = Trainer(cfg).train()
         res["pretrain"] = {k: s.get(k) for k in ("val_loss_before", "val_loss_after", "tokens_per_s", "step")}
+        if a.throughput:
+            shutil.rmtree(os.path.join(pt, "checkpoints"), ignore_errors=True)
     res["pretrain_s"] = time.time() - t0
 
     t0 = time.time()
-    sft = os.path.join(out, "sft")
-    sft_done = a.skip_done and os.path.isdir(os.path.join(sft, "final"))
-    if sft_done:
-        with open(os.path.join(sft, "train_config.json")) as f:
-            done_steps = json.load(f)["steps"]
-        sft_done = done_steps >= a.sft_steps
-    if not sft_done:
+    sft = os.path.join(out, "sft") if a.sft_steps > 0 else pt      # --sft-steps 0: RL from the pre-trained model
+    if a.sft_steps > 0 and not done("sft", a.sft_steps):
         from k3.rl.sft_data import SFTData, SFTLoader, SFTValLoader, builtin_sft_set, encode_chat
 
         def calculator_sft(tok, seq_len, batch_size, seed):
@@ -92,28 +174,47 @@ def main(argv=None) -> int:
         cfg = TrainConfig(task="sft", init_from=os.path.join(pt, "final"), out_dir=sft, steps=a.sft_steps,
                           stages=[(640, 1.0)], tokens_per_step=2560, lr=a.sft_lr, sft_tasks=["calculator"],
                           sft_per_task=a.sft_per_task, recall_examples=0, **common)
-        if a.skip_done and os.path.isdir(os.path.join(sft, "checkpoints")):
-            # a shorter SFT run is there: continue it to --sft-steps (exact resume, the LR schedule re-timed)
-            from k3.train.config import resume_config
-            cfg = resume_config(sft, {"steps": a.sft_steps, "threads": a.threads})
         s = Trainer(cfg, data=calculator_sft).train()
         res["sft"] = {k: s.get(k) for k in ("val_loss_before", "val_loss_after", "tokens_per_s", "step")}
     res["sft_s"] = time.time() - t0
 
     t0 = time.time()
-    rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options,
-                  out_dir=os.path.join(out, "rl"),
+    rl_dir = os.path.join(out, "rl")
+    rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options, out_dir=rl_dir,
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  temperature=a.temperature,
-                  max_turns=3, max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
-                  threads=a.threads, overwrite=True)
+                  warmup_steps=a.rl_warmup, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
+                  temperature=a.temperature, max_turns=3,
+                  max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
+                  skip_uniform_groups=not a.keep_uniform_groups, device=a.device, threads=a.threads,
+                  overwrite=True)
     s = RLRunner(rc).run()
     res["rl_s"] = time.time() - t0
-    res["rl"] = {k: s.get(k) for k in ("eval_reward_start", "eval_reward_end", "reward_curve",
-                                       "rollout_tokens_per_s", "train_tokens_per_s", "status")}
+    res["rl"] = {k: s.get(k) for k in ("eval_reward_start", "eval_reward_end", "eval_stderr_start",
+                                       "eval_stderr_end", "eval_delta", "eval_delta_stderr", "eval_prompts",
+                                       "reward_curve", "rollout_tokens_per_s", "train_tokens_per_s", "status")}
+    with open(os.path.join(rl_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(ln) for ln in f if ln.strip()]
+    res["rl"]["reward_stderr_curve"] = [(r["reward_std"] or 0.0) / math.sqrt(max(r["trajectories"], 1))
+                                        for r in rows]
+    res["rl"]["rollout_s"] = sum(r["rollout_s"] for r in rows)
+    res["rl"]["train_s"] = sum(r["train_s"] for r in rows)
+    res["rl"]["generated_tokens"] = sum(r["generated_tokens"] for r in rows)
+    res["rl"]["trained_tokens"] = sum(r.get("packed_tokens") or 0 for r in rows)
+    if a.device.startswith("cuda"):
+        res["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    if res["rl"].get("eval_delta_stderr"):
+        res["rl"]["eval_delta_z"] = res["rl"]["eval_delta"] / res["rl"]["eval_delta_stderr"]
     res["load_avg_end"] = os.getloadavg()[0]
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(res, f, indent=2)
+    if a.plot:
+        try:
+            plot_curve(res, a.plot)
+        except ImportError:
+            logging.warning("matplotlib is not installed: no plot")
+        else:
+            shutil.copyfile(a.plot, os.path.join(out, "curve.png")) if os.path.abspath(a.plot) != os.path.abspath(
+                os.path.join(out, "curve.png")) else None
     print(json.dumps(res, indent=2))
     return 0
 

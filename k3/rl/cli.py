@@ -11,11 +11,14 @@ from k3.rl.trainer import RLConfig
 # flag dest -> RLConfig field (flags default to None so --resume can tell which were given)
 _FIELDS = {
     "ckpt": "ckpt", "env": "env", "out": "out_dir", "steps": "steps", "group_size": "group_size",
-    "prompts_per_step": "prompts_per_step", "lr": "lr", "weight_decay": "weight_decay", "grad_clip": "max_grad_norm",
-    "epochs": "epochs", "kl_coef": "kl_coef", "clip_low": "clip_low", "clip_high": "clip_high", "tis_cap": "tis_cap",
+    "prompts_per_step": "prompts_per_step", "lr": "lr", "warmup_steps": "warmup_steps",
+    "weight_decay": "weight_decay", "grad_clip": "max_grad_norm",
+    "epochs": "epochs", "kl_coef": "kl_coef", "neg_adv_scale": "neg_adv_scale", "clip_low": "clip_low",
+    "clip_high": "clip_high", "tis_cap": "tis_cap",
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_turns": "max_turns",
     "max_tokens": "max_tokens", "max_new_tokens": "max_new_tokens_per_turn", "iteration_budget": "iteration_budget",
     "thinking": "thinking", "no_replay": "replay", "no_std_norm": "normalize_std", "seed": "seed",
+    "skip_uniform_groups": "skip_uniform_groups",
     "seed_offset": "seed_offset", "filter_rules": "filter_rules", "review_every": "review_every",
     "review_timeout": "review_timeout", "eval_prompts": "eval_prompts", "save_every": "save_every", "keep": "keep",
     "device": "device", "threads": "threads", "no_plot": "plot", "overwrite": "overwrite", "stop_at": "stop_at",
@@ -54,15 +57,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--group-size", type=int_at_least(1), default=None, help=f"samples per prompt (G) [{d.group_size}]")
     a("--prompts-per-step", type=int_at_least(1), default=None, help=f"prompts per step [{d.prompts_per_step}]")
     a("--lr", type=finite_float(0, lo_open=True), default=None, help=f"AdamW learning rate [{d.lr}]")
+    a("--warmup-steps", type=int_at_least(0), default=None, help=f"linear LR warmup, RL steps [{d.warmup_steps}]")
     a("--weight-decay", type=finite_float(0), default=None, help=f"[{d.weight_decay}]")
     a("--grad-clip", type=finite_float(0), default=None, help=f"gradient-norm clip, 0 = off [{d.max_grad_norm}]")
     a("--epochs", type=int_at_least(1), default=None, help=f"optimizer steps per batch [{d.epochs}]")
     a("--kl-coef", type=finite_float(0), default=None, help=f"KL to the --ckpt model, 0 = off [{d.kl_coef}]")
+    a("--neg-adv-scale", type=finite_float(0, 1), default=None,
+      help=f"multiply negative advantages by this; 0 learns from successes only [{d.neg_adv_scale}]")
     a("--clip-low", type=finite_float(0, 1), default=None, help=f"ratio clip below 1 - eps [{d.clip_low}]")
     a("--clip-high", type=finite_float(0), default=None, help=f"ratio clip above 1 + eps [{d.clip_high}]")
     a("--tis-cap", type=finite_float(0), default=None,
       help=f"truncated importance sampling cap, 0 = off [{d.tis_cap}]")
     a("--no-std-norm", action="store_true", default=None, help="advantages r - mean (no division by the std)")
+    a("--skip-uniform-groups", action="store_true", default=None,
+      help="train only on groups whose rewards differ (equal rewards: advantage 0, no policy gradient) [off]")
     a("--temperature", type=finite_float(0, lo_open=True), default=None, help=f"sampling temperature [{d.temperature}]")
     a("--top-p", type=finite_float(0, 1, lo_open=True), default=None, help=f"[{d.top_p}]")
     a("--top-k", type=int_at_least(0), default=None, help=f"0 = off [{d.top_k}]")

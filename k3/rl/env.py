@@ -337,12 +337,29 @@ class CalculatorEnv(ToolEnv):
 
     name = "calculator"
 
-    def __init__(self, terms: int = 3, digits: int = 2, **kw):
+    def __init__(self, terms: int = 3, digits: int = 2, given_call: bool = False, **kw):
         super().__init__(**kw)
         if terms < 2 or digits < 1:
             raise K3ConfigError(f"calculator env: terms >= 2 and digits >= 1, got terms={terms} digits={digits}")
-        self.terms, self.digits = int(terms), int(digits)
+        if not isinstance(given_call, bool):
+            raise K3ConfigError(f"calculator env: given_call must be true or false, got {given_call!r}")
+        self.terms, self.digits, self.given_call = int(terms), int(digits), given_call
         self.add_tool(_calc_tool())
+
+    def reset(self, seed: int) -> Dict[str, Any]:
+        """given_call=True (the first curriculum level): the prompt already holds the assistant's calculator call
+        and the tool's result, so the policy only has to answer with the result (the expert makes no call)."""
+        out = super().reset(seed)
+        if self.given_call:
+            call = self._demo[0]
+            obs = self._tools["calculator"](self.name, call["arguments"])
+            out["messages"] += [
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {
+                        "name": "calculator", "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": obs}]
+            self._demo = []
+        return out
 
     def _make(self, rng):
         n = rng.randint(2, self.terms)

@@ -35,6 +35,7 @@ class GRPOConfig:
     adv_eps: float = 1e-6
     kl_coef: float = 0.0           # 0: no reference model
     tis_cap: Optional[float] = 2.0  # None: no truncated importance sampling
+    neg_adv_scale: float = 1.0     # negative advantages are multiplied by this (0: learn from successes only)
 
     def validate(self) -> None:
         if self.group_size < 1:
@@ -42,6 +43,8 @@ class GRPOConfig:
         if not 0 <= self.eps_low < 1 or self.eps_high < 0:
             raise K3ConfigError(f"grpo.eps_low must be in [0, 1) and eps_high >= 0, got {self.eps_low}, "
                                 f"{self.eps_high}")
+        if not 0 <= self.neg_adv_scale <= 1:
+            raise K3ConfigError(f"grpo.neg_adv_scale must be in [0, 1], got {self.neg_adv_scale}")
         if self.kl_coef < 0:
             raise K3ConfigError(f"grpo.kl_coef must be >= 0, got {self.kl_coef}")
         if self.tis_cap is not None and not self.tis_cap > 0:

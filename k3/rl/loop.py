@@ -35,6 +35,8 @@ def flatten_groups(groups: Sequence[Sequence[Trajectory]], cfg: GRPOConfig) -> T
         raise K3ConfigError(f"every group needs grpo.group_size={cfg.group_size} samples, got "
                             f"{[len(g) for g in groups]}")
     adv = group_advantages([t.reward for t in trajs], cfg.group_size, cfg.normalize_std, cfg.adv_eps)
+    if cfg.neg_adv_scale != 1.0:
+        adv = torch.where(adv < 0, adv * cfg.neg_adv_scale, adv)
     return trajs, adv.tolist()
 
 

@@ -45,21 +45,24 @@ __all__ = ["RLConfig", "RLRunner", "RL_FIXED", "evaluate_reward"]
 CONFIG_NAME = "rl_config.json"
 
 # what the continued run's numbers depend on: a resumed run keeps them (a different value is refused)
-RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "weight_decay", "kl_coef",
-            "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature", "top_p", "top_k",
+RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "warmup_steps", "weight_decay",
+            "kl_coef", "neg_adv_scale", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature",
+            "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
-            "seed_offset", "normalize_std", "filter_rules")
+            "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups")
 SESSION_ONLY = ("resume", "overwrite", "stop_at")
 FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
-         "steps": "--steps", "lr": "--lr", "kl_coef": "--kl-coef", "clip_low": "--clip-low",
-         "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
+         "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "kl_coef": "--kl-coef",
+         "neg_adv_scale": "--neg-adv-scale",
+         "clip_low": "--clip-low", "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
          "filter_rules": "--filter-rules", "iteration_budget": "--iteration-budget", "max_tokens": "--max-tokens",
          "max_new_tokens_per_turn": "--max-new-tokens", "max_turns": "--max-turns", "temperature": "--temperature",
          "seed": "--seed", "epochs": "--epochs", "weight_decay": "--weight-decay",
          "max_grad_norm": "--grad-clip", "save_every": "--save-every", "keep": "--keep",
          "eval_prompts": "--eval-prompts", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
          "env_options": "--env-option", "thinking": "--thinking", "replay": "--no-replay",
-         "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm", "review_timeout": "--review-timeout"}
+         "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm",
+         "skip_uniform_groups": "--skip-uniform-groups", "review_timeout": "--review-timeout"}
 
 
 def _flag(name: str) -> str:
@@ -75,8 +78,10 @@ class RLConfig:
     steps: int = 50
     group_size: int = 8
     prompts_per_step: int = 4
-    # optimisation (AdamW, constant LR)
+    # optimisation (AdamW, constant LR after an optional linear warmup)
     lr: float = 1e-4
+    warmup_steps: int = 0                    # linear LR warmup over the first N RL steps (AdamW's first updates
+    #                                          are sign-like, lr on every parameter: a fine-tuned policy can collapse)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0               # 0 = off
     epochs: int = 1                          # optimizer steps per batch (the first one is on-policy: ratio 1)
@@ -86,6 +91,9 @@ class RLConfig:
     clip_high: float = 0.28
     tis_cap: float = 2.0                     # 0 = no truncated importance sampling
     normalize_std: bool = True
+    neg_adv_scale: float = 1.0               # scale of negative advantages (0: learn from successes only)
+    skip_uniform_groups: bool = False        # train only on groups whose rewards differ (the others have
+    #                                          advantage 0 everywhere: no policy gradient, only compute)
     replay: bool = True                      # replay the rollout's expert choices in the training forward
     # rollouts
     temperature: float = 1.0
@@ -135,7 +143,7 @@ class RLConfig:
         for n in ("steps", "group_size", "prompts_per_step", "epochs", "max_turns", "max_tokens",
                   "max_new_tokens_per_turn", "keep"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 1, n, "an integer >= 1")
-        for n in ("top_k", "review_every", "eval_prompts", "save_every", "seed_offset"):
+        for n in ("top_k", "review_every", "eval_prompts", "save_every", "seed_offset", "warmup_steps"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 0, n, "an integer >= 0")
         need(is_int(self.seed), "seed", "an integer")
         for n in ("iteration_budget", "threads", "stop_at"):
@@ -145,6 +153,7 @@ class RLConfig:
         need(is_num(self.temperature) and self.temperature > 0, "temperature", "a finite number > 0")
         need(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]")
         need(is_num(self.clip_low) and 0 <= self.clip_low < 1, "clip_low", "in [0, 1)")
+        need(is_num(self.neg_adv_scale) and 0 <= self.neg_adv_scale <= 1, "neg_adv_scale", "in [0, 1]")
         for n in ("weight_decay", "max_grad_norm", "kl_coef", "clip_high", "tis_cap", "review_timeout"):
             need(is_num(getattr(self, n)) and getattr(self, n) >= 0, n, "a finite number >= 0")
         if self.group_size < 2:
@@ -176,7 +185,7 @@ class RLConfig:
     def grpo_config(self):
         from k3.rl.grpo import GRPOConfig
         return GRPOConfig(group_size=self.group_size, eps_low=self.clip_low, eps_high=self.clip_high,
-                          normalize_std=self.normalize_std, kl_coef=self.kl_coef,
+                          normalize_std=self.normalize_std, kl_coef=self.kl_coef, neg_adv_scale=self.neg_adv_scale,
                           tis_cap=self.tis_cap if self.tis_cap > 0 else None)
 
 
@@ -229,6 +238,7 @@ class RLRunner:
         self.tokens_seen = 0
         self.train_time = 0.0
         self.history: List[dict] = []
+        self.eval_rewards: Dict[str, List[float]] = {}   # "start" / "end" -> per-prompt greedy rewards
         self._lock = None
 
     def _path(self, *p) -> str:
@@ -346,6 +356,11 @@ class RLRunner:
         log.info("resumed from %s (step %d)", path, self.step)
 
     # ------------------------------------------------------------------ one step
+    def lr_at(self, step: int) -> float:
+        """The LR of RL step `step` (1-based): linear warmup over warmup_steps, then constant."""
+        w = self.cfg.warmup_steps
+        return self.cfg.lr * (min(1.0, step / w) if w else 1.0)
+
     def rl_step(self) -> dict:
         from k3.rl.loop import flatten_groups, grpo_update, metrics_row
         from k3.rl.safety import apply_filter
@@ -363,16 +378,22 @@ class RLRunner:
         decision = self.review.review(step, trajs) if trajs else "skipped"
         upd: Dict[str, Any] = {}
         t1 = time.perf_counter()
-        if groups and decision != "rejected":
-            trajs, adv = flatten_groups(groups, self.grpo)
+        train_groups = groups
+        if cfg.skip_uniform_groups:
+            train_groups = [g for g in groups if len({t.reward for t in g}) > 1]
+        if train_groups and decision != "rejected":
+            ttrajs, adv = flatten_groups(train_groups, self.grpo)
+            for g in self.optimizer.param_groups:
+                g["lr"] = self.lr_at(step)
             self.model.train()
-            upd = grpo_update(self.model, self.optimizer, trajs, adv, self.grpo, ref_model=self.ref_model,
+            upd = grpo_update(self.model, self.optimizer, ttrajs, adv, self.grpo, ref_model=self.ref_model,
                               replay=cfg.replay, epochs=cfg.epochs, temperature=cfg.temperature,
                               max_grad_norm=cfg.max_grad_norm or None)
             self.model.eval()
         train_s = time.perf_counter() - t1 if upd else 0.0
         row = metrics_row(step, trajs, upd, rollout_s, train_s)
         row.update({"review": decision, "lr": self.optimizer.param_groups[0]["lr"],
+                    "groups_trained": len(train_groups) if upd else 0,
                     "rollout_s": rollout_s, "train_s": train_s, "pending_groups": len(self.engine.pending)})
         for k in ("grad_norm", "ratio_mean", "ratio_min", "ratio_max", "tis_weight_mean", "tis_capped_frac",
                   "pg_loss", "packed_tokens"):
@@ -400,7 +421,9 @@ class RLRunner:
         if not self.cfg.eval_prompts:
             return None
         ev = evaluate_reward(self.model, self.tokenizer, self.cfg, self.cfg.eval_prompts)
-        rec = {"type": "eval", "when": when, "step": self.step, **{k: v for k, v in ev.items() if k != "rewards"}}
+        self.eval_rewards[when] = list(ev["rewards"])
+        rec = {"type": "eval", "when": when, "step": self.step, "stderr": _stderr(ev["rewards"]),
+               **{k: v for k, v in ev.items() if k != "rewards"}}
         self._log(self._path("eval.jsonl"), rec)
         log.info("eval (%s, step %d): greedy reward %.3f on %d prompts", when, self.step, ev["reward_mean"],
                  self.cfg.eval_prompts)
@@ -446,11 +469,25 @@ class RLRunner:
                    "reward_curve": [r["reward_mean"] for r in rows],
                    "eval_reward_start": first_eval["reward_mean"] if first_eval else None,
                    "eval_reward_end": last_eval["reward_mean"] if last_eval else None,
+                   **self._eval_stats(),
                    "rollout_tokens_per_s": _mean([r["rollout_tokens_per_s"] for r in rows]),
                    "train_tokens_per_s": _mean([r["train_tokens_per_s"] for r in rows if r["train_s"]]),
                    "checkpoint": latest_checkpoint(cfg.out_dir), "plot": plot,
                    "final": self._path("final") if status == "completed" else None}
         return summary
+
+    def _eval_stats(self) -> Dict[str, Any]:
+        """The eval's size and standard errors; with both evals (the same prompts) the paired difference
+        end - start and its standard error (the per-prompt differences' std / sqrt(n))."""
+        st, en = self.eval_rewards.get("start"), self.eval_rewards.get("end")
+        out: Dict[str, Any] = {"eval_prompts": self.cfg.eval_prompts,
+                               "eval_stderr_start": _stderr(st) if st else None,
+                               "eval_stderr_end": _stderr(en) if en else None}
+        if st and en and len(st) == len(en):
+            d = [b - a for a, b in zip(st, en)]
+            out["eval_delta"] = statistics.fmean(d)
+            out["eval_delta_stderr"] = _stderr(d)
+        return out
 
     def plot(self) -> Optional[str]:
         """rewards.png: reward mean (+- std) per step, and the greedy eval reward when measured."""
@@ -475,8 +512,10 @@ class RLRunner:
             with open(self._path("eval.jsonl")) as f:
                 ev = [json.loads(ln) for ln in f if ln.strip()]
         if ev:
-            ax.scatter([e["step"] for e in ev], [e["reward_mean"] for e in ev], color="k", marker="x",
-                       label="greedy eval (held-out prompts)", zorder=3)
+            err = [2 * (e.get("stderr") or 0.0) for e in ev]
+            ax.errorbar([e["step"] for e in ev], [e["reward_mean"] for e in ev], yerr=err, color="k", fmt="x",
+                        capsize=4, label=f"greedy eval, {self.cfg.eval_prompts} held-out prompts (+- 2 s.e.)",
+                        zorder=3)
         ax.set_xlabel("RL step")
         ax.set_ylabel("reward")
         ax.set_title(f"k3 rl --env {self.cfg.env}")
@@ -486,6 +525,12 @@ class RLRunner:
         fig.savefig(p, dpi=100)
         plt.close(fig)
         return p
+
+
+def _stderr(xs) -> Optional[float]:
+    """Standard error of the mean (population std / sqrt(n)); None for fewer than 2 values."""
+    xs = list(xs or [])
+    return statistics.pstdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else None
 
 
 def _mean(xs):

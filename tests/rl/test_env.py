@@ -123,3 +123,18 @@ def test_normalize_tool_call_forms():
     assert a == b == {"name": "calculator", "arguments": {"expression": "1+1"}}
     with pytest.raises(ToolCallError, match="must be a JSON object"):
         normalize_tool_call({"name": "x", "arguments": "[1]"})
+
+
+def test_calculator_given_call_curriculum():
+    """given_call=True: the prompt holds the correct call and its result, the expert only answers, and the expert
+    conversation is the same as the full task's (an SFT model of one serves the other)."""
+    from k3.rl.sft_data import expert_conversation
+    full, easy = make_env("calculator", terms=2, digits=1), make_env("calculator", terms=2, digits=1, given_call=True)
+    p = easy.reset(7)
+    assert [m["role"] for m in p["messages"]] == ["system", "user", "assistant", "tool"]
+    calls, answer = easy.demonstration()
+    assert calls == [] and p["messages"][-1]["content"] == answer and easy.check_answer(answer) == 1.0
+    assert expert_conversation(make_env("calculator", terms=2, digits=1, given_call=True), 7) == \
+        expert_conversation(full, 7)
+    with pytest.raises(K3ConfigError, match="given_call"):
+        make_env("calculator", given_call="yes")

@@ -77,3 +77,22 @@ def test_shapes_checked_and_token_expansion():
     assert tokens_from_trajectories([1.0, -2.0], [2, 3]).tolist() == [1.0, 1.0, -2.0, -2.0, -2.0]
     with pytest.raises(K3ConfigError):
         GRPOConfig(eps_low=1.5).validate()
+
+
+def test_neg_adv_scale():
+    """neg_adv_scale scales only the negative advantages (0: learn from the successes only)."""
+    from k3.rl.loop import flatten_groups
+    from k3.rl.rollout import Trajectory
+
+    def traj(r):
+        t = Trajectory("x", 0, 0, 0, {}, [1, 2], [False, True], 1)
+        t.reward = r
+        return t
+    groups = [[traj(1.0), traj(0.0), traj(0.0), traj(0.0)]]
+    _, full = flatten_groups(groups, GRPOConfig(group_size=4))
+    _, half = flatten_groups(groups, GRPOConfig(group_size=4, neg_adv_scale=0.5))
+    _, pos = flatten_groups(groups, GRPOConfig(group_size=4, neg_adv_scale=0.0))
+    assert full[0] > 0 and all(a < 0 for a in full[1:])
+    assert half == pytest.approx([full[0]] + [a / 2 for a in full[1:]]) and pos == pytest.approx([full[0], 0, 0, 0])
+    with pytest.raises(K3ConfigError, match="neg_adv_scale"):
+        GRPOConfig(neg_adv_scale=2.0).validate()

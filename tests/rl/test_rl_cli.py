@@ -113,6 +113,33 @@ def test_rl_filter_and_review_in_the_loop(tiny_ckpt, tmp_path):
     assert os.path.isfile(os.path.join(run, "review", "step-1.jsonl"))
 
 
+def test_rl_skip_uniform_groups(tiny_ckpt, tmp_path):
+    """--skip-uniform-groups: groups whose rewards are all equal (here all 0: an untrained model) are not trained
+    on -- no optimizer step -- while the row still reports every rollout; the summary carries the eval's
+    standard errors and the paired before/after difference."""
+    from k3.rl.trainer import RLConfig, RLRunner
+    run = str(tmp_path / "u")
+    s = RLRunner(RLConfig(ckpt=tiny_ckpt, env="calculator", out_dir=run, steps=1, group_size=2, prompts_per_step=2,
+                          max_new_tokens_per_turn=6, max_turns=2, threads=1, lr=1e-3, plot=False,
+                          skip_uniform_groups=True, eval_prompts=2)).run()
+    row = _rows(os.path.join(run, "metrics.jsonl"))[0]
+    assert row["reward_mean"] == 0.0 and row["trajectories"] == 4
+    assert row["groups_trained"] == 0 and "grad_norm" not in row and row["train_s"] == 0.0
+    assert s["eval_prompts"] == 2 and s["eval_delta"] == 0.0 and s["eval_stderr_start"] == 0.0
+    with open(os.path.join(run, "rl_config.json")) as f:
+        assert json.load(f)["skip_uniform_groups"] is True
+
+
+def test_rl_lr_warmup():
+    from k3.errors import K3ConfigError
+    from k3.rl.trainer import RLConfig, RLRunner
+    r = RLRunner(RLConfig(lr=1e-3, warmup_steps=4))
+    assert [r.lr_at(s) for s in (1, 2, 4, 9)] == [2.5e-4, 5e-4, 1e-3, 1e-3]
+    assert RLRunner(RLConfig(lr=1e-3)).lr_at(1) == 1e-3
+    with pytest.raises(K3ConfigError, match="--warmup-steps"):
+        RLConfig(ckpt="x", warmup_steps=-1).validate()
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["rl", "--group-size", "0"], "--group-size"),
     (["rl", "--lr", "nan"], "--lr"),
