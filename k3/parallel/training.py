@@ -139,6 +139,10 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
     cfg.validate()
     mcfg = _model_config(cfg, kw.get("model_config"))
     dims = _dims(flags, world, int(mcfg.num_experts))
+    from k3.multimodal import is_multimodal_config
+    if dims.cp_enabled and is_multimodal_config(mcfg):
+        raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
+                            f"model); use --cp 1 and data parallelism (--dp-shard / --dp-replicate)")
     check_batch_shape(cfg, dims)
     return DistTrainer(cfg, dims, local_rank=local, **kw)
 
