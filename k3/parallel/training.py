@@ -8,13 +8,19 @@ batch shape BEFORE any work (K3ConfigError naming the flag), initialises the pro
 CPU) and returns a `DistTrainer`, a `Trainer` whose steps, evaluation, checkpoints and end-of-run files are
 distributed:
 
-* model: built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2), materialised per rank. Up to
-  `EXACT_INIT_MAX_PARAMS` parameters it is initialised as the single-process run does (a CPU copy per rank from the
-  same seed, each keeping its shards: the numbers do not depend on the mesh); a larger one shard by shard
-  (`init_weights` on the local shards), or loaded per rank from `--init` / a checkpoint.
-* data: every rank draws the same global batch (the single-process loader, same order) and keeps its data-parallel
-  rows (`ParallelMesh.dp_index()`); rows per micro-batch must divide by dp_replicate x dp_shard. Under CP the cp
-  ranks of one data index share those rows and each keeps its contiguous slice (`model._k3_cp.shard`).
+* model (k3.parallel.setup): built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2),
+  materialised per rank. Up to `EXACT_INIT_MAX_PARAMS` parameters it is initialised as the single-process run does
+  (a CPU copy per rank from the same seed, each keeping its shards: the numbers do not depend on the mesh); a larger
+  one shard by shard (`init_weights` on the local shards), or loaded per rank from `--init` / a checkpoint. A
+  multimodal config builds `K3ForConditionalGeneration` with k3.parallel.vision (no CP with images).
+* data (k3.parallel.batching): every rank draws the same global batch (the single-process loader, same order) and
+  keeps its data-parallel rows (`ParallelMesh.dp_index()`); rows per micro-batch must divide by dp_replicate x
+  dp_shard. Under CP the cp ranks of one data index share those rows and each keeps its contiguous slice
+  (`model._k3_cp.shard`). With images, each rank gets the images whose placeholders lie in its rows (None when it
+  has none: its tower runs on a blank image). `--task vision-synth | image-text`: k3.parallel.vision_train.
+* the step's update and record, the evaluation and the training-state restore are the single-process trainer's
+  (Trainer._finish_step, k3.train.probes.evaluate, k3.train.checkpointing.restore_training_state) with the
+  reductions as hooks; MTP losses (main_loss, mtp_loss, mtp_losses; val_mtp_loss) are summed over the ranks.
 * loss: each rank's CE sum / the step's global target-token count (known on every rank: all hold the global
   batch); FSDP sums the gradients; `clip_grad_norm_` clips by the global norm; `build_sharded_optimizer`;
   `sharded_qk_clip`; the balancers reduce their statistics over the data ranks themselves.
@@ -31,7 +37,6 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,6 +44,7 @@ import torch
 from k3 import knobs
 from k3.errors import CheckpointError, K3ConfigError
 from k3.parallel.batching import local_batch, target_count
+from k3.parallel.flags import MeshFlags, check_batch_shape, mesh_dims
 from k3.parallel.mesh import ParallelDims
 from k3.parallel.setup import EXACT_INIT_MAX_PARAMS
 from k3.train.trainer import MTPSums, Trainer
@@ -49,24 +55,6 @@ __all__ = ["MeshFlags", "torchrun_env", "make_trainer", "DistTrainer", "check_ba
 
 # final/ (the k3.checkpoint layout) is gathered on every rank; above this, convert the last DCP checkpoint instead
 FINAL_MAX_PARAMS = 2_000_000_000
-
-_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "cp": "--cp", "ep": "--ep",
-          "world_size": "torchrun's WORLD_SIZE (--nproc-per-node x --nnodes)"}
-
-
-@dataclass
-class MeshFlags:
-    """The mesh flags of `k3 train` (None: not given)."""
-    dp_replicate: Optional[int] = None
-    dp_shard: Optional[int] = None
-    cp: Optional[int] = None
-    ep: Optional[int] = None
-
-    def given(self) -> bool:
-        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.cp, self.ep))
-
-    def describe(self) -> str:
-        return " ".join(f"{_FLAGS[k]} {v}" for k, v in vars(self).items() if v is not None)
 
 
 def torchrun_env() -> Optional[tuple[int, int, int]]:
@@ -81,36 +69,6 @@ def torchrun_env() -> Optional[tuple[int, int, int]]:
         raise K3ConfigError(f"torchrun environment: RANK={rank} is not below WORLD_SIZE={world}")
     local = knobs.get("LOCAL_RANK")
     return rank, world, (local if local is not None else 0)
-
-
-def _dims(flags: MeshFlags, world: int, num_experts: int) -> ParallelDims:
-    try:
-        return ParallelDims(dp_replicate=flags.dp_replicate or 1,
-                            dp_shard=flags.dp_shard if flags.dp_shard is not None else -1,
-                            cp=flags.cp or 1, ep=flags.ep or 1, world_size=world,
-                            num_experts=num_experts)
-    except K3ConfigError as e:
-        msg = str(e)
-        for k, f in _FLAGS.items():
-            msg = msg.replace(f"parallel dims: {k}:", f"{f}:", 1)
-        raise K3ConfigError(f"k3 train mesh ({flags.describe() or 'defaults'}, world size {world}): {msg}") from None
-
-
-def check_batch_shape(cfg, dims: ParallelDims) -> None:
-    """Every stage's rows per step split into --grad-accum micro-batches of whole rows per data-parallel rank, and
-    each cp group's sequence (its rows x seq_len) has at least cp tokens. Raises K3ConfigError naming the flags."""
-    from k3.train.config import parse_stages
-    dp = dims.dp_replicate * dims.dp_shard
-    ga = cfg.grad_accum
-    for seq, _ in parse_stages(cfg.stages):
-        rows = cfg.tokens_per_step // seq
-        if rows % (ga * dp):
-            raise K3ConfigError(
-                f"--batch-tokens {cfg.tokens_per_step} at stage seq_len {seq} gives {rows} rows per step, which do "
-                f"not split into --grad-accum {ga} micro-batches x {dp} data-parallel ranks (dp_replicate "
-                f"{dims.dp_replicate} x dp_shard {dims.dp_shard}): use --batch-tokens a multiple of "
-                f"{seq * ga * dp} (seq_len x grad_accum x data ranks), or fewer data ranks")
-        dims.check_seq_len(rows // (ga * dp) * seq)
 
 
 def _model_config(cfg, given=None):
@@ -138,7 +96,7 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
     rank, world, local = env
     cfg.validate()
     mcfg = _model_config(cfg, kw.get("model_config"))
-    dims = _dims(flags, world, int(mcfg.num_experts))
+    dims = mesh_dims(flags, world, int(mcfg.num_experts))
     from k3.multimodal import is_multimodal_config
     if dims.cp_enabled and is_multimodal_config(mcfg):
         raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
