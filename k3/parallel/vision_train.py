@@ -114,20 +114,25 @@ class VisionTrainData:
         self.val = _Split(task, "val", tokenizer.pad_id)
 
 
+def _task_pairs(args):
+    """The image-text pairs of `--data` (`--task image-text`); None for vision-synth, which makes its own data."""
+    if args.task == "vision-synth":
+        if args.data:
+            raise K3ConfigError("--task vision-synth makes its own data; for your image/text pairs use --task "
+                                "image-text --data PAIRS.jsonl")
+        return None
+    if not args.data or len(args.data) != 1:
+        raise K3ConfigError("--task image-text needs --data PAIRS.jsonl (one JSONL file of image/text records)")
+    from k3.vision.pairs import ImageTextPairs
+    return ImageTextPairs(args.data[0], None)
+
+
 def vision_train_setup(args, out_dir: str, processor_config=None):
     """(model config, data factory) of a vision task: the synthetic task (`args.task == "vision-synth"`) or the
     pairs of `--data` (`image-text`), with `synth_tokenizer` built in a private directory (deterministic)."""
     from k3.vision.train import MICRO_TEXT, build_synth_model, synth_tokenizer
     from k3.vision.synth import TASKS, VisionSynthTask
-    pairs = None
-    if args.task == "image-text":
-        if not args.data or len(args.data) != 1:
-            raise K3ConfigError("--task image-text needs --data PAIRS.jsonl (one JSONL file of image/text records)")
-        from k3.vision.pairs import ImageTextPairs
-        pairs = ImageTextPairs(args.data[0], None)
-    elif args.data:
-        raise K3ConfigError("--task vision-synth makes its own data; for your image/text pairs use --task image-text "
-                            "--data PAIRS.jsonl")
+    pairs = _task_pairs(args)
     tok_dir = tempfile.mkdtemp(prefix="k3-synth-tok-")
     tok = synth_tokenizer(tok_dir, extra_texts=pairs.texts() if pairs else ())
     micro = args.preset in (None, "micro")
