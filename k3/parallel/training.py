@@ -47,7 +47,8 @@ from k3.parallel.batching import local_batch, target_count
 from k3.parallel.flags import MeshFlags, check_batch_shape, mesh_dims
 from k3.parallel.mesh import ParallelDims
 from k3.parallel.setup import EXACT_INIT_MAX_PARAMS
-from k3.train.trainer import MTPSums, Trainer
+from k3.train.report import MTPSums
+from k3.train.trainer import Trainer
 
 log = logging.getLogger("k3.train")
 

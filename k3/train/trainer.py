@@ -53,6 +53,7 @@ from k3.errors import K3ConfigError, K3Error
 from k3.ops.loss import IGNORE_INDEX
 from k3.train import checkpointing as ckpt_io
 from k3.train import report
+from k3.train.report import MTPSums, balancer_record
 from k3.train.checkpointing import (CKPT_PREFIX, STATE_FILE, STATE_JSON, RunLock, find_checkpoints,  # noqa: F401
                                     latest_checkpoint)
 from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig,  # noqa: F401
@@ -86,48 +87,6 @@ class Callback:
     def on_step_end(self, trainer: "Trainer", record: dict) -> None: ...
     def on_eval(self, trainer: "Trainer", metrics: dict) -> None: ...
     def on_save(self, trainer: "Trainer", path: str) -> None: ...
-
-
-class MTPSums:
-    """A step's multi-token-prediction losses (models with `num_nextn_predict_layers` > 0), summed over its
-    micro-batches with the loss weights: the next-token loss alone and the per-depth losses."""
-
-    def __init__(self):
-        self.main: Optional[torch.Tensor] = None
-        self.depths: Optional[torch.Tensor] = None
-
-    def add(self, out, w: float) -> None:
-        if getattr(out, "mtp_losses", None) is None:
-            return
-        self.depths = out.mtp_losses.detach().double() * w + (0 if self.depths is None else self.depths)
-        self.main = out.main_loss.detach().double() * w + (0 if self.main is None else self.main)
-
-    def values(self) -> list:
-        """[main, depth 1, ...] as floats ([] without MTP): what a distributed step sums over its ranks."""
-        return [] if self.main is None else [float(self.main)] + [float(x) for x in self.depths.tolist()]
-
-    def set_values(self, v: Sequence[float]) -> None:
-        if v:
-            self.main = torch.tensor(v[0], dtype=torch.float64)
-            self.depths = torch.tensor(list(v[1:]), dtype=torch.float64)
-
-    def record(self) -> dict:
-        """The step record's MTP fields (`loss` is the objective: main_loss + lambda * mean(mtp_losses))."""
-        if self.main is None:
-            return {}
-        return {"main_loss": float(self.main), "mtp_loss": float(self.depths.mean()),
-                "mtp_losses": [float(x) for x in self.depths.tolist()]}
-
-
-def balancer_record(balancer) -> dict:
-    """The balancer's step-record fields (maxvio, maxvio_max, dead_experts_mean, min_load_ratio_min)."""
-    m = balancer.metrics()
-    rec = {}
-    for k in ("maxvio_mean", "maxvio_max", "dead_experts_mean", "min_load_ratio_min"):
-        v = m.get(f"balance/{k}")
-        if v is not None:
-            rec["maxvio" if k == "maxvio_mean" else k] = v
-    return rec
 
 
 # ----------------------------------------------------------------------------------------------- trainer
