@@ -8,13 +8,19 @@ batch shape BEFORE any work (K3ConfigError naming the flag), initialises the pro
 CPU) and returns a `DistTrainer`, a `Trainer` whose steps, evaluation, checkpoints and end-of-run files are
 distributed:
 
-* model: built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2), materialised per rank. Up to
-  `EXACT_INIT_MAX_PARAMS` parameters it is initialised as the single-process run does (a CPU copy per rank from the
-  same seed, each keeping its shards: the numbers do not depend on the mesh); a larger one shard by shard
-  (`init_weights` on the local shards), or loaded per rank from `--init` / a checkpoint.
-* data: every rank draws the same global batch (the single-process loader, same order) and keeps its data-parallel
-  rows (`ParallelMesh.dp_index()`); rows per micro-batch must divide by dp_replicate x dp_shard. Under CP the cp
-  ranks of one data index share those rows and each keeps its contiguous slice (`model._k3_cp.shard`).
+* model (k3.parallel.setup): built on `meta`, `parallelize_model` (EP -> CP -> AC -> compile -> FSDP2),
+  materialised per rank. Up to `EXACT_INIT_MAX_PARAMS` parameters it is initialised as the single-process run does
+  (a CPU copy per rank from the same seed, each keeping its shards: the numbers do not depend on the mesh); a larger
+  one shard by shard (`init_weights` on the local shards), or loaded per rank from `--init` / a checkpoint. A
+  multimodal config builds `K3ForConditionalGeneration` with k3.parallel.vision (no CP with images).
+* data (k3.parallel.batching): every rank draws the same global batch (the single-process loader, same order) and
+  keeps its data-parallel rows (`ParallelMesh.dp_index()`); rows per micro-batch must divide by dp_replicate x
+  dp_shard. Under CP the cp ranks of one data index share those rows and each keeps its contiguous slice
+  (`model._k3_cp.shard`). With images, each rank gets the images whose placeholders lie in its rows (None when it
+  has none: its tower runs on a blank image). `--task vision-synth | image-text`: k3.parallel.vision_train.
+* the step's update and record, the evaluation and the training-state restore are the single-process trainer's
+  (Trainer._finish_step, k3.train.probes.evaluate, k3.train.checkpointing.restore_training_state) with the
+  reductions as hooks; MTP losses (main_loss, mtp_loss, mtp_losses; val_mtp_loss) are summed over the ranks.
 * loss: each rank's CE sum / the step's global target-token count (known on every rank: all hold the global
   batch); FSDP sums the gradients; `clip_grad_norm_` clips by the global norm; `build_sharded_optimizer`;
   `sharded_qk_clip`; the balancers reduce their statistics over the data ranks themselves.
@@ -31,45 +37,25 @@ import logging
 import math
 import os
 import shutil
-import time
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from k3 import knobs
 from k3.errors import CheckpointError, K3ConfigError
-from k3.ops.loss import IGNORE_INDEX
+from k3.parallel.batching import local_batch, target_count
+from k3.parallel.flags import MeshFlags, check_batch_shape, mesh_dims
 from k3.parallel.mesh import ParallelDims
+from k3.parallel.setup import EXACT_INIT_MAX_PARAMS
+from k3.train.report import MTPSums
 from k3.train.trainer import Trainer
 
 log = logging.getLogger("k3.train")
 
 __all__ = ["MeshFlags", "torchrun_env", "make_trainer", "DistTrainer", "check_batch_shape", "EXACT_INIT_MAX_PARAMS"]
 
-# models up to this size are initialised as one full CPU copy per rank (then sharded): the same weights as the
-# single-process run, whatever the mesh
-EXACT_INIT_MAX_PARAMS = 2_000_000_000
 # final/ (the k3.checkpoint layout) is gathered on every rank; above this, convert the last DCP checkpoint instead
 FINAL_MAX_PARAMS = 2_000_000_000
-
-_FLAGS = {"dp_replicate": "--dp-replicate", "dp_shard": "--dp-shard", "cp": "--cp", "ep": "--ep",
-          "world_size": "torchrun's WORLD_SIZE (--nproc-per-node x --nnodes)"}
-
-
-@dataclass
-class MeshFlags:
-    """The mesh flags of `k3 train` (None: not given)."""
-    dp_replicate: Optional[int] = None
-    dp_shard: Optional[int] = None
-    cp: Optional[int] = None
-    ep: Optional[int] = None
-
-    def given(self) -> bool:
-        return any(v is not None for v in (self.dp_replicate, self.dp_shard, self.cp, self.ep))
-
-    def describe(self) -> str:
-        return " ".join(f"{_FLAGS[k]} {v}" for k, v in vars(self).items() if v is not None)
 
 
 def torchrun_env() -> Optional[tuple[int, int, int]]:
@@ -86,42 +72,13 @@ def torchrun_env() -> Optional[tuple[int, int, int]]:
     return rank, world, (local if local is not None else 0)
 
 
-def _dims(flags: MeshFlags, world: int, num_experts: int) -> ParallelDims:
-    try:
-        return ParallelDims(dp_replicate=flags.dp_replicate or 1,
-                            dp_shard=flags.dp_shard if flags.dp_shard is not None else -1,
-                            cp=flags.cp or 1, ep=flags.ep or 1, world_size=world,
-                            num_experts=num_experts)
-    except K3ConfigError as e:
-        msg = str(e)
-        for k, f in _FLAGS.items():
-            msg = msg.replace(f"parallel dims: {k}:", f"{f}:", 1)
-        raise K3ConfigError(f"k3 train mesh ({flags.describe() or 'defaults'}, world size {world}): {msg}") from None
-
-
-def check_batch_shape(cfg, dims: ParallelDims) -> None:
-    """Every stage's rows per step split into --grad-accum micro-batches of whole rows per data-parallel rank, and
-    each cp group's sequence (its rows x seq_len) has at least cp tokens. Raises K3ConfigError naming the flags."""
-    from k3.train.config import parse_stages
-    dp = dims.dp_replicate * dims.dp_shard
-    ga = cfg.grad_accum
-    for seq, _ in parse_stages(cfg.stages):
-        rows = cfg.tokens_per_step // seq
-        if rows % (ga * dp):
-            raise K3ConfigError(
-                f"--batch-tokens {cfg.tokens_per_step} at stage seq_len {seq} gives {rows} rows per step, which do "
-                f"not split into --grad-accum {ga} micro-batches x {dp} data-parallel ranks (dp_replicate "
-                f"{dims.dp_replicate} x dp_shard {dims.dp_shard}): use --batch-tokens a multiple of "
-                f"{seq * ga * dp} (seq_len x grad_accum x data ranks), or fewer data ranks")
-        dims.check_seq_len(rows // (ga * dp) * seq)
-
-
-def _model_config(cfg):
+def _model_config(cfg, given=None):
     from k3.config import K3Config
     run_cfg = os.path.join(cfg.out_dir, "config.json")
     if cfg.resume and os.path.isfile(run_cfg):
         return K3Config.from_json(run_cfg)
-    mcfg = K3Config.load(cfg.config) if cfg.config else K3Config.from_preset(cfg.preset)
+    mcfg = given if given is not None else (K3Config.load(cfg.config) if cfg.config else
+                                            K3Config.from_preset(cfg.preset))
     return mcfg.replace(**cfg.model_overrides) if cfg.model_overrides else mcfg
 
 
@@ -139,8 +96,12 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
         return Trainer(cfg, **kw)
     rank, world, local = env
     cfg.validate()
-    mcfg = _model_config(cfg)
-    dims = _dims(flags, world, int(mcfg.num_experts))
+    mcfg = _model_config(cfg, kw.get("model_config"))
+    dims = mesh_dims(flags, world, int(mcfg.num_experts))
+    from k3.multimodal import is_multimodal_config
+    if dims.cp_enabled and is_multimodal_config(mcfg):
+        raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
+                            f"model); use --cp 1 and data parallelism (--dp-shard / --dp-replicate)")
     check_batch_shape(cfg, dims)
     return DistTrainer(cfg, dims, local_rank=local, **kw)
 
@@ -175,8 +136,8 @@ def _init_process_group(device: torch.device) -> None:
 class DistTrainer(Trainer):
     """`Trainer` on a device mesh (module doc). Build it with `make_trainer`; `train()` as usual."""
 
-    def __init__(self, cfg, dims: ParallelDims, local_rank: int = 0, model_config=None, callbacks=()):
-        super().__init__(cfg, model_config=model_config, callbacks=callbacks)
+    def __init__(self, cfg, dims: ParallelDims, local_rank: int = 0, model_config=None, callbacks=(), data=None):
+        super().__init__(cfg, model_config=model_config, callbacks=callbacks, data=data)
         import torch.distributed as dist
         self.dims = dims
         from k3.train.config import resolve_device
@@ -263,20 +224,12 @@ class DistTrainer(Trainer):
         return self
 
     def _setup(self) -> None:
-        import torch.distributed as dist
-        from k3.config import K3Config
         from k3.parallel import build_mesh
-        from k3.parallel.checkpoint import latest_checkpoint, load_checkpoint
-        from k3.parallel.muon import build_sharded_optimizer
-        from k3.parallel.parallelize import (build_meta_model, load_full_state_dict, materialize,
-                                             parallelize_model)
-        from k3.parallel.release_load import init_dir, load_init
-        from k3.train import checkpointing as ckpt_io, report
-        from k3.train.build import make_balancer
-        from k3.train.config import (auto_threads, check_resume_settings, resolve_compile, resolve_param_dtype,
-                                     stored_train_config)
-        from k3.train.data import build_data
-        from k3.train.schedule import ContextSchedule, cosine_with_warmup
+        from k3.parallel.checkpoint import latest_checkpoint
+        from k3.parallel.release_load import init_dir
+        from k3.parallel.setup import build_parallel_model, build_run_data
+        from k3.train import checkpointing as ckpt_io
+        from k3.train.config import auto_threads, check_resume_settings, stored_train_config
         cfg = self.cfg
         ckpt = None
         if cfg.resume:
@@ -297,73 +250,21 @@ class DistTrainer(Trainer):
         ckpt_io.seed_everything(cfg.seed)
 
         init = init_dir(cfg) if ckpt is None else None      # a released / DCP checkpoint to start from
-        if ckpt is not None and os.path.isfile(self._path("config.json")):
-            mcfg = K3Config.from_json(self._path("config.json"))
-        elif init is not None:
-            mcfg = K3Config.load(init)
-        elif self._model_config is not None:
-            mcfg = self._model_config
-        else:
-            mcfg = K3Config.load(cfg.config) if cfg.config else K3Config.from_preset(cfg.preset)
-        if cfg.model_overrides and ckpt is None:
-            mcfg = mcfg.replace(**cfg.model_overrides)
-
-        # ---- data: rank 0 first (it trains / tokenizes into the cache), then the others read the cache
-        first_seq = self._stage_seq_len(0)
-        tok_path = cfg.tokenizer
-        if (ckpt or init) and tok_path is None and os.path.isfile(os.path.join(ckpt or init, "tokenizer.json")):
-            tok_path = ckpt or init
-        t0 = time.time()
-        for turn in (True, False):
-            if self.is_rank0 == turn:
-                self.data = build_data(cfg.data, vocab_size=mcfg.vocab_size, seq_len=first_seq,
-                                       batch_size=cfg.tokens_per_step // first_seq, seed=cfg.seed,
-                                       tokenizer_path=tok_path, cache=cfg.cache_dir, split_sections=cfg.split_sections)
-            self._barrier()
-        self.data_time = time.time() - t0
-        self.tokenizer = tok = self.data.tokenizer
-        if tok.vocab_size > mcfg.vocab_size:
-            raise K3ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
-                                f"{mcfg.vocab_size}")
-        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-        if any(getattr(mcfg, k) != v for k, v in ids.items()):
-            mcfg = mcfg.replace(**ids)
-        self.model_config = mcfg
+        mcfg = self._run_model_config(ckpt, init)
+        self.data, self.data_time = build_run_data(self, mcfg, self._tokenizer_path(ckpt, init))   # rank 0 first
+        self.tokenizer = self.data.tokenizer
+        self.model_config = mcfg = self._fit_tokenizer(mcfg, self.tokenizer)
         self.dims.check_model(mcfg)
 
         # ---- model: meta -> parallelise -> materialise (init or load) per rank
         self.pmesh = build_mesh(self.dims, self.device.type)
-        self.param_dtype = resolve_param_dtype(cfg.param_dtype, self.device)
-        self.compile_mode = resolve_compile(cfg.compile, self.device)
-        if self.compile_mode == "model":
-            self.compile_mode = "layers"      # FSDP units are layers: compile per layer
-        model = build_meta_model(mcfg)
-        self.num_params = sum(p.numel() for p in model.parameters())
-        for m in model.modules():
-            if hasattr(m, "track_max_logit"):
-                m.track_max_logit = True
-        # --param-dtype bf16: FSDP computes in bf16 over fp32 shards (the fp32 master is the shard itself); fp32:
-        # fp32 shards, bf16 autocast on CUDA as in one process (Trainer._autocast)
-        mp_dtype = torch.bfloat16 if self.param_dtype == "bf16" else (
-            torch.float32 if self.device.type == "cuda" else None)
-        parallelize_model(model, self.pmesh, param_dtype=mp_dtype,
-                          reduce_dtype=torch.float32, activation_checkpointing=cfg.activation_checkpointing,
-                          compile=self.compile_mode)
-        exact = ckpt is None and init is None and self.num_params <= EXACT_INIT_MAX_PARAMS
-        materialize(model, self.device, seed=cfg.seed, init=ckpt is None and init is None and not exact)
-        if init is not None:   # each rank reads only its shards / experts (k3.parallel.release_load)
-            load_init(model, init)
-        if exact:   # the single-process init (same seed, same RNG stream), each rank keeping its shards
-            from k3.model import K3ForCausalLM
-            with torch.device("cpu"):
-                full = K3ForCausalLM(mcfg)
-            full.float()
-            load_full_state_dict(model, full.state_dict())
-            del full
-        model.train()
-        self.model = model
+        self.model = model = build_parallel_model(self, mcfg, self.pmesh, fresh=ckpt is None, init=init)
+        self._placeholder_id = getattr(model, "media_placeholder_token_id", None)   # multimodal: images in batches
 
         # ---- optimizer / schedule / balancer
+        from k3.parallel.muon import build_sharded_optimizer
+        from k3.train.build import make_balancer
+        from k3.train.schedule import ContextSchedule, cosine_with_warmup
         self.optimizer = build_sharded_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay,
                                                  adamw_lr=cfg.adamw_lr, master_weights=False)
         self.warmup_steps = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, round(0.05 * cfg.steps))
@@ -374,6 +275,8 @@ class DistTrainer(Trainer):
 
         # ---- resume / run directory
         if ckpt is not None:
+            from k3.parallel.checkpoint import load_checkpoint
+            from k3.train import report
             extra = load_checkpoint(ckpt, model, self.optimizer)
             self._restore_extra(ckpt, extra)
             if self.is_rank0:
@@ -389,7 +292,7 @@ class DistTrainer(Trainer):
             ckpt_io.atomic_json(self.cfg.to_dict(), self._path("train_config.json"))
             ckpt_io.cleanup_tmp(cfg.out_dir)
             log.info("k3 train: %s, %d parameters", self.dims.describe(), self.num_params)
-        dist.barrier()
+        self._barrier()
 
     # ---- checkpoints (DCP)
     def state(self) -> dict:
@@ -423,67 +326,29 @@ class DistTrainer(Trainer):
         self._restore_extra(path, load_checkpoint(path, self.model, self.optimizer))
 
     def _restore_extra(self, path: str, st: dict) -> None:
-        from k3.train.checkpointing import set_rng_state
-        if st.get("tokenizer_fingerprint") not in (None, self.tokenizer.fingerprint):
-            raise CheckpointError(f"{path}: the checkpoint was trained with a different tokenizer")
-        try:
-            self.scheduler.load_state_dict(st["scheduler"])
-            if self.balancer is not None and st.get("balancer") is not None:
-                self.balancer.load_state_dict(st["balancer"])
-            self.data.train.load_state_dict(st["loader"])
-            set_rng_state(st["rng"])
-            self.step = int(st["step"])
-            self.tokens_seen = int(st.get("tokens_seen", 0))
-            self.train_time = float(st.get("train_time", 0.0))
-            self.bad_streak = int(st.get("bad_streak", 0))
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-            raise CheckpointError(f"{path}/extra.pt: the training state does not fit this run: "
-                                  f"{type(e).__name__}: {e}") from None
-        self.resumed_from = path
+        from k3.train.checkpointing import restore_training_state
+        restore_training_state(self, path, st, f"{path}/extra.pt", optimizer=False)   # DCP loaded the optimizer
         if self.is_rank0:
             log.info("resumed from %s (step %d, written on %s; now %s)", path, self.step, st.get("mesh", "?"),
                      self.dims.describe())
 
-    # ---- batches
+    # ---- batches (k3.parallel.batching)
     def _local_batch(self, b: dict, seq: int, allow_uneven: bool = False) -> dict:
-        """This rank's part of a global packed batch ([1, rows * seq] + cu_seqlens): its data-parallel rows, and
-        under CP its slice of them. `allow_uneven` (evaluation): rows are dealt as evenly as possible and a rank
-        without rows gets one ignored padding row (every rank must run the forward)."""
-        ids, labels, cu = b["input_ids"], b["labels"], b["cu_seqlens"]
-        rows = ids.shape[1] // seq
-        D, d = self.dims.dp_replicate * self.dims.dp_shard, self.pmesh.dp_index()
-        if rows % D and not allow_uneven:
-            raise K3ConfigError(f"{rows} rows do not split over {D} data-parallel ranks (--batch-tokens)")
-        r0, r1 = d * rows // D, (d + 1) * rows // D
-        lo, hi = r0 * seq, r1 * seq
-        if r1 > r0:
-            keep = cu[(cu >= lo) & (cu <= hi)].to(torch.int64) - lo
-            loc = {"input_ids": ids[:, lo:hi], "labels": labels[:, lo:hi], "cu_seqlens": keep.to(cu.dtype)}
-        else:
-            pad = self.model_config.pad_token_id
-            loc = {"input_ids": ids.new_full((1, seq), pad), "labels": labels.new_full((1, seq), IGNORE_INDEX),
-                   "cu_seqlens": torch.tensor([0, seq], dtype=cu.dtype)}
-        if self.dims.cp_enabled:
-            s = self.model._k3_cp.shard(loc["input_ids"], loc["labels"], loc["cu_seqlens"],
-                                        pad_id=self.model_config.pad_token_id)
-            loc = {"input_ids": s.input_ids, "labels": s.labels, "cu_seqlens": s.cu_seqlens}
-        return {k: v.to(self.device, non_blocking=True) for k, v in loc.items()}
+        """This rank's part of a global packed batch: its data-parallel rows, under CP its slice of them, with
+        images the images of its rows. `allow_uneven` (evaluation): a rank without rows gets a padding row."""
+        return local_batch(b, seq, dims=self.dims, dp_index=self.pmesh.dp_index(), device=self.device,
+                           pad_id=self.model_config.pad_token_id,
+                           cp=self.model._k3_cp if self.dims.cp_enabled else None,
+                           placeholder_id=self._placeholder_id, allow_uneven=allow_uneven)
 
-    # ---- one step
+    # ---- one step: the local micro-batches here, the update and the record in Trainer._finish_step (hooks below)
     def train_step(self) -> dict:
-        from k3.parallel.parallelize import clip_grad_norm_
-        from k3.parallel.qk_clip import sharded_qk_clip
-        cfg = self.cfg
-        stage, seq = self.schedule.stage_at(self.step)
-        rows = cfg.tokens_per_step // seq
-        t0 = time.time()
-        self._loader_at_step_start = self.data.train.state_dict()
-        self._phase = "compute"
-        batches = self._micro_batches(seq, rows)         # the global micro-batches, as in one process
-        n_total = max(sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches), 1)
+        t0, stage, seq, rows, batches = self._begin_step()   # the global micro-batches, as in one process
+        n_total = max(sum(target_count(b, self._placeholder_id) for b in batches), 1)
         loss_sum = torch.zeros((), dtype=torch.float64)
         bad_local = 0.0
         aux_total = 0.0
+        mtp = MTPSums()
         world = self.dims.world_size
         for b in batches:
             loc = self._local_batch(b, seq)
@@ -493,7 +358,8 @@ class DistTrainer(Trainer):
             for cb in self.callbacks:
                 loss = cb.on_loss(self, loss)
             n_loc = out.num_tokens if torch.is_tensor(out.num_tokens) else torch.tensor(out.num_tokens)
-            obj = loss * (n_loc.to(loss.device, torch.float32) / n_total)   # local CE sum / global count
+            w = n_loc.to(loss.device, torch.float32) / n_total
+            obj = loss * w   # local CE sum / global count
             ce = obj.detach()
             if self.balancer is not None:
                 aux = self.balancer.aux_loss()
@@ -504,86 +370,31 @@ class DistTrainer(Trainer):
             if not torch.isfinite(loss.detach()):
                 bad_local = 1.0
             loss_sum += ce.double().cpu()
-        tot, bad = self._allreduce([float(loss_sum), bad_local])
-        bad = bad > 0
-        grad_norm = float("nan")
-        if not bad:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            grad_norm = float(clip_grad_norm_(params, cfg.grad_clip))
-            bad = not math.isfinite(grad_norm)
-        rec: dict[str, Any] = {"type": "train"}
-        clipped = 0
-        self._phase = "update"
-        if bad:
-            self.optimizer.zero_grad(set_to_none=True)
-            self._discard_balancer_stats()
-            self.bad_streak += 1
-        else:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            local_max = [float(m.last_max_logit.max()) for m in self.model.modules()
-                         if getattr(m, "last_max_logit", None) is not None]
-            max_logit = self._allreduce([max(local_max) if local_max else -math.inf], op="max")[0]
-            clipped = sharded_qk_clip(self.model, tau=cfg.qk_clip_tau, optimizer=self.optimizer) \
-                if cfg.qk_clip_tau > 0 else 0
-            if self.balancer is not None:
-                self.balancer.step()
-            self.bad_streak = 0
-            if local_max:
-                rec["max_logit"] = max_logit
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.time() - t0
-        tokens = rows * seq
-        self.step += 1
-        self.tokens_seen += tokens
-        self.train_time += dt
-        self._phase = "idle"
-        rec.update({"step": self.step, "loss": tot if not bad else float("nan"), "lr": lr,
-                    "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9), "step_time": dt,
-                    "seq_len": seq, "stage": stage, "batch_rows": rows, "grad_norm": grad_norm,
-                    "skipped": bad, "tokens_seen": self.tokens_seen, "epoch": self.data.train.epoch_progress})
-        if clipped:
-            rec["qk_clipped_heads"] = clipped
-        if aux_total:
-            rec["aux_loss"] = aux_total
-        if self.balancer is not None and not bad:
-            m = self.balancer.metrics()
-            for k in ("maxvio_mean", "maxvio_max", "dead_experts_mean", "min_load_ratio_min"):
-                v = m.get(f"balance/{k}")
-                if v is not None:
-                    rec["maxvio" if k == "maxvio_mean" else k] = v
-        return rec
+            mtp.add(out, w)
+        sums = self._allreduce([float(loss_sum), bad_local] + mtp.values())   # one collective
+        mtp.set_values(sums[2:])
+        return self._finish_step(t0, stage, seq, rows, sums[0], sums[1] > 0, aux_total, mtp)
 
-    # ---- evaluation / samples: every rank takes part, the sums are reduced
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        from k3.train.probes import recall
-        model, cfg = self.model, self.cfg
-        was_training = model.training
-        model.eval()
-        t0 = time.time()
-        try:
-            seq = cfg.val_seq_len or self._stage_seq_len(0)
-            rows = max(1, min(cfg.tokens_per_step, cfg.val_tokens) // seq)
-            n_batches = max(1, cfg.val_tokens // (rows * seq))
-            tot = n = 0.0
-            for b in self.data.val.batches(seq_len=seq, batch_size=rows, max_batches=n_batches):
-                with self._autocast():
-                    out = model(**self._local_batch(b, seq, allow_uneven=True))
-                k = int(out.num_tokens)
-                tot += float(out.loss) * k
-                n += k
-            tot, n = self._allreduce([tot, n])
-            res = {"val_loss": tot / n if n else float("nan"), "val_tokens": int(n)}
-            if not self.dims.cp_enabled:   # the same probe batch on every rank (FSDP gathers the weights)
-                res.update(recall(self))
-        finally:
-            model.train(was_training)
-        res["eval_time"] = time.time() - t0
-        return res
+    def _clip_grad_norm(self, params: list) -> torch.Tensor:
+        from k3.parallel.parallelize import clip_grad_norm_
+        return clip_grad_norm_(params, self.cfg.grad_clip)
+
+    def _reduce_max_logit(self, local: list) -> float:
+        return self._allreduce([max(local) if local else -math.inf], op="max")[0]
+
+    def _qk_clip(self) -> int:
+        from k3.parallel.qk_clip import sharded_qk_clip
+        return sharded_qk_clip(self.model, tau=self.cfg.qk_clip_tau, optimizer=self.optimizer)
+
+    # ---- evaluation (k3.train.probes.evaluate on every rank, the sums reduced) / samples
+    def _eval_batch(self, b: dict, seq: int) -> dict:
+        return self._local_batch(b, seq, allow_uneven=True)
+
+    def _sum_over_ranks(self, values: list) -> list:
+        return self._allreduce(values)
+
+    def _recall_enabled(self) -> bool:
+        return not self.dims.cp_enabled   # the same probe batch on every rank (FSDP gathers the weights)
 
     def samples(self) -> list:
         """Greedy continuations, run in lockstep on every rank (identical inputs and weights give identical
@@ -619,12 +430,8 @@ class DistTrainer(Trainer):
                if not bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())]
         if self._allreduce([float(len(bad))], op="max")[0] > 0:
             return "weight tensors hold NaN/inf" + (f" (e.g. {bad[0]})" if bad else "")
-        v = self.eval_history[-1].get("val_loss") if self.eval_history else None
-        if v is None and self.eval_history:
-            return "the final validation loss is not a number"
-        if isinstance(v, float) and not math.isfinite(v):
-            return f"the final validation loss is {v}"
-        return None
+        from k3.train.probes import non_finite_eval
+        return non_finite_eval(self)
 
     def latest_checkpoint_path(self) -> Optional[str]:
         from k3.parallel.checkpoint import latest_checkpoint
@@ -669,10 +476,17 @@ class DistTrainer(Trainer):
         from k3.parallel.parallelize import full_state_dict
         sd = {k: v.cpu() for k, v in full_state_dict(self.model).items()}
         if self.is_rank0:
+            if self._placeholder_id is not None:
+                from k3.multimodal import K3ForConditionalGeneration as cls
+            else:
+                cls = K3ForCausalLM
             with torch.device("meta"):
-                m = K3ForCausalLM(self.model_config, init=False)
+                m = cls(self.model_config, init=False)
             m.load_state_dict(sd, assign=True)
-            save_pretrained(m, self._path("final"), tokenizer=self.tokenizer)
+            if self._placeholder_id is not None:
+                m.save_pretrained(self._path("final"), tokenizer=self.tokenizer)
+            else:
+                save_pretrained(m, self._path("final"), tokenizer=self.tokenizer)
         del sd
         self._barrier()
 

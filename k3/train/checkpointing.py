@@ -35,7 +35,7 @@ log = logging.getLogger("k3.train")
 __all__ = ["CKPT_PREFIX", "STATE_FILE", "STATE_JSON", "LOCK_NAME", "CorruptStateError", "find_checkpoints",
            "latest_checkpoint", "load_trainer_state", "pick_resume_checkpoint", "save_checkpoint",
            "restore_checkpoint", "RunLock", "atomic_json", "atomic_torch_save", "rng_state", "set_rng_state",
-           "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp"]
+           "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp", "restore_training_state"]
 
 CKPT_PREFIX = "step-"
 STATE_FILE = "trainer_state.pt"
@@ -256,10 +256,19 @@ def restore_checkpoint(trainer, path: str, st: Optional[dict] = None) -> None:
     if missing or unexpected:
         raise CheckpointError(f"{path}: model keys do not match (missing {missing[:5]}, "
                               f"unexpected {unexpected[:5]})")
+    restore_training_state(trainer, path, st, sf)
+    log.info("resumed from %s (step %d)", path, trainer.step)
+
+
+def restore_training_state(trainer, path: str, st: dict, where: str, optimizer: bool = True) -> None:
+    """The training state `st` of checkpoint `path` (read from `where`, named in errors) into `trainer`: optimizer
+    (unless `optimizer=False`: the distributed trainer's DCP load restored it), scheduler, balancer, loader
+    position, RNG and step counters; the tokenizer must be the checkpoint's. Sets `trainer.resumed_from`."""
     if st.get("tokenizer_fingerprint") not in (None, trainer.tokenizer.fingerprint):
         raise CheckpointError(f"{path}: the checkpoint was trained with a different tokenizer")
     try:
-        trainer.optimizer.load_state_dict(st["optimizer"])
+        if optimizer:
+            trainer.optimizer.load_state_dict(st["optimizer"])
         trainer.scheduler.load_state_dict(st["scheduler"])
         if trainer.balancer is not None and st.get("balancer") is not None:
             trainer.balancer.load_state_dict(st["balancer"])
@@ -272,9 +281,8 @@ def restore_checkpoint(trainer, path: str, st: Optional[dict] = None) -> None:
     except (CheckpointError, K3ConfigError):
         raise
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-        raise CheckpointError(f"{sf}: the training state does not fit this run: {type(e).__name__}: {e}") from None
+        raise CheckpointError(f"{where}: the training state does not fit this run: {type(e).__name__}: {e}") from None
     trainer.resumed_from = path
-    log.info("resumed from %s (step %d)", path, trainer.step)
 
 
 def clear_run_outputs(out_dir: str) -> None:

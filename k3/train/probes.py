@@ -13,7 +13,8 @@ from k3.errors import K3ConfigError
 
 log = logging.getLogger("k3.train")
 
-__all__ = ["recall_batch", "greedy_generate", "evaluate", "recall", "samples", "non_finite_result"]
+__all__ = ["recall_batch", "greedy_generate", "evaluate", "recall", "samples", "non_finite_result",
+           "non_finite_eval"]
 
 
 def recall_batch(vocab_lo: int, vocab_hi: int, n_examples: int, n_pairs: int, seed: int = 1234,
@@ -70,7 +71,7 @@ def evaluate(trainer) -> dict:
         n_batches = max(1, cfg.val_tokens // (rows * seq))
         tot, n, mtp = 0.0, 0, None
         for b in trainer.data.val.batches(seq_len=seq, batch_size=rows, max_batches=n_batches):
-            b = {k: v.to(trainer.device) for k, v in b.items()}
+            b = trainer._eval_batch(b, seq)
             with trainer._autocast():
                 out = model(**b)
             k = int(out.num_tokens)
@@ -79,10 +80,13 @@ def evaluate(trainer) -> dict:
             if out.mtp_losses is not None:
                 mtp = (mtp or 0.0) + float(out.mtp_losses.mean()) * k
             n += k
+        sums = trainer._sum_over_ranks([tot, n] + ([] if mtp is None else [mtp]))   # the distributed trainer's hook
+        tot, n, mtp = sums[0], int(sums[1]), (sums[2] if mtp is not None else None)
         res = {"val_loss": tot / n if n else float("nan"), "val_tokens": n}
         if mtp is not None:
             res["val_mtp_loss"] = mtp / n if n else float("nan")
-        res.update(recall(trainer))
+        if trainer._recall_enabled():
+            res.update(recall(trainer))
     finally:
         model.train(was_training)
     res["eval_time"] = time.time() - t0
@@ -147,6 +151,11 @@ def non_finite_result(trainer) -> Optional[str]:
     if bad:
         n = sum(1 for _ in trainer.model.parameters())
         return f"{len(bad)} of {n} weight tensors hold NaN/inf (e.g. {bad[0]})"
+    return non_finite_eval(trainer)
+
+
+def non_finite_eval(trainer) -> Optional[str]:
+    """Why the last validation loss bars `final/` (None: finite, or no evaluation)."""
     v = trainer.eval_history[-1].get("val_loss") if trainer.eval_history else None
     if v is None and trainer.eval_history:
         return "the final validation loss is not a number"

@@ -11,7 +11,51 @@ from typing import Optional, Sequence
 log = logging.getLogger("k3.train")
 
 __all__ = ["finite_or_none", "read_metrics", "plot_loss", "format_summary", "write_report", "json_line", "build_summary",
-           "write_artifacts", "truncate_metrics", "progress_bar", "set_postfix"]
+           "write_artifacts", "truncate_metrics", "progress_bar", "set_postfix", "MTPSums", "balancer_record"]
+
+
+# ------------------------------------------------------------------------------------------- step-record fields
+class MTPSums:
+    """A step's multi-token-prediction losses (models with `num_nextn_predict_layers` > 0), summed over its
+    micro-batches with the loss weights: the next-token loss alone and the per-depth losses."""
+
+    def __init__(self):
+        self.main = None   # 0-dim float64 tensor
+        self.depths = None  # [depths] float64
+
+    def add(self, out, w: float) -> None:
+        if getattr(out, "mtp_losses", None) is None:
+            return
+        self.depths = out.mtp_losses.detach().double() * w + (0 if self.depths is None else self.depths)
+        self.main = out.main_loss.detach().double() * w + (0 if self.main is None else self.main)
+
+    def values(self) -> list:
+        """[main, depth 1, ...] as floats ([] without MTP): what a distributed step sums over its ranks."""
+        return [] if self.main is None else [float(self.main)] + [float(x) for x in self.depths.tolist()]
+
+    def set_values(self, v: Sequence[float]) -> None:
+        if v:
+            import torch
+            self.main = torch.tensor(v[0], dtype=torch.float64)
+            self.depths = torch.tensor(list(v[1:]), dtype=torch.float64)
+
+    def record(self) -> dict:
+        """The step record's MTP fields (`loss` is the objective: main_loss + lambda * mean(mtp_losses))."""
+        if self.main is None:
+            return {}
+        return {"main_loss": float(self.main), "mtp_loss": float(self.depths.mean()),
+                "mtp_losses": [float(x) for x in self.depths.tolist()]}
+
+
+def balancer_record(balancer) -> dict:
+    """The balancer's step-record fields (maxvio, maxvio_max, dead_experts_mean, min_load_ratio_min)."""
+    m = balancer.metrics()
+    rec = {}
+    for k in ("maxvio_mean", "maxvio_max", "dead_experts_mean", "min_load_ratio_min"):
+        v = m.get(f"balance/{k}")
+        if v is not None:
+            rec["maxvio" if k == "maxvio_mean" else k] = v
+    return rec
 
 
 def finite_or_none(v):

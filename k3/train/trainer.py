@@ -53,6 +53,7 @@ from k3.errors import K3ConfigError, K3Error
 from k3.ops.loss import IGNORE_INDEX
 from k3.train import checkpointing as ckpt_io
 from k3.train import report
+from k3.train.report import MTPSums, balancer_record
 from k3.train.checkpointing import (CKPT_PREFIX, STATE_FILE, STATE_JSON, RunLock, find_checkpoints,  # noqa: F401
                                     latest_checkpoint)
 from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig,  # noqa: F401
@@ -181,26 +182,13 @@ class Trainer:
         if cfg.init_from is not None:
             from k3.train.config import resolve_init_checkpoint
             init = resolve_init_checkpoint(cfg.init_from)
-        # ---- model config (a resumed run always uses the run's own config.json)
-        if ckpt is not None and os.path.isfile(self._path("config.json")):
-            mcfg = K3Config.from_json(self._path("config.json"))
-        elif init is not None:
-            mcfg = K3Config.load(init)
-        elif self._model_config is not None:
-            mcfg = self._model_config
-        else:
-            mcfg = K3Config.load(cfg.config) if cfg.config else K3Config.from_preset(cfg.preset)
-        if cfg.model_overrides and ckpt is None:
-            mcfg = mcfg.replace(**cfg.model_overrides)
+        mcfg = self._run_model_config(ckpt, init)
 
         # ---- data + tokenizer
         from k3.train.data import build_data
         first_seq = self._stage_seq_len(0)
         rows = cfg.tokens_per_step // first_seq
-        tok_path = cfg.tokenizer
-        for src in (ckpt, init):
-            if src is not None and tok_path is None and os.path.isfile(os.path.join(src, "tokenizer.json")):
-                tok_path = src
+        tok_path = self._tokenizer_path(ckpt, init)
         t0 = time.time()
         factory = self._data_factory
         if factory is None and cfg.task == "sft":
@@ -220,15 +208,8 @@ class Trainer:
                                    seed=cfg.seed, tokenizer_path=tok_path, cache=cfg.cache_dir,
                                    split_sections=cfg.split_sections)
         self.data_time = time.time() - t0
-        self.tokenizer = tok = self.data.tokenizer
-        if tok.vocab_size > mcfg.vocab_size:
-            raise K3ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
-                                f"{mcfg.vocab_size}")
-        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
-        if any(getattr(mcfg, k) != v for k, v in ids.items()):
-            log.info("setting the config's special token ids from the tokenizer: %s", ids)
-            mcfg = mcfg.replace(**ids)
-        self.model_config = mcfg
+        self.tokenizer = self.data.tokenizer
+        self.model_config = mcfg = self._fit_tokenizer(mcfg, self.tokenizer)
 
         # ---- model (k3.train.build)
         from k3.train.build import build_model
@@ -258,6 +239,43 @@ class Trainer:
         mcfg.save_json(self._path("config.json"))
         ckpt_io.atomic_json(self.cfg.to_dict(), self._path("train_config.json"))
         ckpt_io.cleanup_tmp(cfg.out_dir)
+
+    # setup steps the distributed trainer shares (k3.parallel.training)
+    def _run_model_config(self, ckpt: Optional[str], init: Optional[str]) -> K3Config:
+        """The model config (a resumed run always uses the run's own config.json; then --init's, the one given,
+        --config or --preset; model overrides on a new run)."""
+        cfg = self.cfg
+        if ckpt is not None and os.path.isfile(self._path("config.json")):
+            mcfg = K3Config.from_json(self._path("config.json"))
+        elif init is not None:
+            mcfg = K3Config.load(init)
+        elif self._model_config is not None:
+            mcfg = self._model_config
+        else:
+            mcfg = K3Config.load(cfg.config) if cfg.config else K3Config.from_preset(cfg.preset)
+        if cfg.model_overrides and ckpt is None:
+            mcfg = mcfg.replace(**cfg.model_overrides)
+        return mcfg
+
+    def _tokenizer_path(self, ckpt: Optional[str], init: Optional[str]) -> Optional[str]:
+        """--tokenizer, else the tokenizer.json of the checkpoint resumed / started from (None: build one)."""
+        tok_path = self.cfg.tokenizer
+        for src in (ckpt, init):
+            if src is not None and tok_path is None and os.path.isfile(os.path.join(src, "tokenizer.json")):
+                tok_path = src
+        return tok_path
+
+    @staticmethod
+    def _fit_tokenizer(mcfg: K3Config, tok) -> K3Config:
+        """The config with the tokenizer's special ids (its vocabulary must fit the model's)."""
+        if tok.vocab_size > mcfg.vocab_size:
+            raise K3ConfigError(f"tokenizer has {tok.vocab_size} tokens but the model's vocab_size is "
+                                f"{mcfg.vocab_size}")
+        ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+        if any(getattr(mcfg, k) != v for k, v in ids.items()):
+            log.info("setting the config's special token ids from the tokenizer: %s", ids)
+            mcfg = mcfg.replace(**ids)
+        return mcfg
 
     def _load_init_weights(self, path: str) -> None:
         """The weights of `--ckpt` (every model key must match; the optimizer starts fresh)."""
@@ -307,6 +325,16 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
+    # evaluation hooks of k3.train.probes.evaluate (the distributed trainer slices and sums over its ranks)
+    def _eval_batch(self, b: dict, seq: int) -> dict:
+        return {k: v.to(self.device) for k, v in b.items()}
+
+    def _sum_over_ranks(self, values: list) -> list:
+        return values
+
+    def _recall_enabled(self) -> bool:
+        return True
+
     def evaluate(self) -> dict:
         """Validation loss on fixed batches + MQAR recall accuracy. The RNG state is untouched."""
         from k3.train.probes import evaluate
@@ -341,21 +369,25 @@ class Trainer:
         sizes = [rows // ga + (1 if i < rows % ga else 0) for i in range(ga)]
         return [self.data.train.next_batch(seq, r) for r in sizes]
 
-    def train_step(self) -> dict:
-        """One optimizer step (or a skipped one). Returns the step record (not yet logged)."""
-        cfg = self.cfg
+    def _begin_step(self) -> tuple:
+        """(start time, stage, seq_len, rows, micro-batches) of the next step; the loader position is kept for a
+        rollback."""
         stage, seq = self.schedule.stage_at(self.step)
-        rows = cfg.tokens_per_step // seq
+        rows = self.cfg.tokens_per_step // seq
         t0 = time.time()
         self._loader_at_step_start = self.data.train.state_dict()
         self._phase = "compute"
-        batches = self._micro_batches(seq, rows)
+        return t0, stage, seq, rows, self._micro_batches(seq, rows)
+
+    def train_step(self) -> dict:
+        """One optimizer step (or a skipped one). Returns the step record (not yet logged)."""
+        t0, stage, seq, rows, batches = self._begin_step()
         counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in batches]   # host batches: no device sync
         n_total = sum(counts)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         bad = False
         aux_total = 0.0
-        mtp_sum = main_sum = None   # MTP runs (num_nextn_predict_layers > 0): per-depth and next-token losses
+        mtp = MTPSums()   # MTP runs (num_nextn_predict_layers > 0): per-depth and next-token losses
         for b, n_b in zip(batches, counts):
             b = {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
             with self._autocast():
@@ -378,14 +410,28 @@ class Trainer:
                 bad = True
                 break
             loss_sum += loss.detach().double() * w
-            if getattr(out, "mtp_losses", None) is not None:
-                mtp_sum = out.mtp_losses.detach().double() * w + (0 if mtp_sum is None else mtp_sum)
-                main_sum = out.main_loss.detach().double() * w + (0 if main_sum is None else main_sum)
+            mtp.add(out, w)
+        return self._finish_step(t0, stage, seq, rows, loss_sum, bad, aux_total, mtp)
+
+    # the parts of a step the distributed trainer shares (k3.parallel.training), with its reductions as hooks
+    def _clip_grad_norm(self, params: list) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
+
+    def _reduce_max_logit(self, local: list) -> Optional[float]:
+        return max(local) if local else None
+
+    def _qk_clip(self) -> int:
+        from k3.train.optim import qk_clip
+        return qk_clip(self.model, tau=self.cfg.qk_clip_tau, optimizer=self.optimizer)
+
+    def _finish_step(self, t0: float, stage: int, seq: int, rows: int, loss, bad: bool, aux_total: float,
+                     mtp: "MTPSums") -> dict:
+        """After the backward passes: clip, update (or skip a bad step), LR schedule, counters; returns the step
+        record (`loss`, `mtp` already summed over the ranks)."""
         grad_norm = float("nan")
         if not bad:
             params = [p for p in self.model.parameters() if p.grad is not None]
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            grad_norm = float(gn)
+            grad_norm = float(self._clip_grad_norm(params))
             bad = not math.isfinite(grad_norm)
         rec: dict[str, Any] = {"type": "train"}
         clipped = 0
@@ -397,15 +443,15 @@ class Trainer:
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            from k3.train.optim import qk_clip
-            max_logit = [float(m.last_max_logit.max()) for m in self.model.modules()
-                         if getattr(m, "last_max_logit", None) is not None]
-            clipped = qk_clip(self.model, tau=cfg.qk_clip_tau, optimizer=self.optimizer) if cfg.qk_clip_tau > 0 else 0
+            local = [float(m.last_max_logit.max()) for m in self.model.modules()
+                     if getattr(m, "last_max_logit", None) is not None]
+            max_logit = self._reduce_max_logit(local)
+            clipped = self._qk_clip() if self.cfg.qk_clip_tau > 0 else 0
             if self.balancer is not None:
                 self.balancer.step()
             self.bad_streak = 0
-            if max_logit:
-                rec["max_logit"] = max(max_logit)
+            if local:
+                rec["max_logit"] = max_logit
         lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         if self.device.type == "cuda":
@@ -416,24 +462,18 @@ class Trainer:
         self.tokens_seen += tokens
         self.train_time += dt
         self._phase = "idle"
-        rec.update({"step": self.step, "loss": float(loss_sum) if not bad else float("nan"), "lr": lr,
+        rec.update({"step": self.step, "loss": float(loss) if not bad else float("nan"), "lr": lr,
                     "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9), "step_time": dt,
                     "seq_len": seq, "stage": stage, "batch_rows": rows, "grad_norm": grad_norm,
                     "skipped": bad, "tokens_seen": self.tokens_seen, "epoch": self.data.train.epoch_progress})
         if clipped:
             rec["qk_clipped_heads"] = clipped
-        if mtp_sum is not None and not bad:   # `loss` is the objective: main_loss + lambda * mean(mtp_losses)
-            rec["main_loss"] = float(main_sum)
-            rec["mtp_loss"] = float(mtp_sum.mean())
-            rec["mtp_losses"] = [float(x) for x in mtp_sum.tolist()]
+        if not bad:
+            rec.update(mtp.record())
         if aux_total:
             rec["aux_loss"] = aux_total
         if self.balancer is not None and not bad:
-            m = self.balancer.metrics()
-            for k in ("maxvio_mean", "maxvio_max", "dead_experts_mean", "min_load_ratio_min"):
-                v = m.get(f"balance/{k}")
-                if v is not None:
-                    rec["maxvio" if k == "maxvio_mean" else k] = v
+            rec.update(balancer_record(self.balancer))
         return rec
 
     def _discard_balancer_stats(self) -> None:
