@@ -239,6 +239,10 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     _knob("WORLD_SIZE", "an integer >= 1", None, "unset (one process)",
           "torchrun's number of processes; `k3 train` checks --dp-replicate x --dp-shard x --cp against it before "
           "any work.", _int_at_least(1), ["k3/parallel/training.py"], "none", kind="external", settable=False),
+    _knob("TORCHELASTIC_ERROR_FILE", "a file path", None, "unset (not under torchrun)",
+          "torchrun's file for a failed rank's error: `k3` writes the error that ends a command there, so torchrun's "
+          "failure summary shows it.", _text(), ["k3/parallel/launch.py"], "none", kind="external", settable=False,
+          strip=False),
     _knob("LOCAL_RANK", "an integer >= 0", None, "unset (0)",
           "torchrun's rank of this process on its node: the CUDA device `k3 train` uses under torchrun.",
           _int_at_least(0), ["k3/parallel/training.py"], "none", kind="external", settable=False),

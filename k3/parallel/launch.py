@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 
+from k3 import knobs
+
 __all__ = ["record_error"]
 
 
 def record_error(e: BaseException) -> None:
     """Write `e` to torchrun's error file (first error wins; no-op outside torchrun)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    path = knobs.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
     try:
