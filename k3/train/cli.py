@@ -205,8 +205,19 @@ def build_train_config(args) -> TrainConfig:
 
 
 def run(args) -> int:
-    if getattr(args, "task", "text") != "text":   # the multimodal model on images: its own compact loop
-        from k3.vision.train import run_train_cli
+    if getattr(args, "task", "text") != "text":   # the multimodal model on images
+        from k3.parallel.training import torchrun_env
+        if torchrun_env() is not None:            # under torchrun: DistTrainer with the vision data
+            from k3.parallel.vision_train import run_train_dist
+            return run_train_dist(args)
+        from k3.parallel.training import MeshFlags
+        flags = MeshFlags(*(getattr(args, k, None) for k in ("dp_replicate", "dp_shard", "cp", "ep")))
+        if flags.given():
+            from k3.errors import K3ConfigError
+            raise K3ConfigError(f"{flags.describe()}: mesh flags need several processes; launch with torchrun, "
+                                f"e.g. torchrun --nproc-per-node 2 -m k3.cli train --task {args.task} ... "
+                                f"{flags.describe()}")
+        from k3.vision.train import run_train_cli  # one process: its own compact loop
         return run_train_cli(args)
     return _run(args, build_train_config(args), "k3 train")
 

@@ -31,3 +31,13 @@ def test_init_flag_and_dcp_checkpoints(tmp_path):
         resolve_init_checkpoint(str(dcp))
     with pytest.raises(K3ConfigError, match="holds no model"):
         resolve_init_checkpoint(str(tmp_path))
+
+
+def test_vision_task_mesh_flags_need_torchrun(monkeypatch, capsys):
+    """`k3 train --task vision-synth --dp-shard 2` without torchrun is refused before any work, naming the flag."""
+    from k3.cli import main
+    for v in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(v, raising=False)
+    assert main(["train", "--task", "vision-synth", "--dp-shard", "2", "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "--dp-shard 2: mesh flags need several processes" in err and "torchrun" in err
