@@ -15,7 +15,10 @@ Notes that matter for matching the release:
 - Attention is bidirectional within each image only (no L x L mask is built). `MoonViT.attn_impl`:
   "sdpa" = one SDPA call per image; "varlen" = one flash varlen call over the packed images
   (`torch.nn.attention.varlen.varlen_attn` with the images' cu_seqlens; CUDA, fp16/bf16, head_dim <= 256 and a
-  multiple of 8: the release's `flash_attention_2` path); "auto" (default) = varlen where it can run, else sdpa.
+  multiple of 8: the release's `flash_attention_2` path); "auto" (default) = varlen where it can run and the pack
+  holds many small images (>= 4 images of <= 1,024 patches on average), else sdpa: on the H200 at the released width
+  varlen is 1.26x faster for 8 images of 256² but 1.2-1.4x slower for single images and at 1024² / 2048²
+  (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -157,6 +160,8 @@ class PatchEmbed(nn.Module):
 
 
 ATTN_IMPLS = ("auto", "sdpa", "varlen")
+VARLEN_MIN_IMAGES = 4              # "auto" takes the varlen kernel for packs of at least this many images
+VARLEN_MAX_MEAN_PATCHES = 1024     # ... of at most this many patches on average (module docstring)
 
 
 def _varlen_op():
@@ -186,7 +191,9 @@ def packed_attention(q_LHD: torch.Tensor, k_LHD: torch.Tensor, v_LHD: torch.Tens
     int32 tensor on q's device (built here when None; the tower builds it once per forward)."""
     if impl not in ATTN_IMPLS:
         raise K3ConfigError(f"vision attn_impl {impl!r}: expected one of {ATTN_IMPLS}")
-    if impl == "varlen" or (impl == "auto" and varlen_supported(q_LHD)):
+    n_img = len(cu_seqlens) - 1
+    many_small = n_img >= VARLEN_MIN_IMAGES and cu_seqlens[-1] <= VARLEN_MAX_MEAN_PATCHES * n_img
+    if impl == "varlen" or (impl == "auto" and many_small and varlen_supported(q_LHD)):
         cu = cu_tensor if cu_tensor is not None else torch.tensor(cu_seqlens, dtype=torch.int32,
                                                                    device=q_LHD.device)
         m = max(e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:]))

@@ -341,3 +341,22 @@ def test_varlen_equals_sdpa_on_cuda_bf16():
         m.attn_impl = "varlen"
         out = m(pv, grid).float()
     torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+
+
+def test_attn_impl_auto_takes_varlen_for_many_small_images_only(monkeypatch):
+    """"auto" (where varlen can run) takes the varlen kernel for >= 4 images of <= 1,024 patches on average (where
+    it measured faster on the H200), per-image SDPA otherwise; both give the same attention."""
+    import k3.vision.tower as tower
+    calls = []
+    monkeypatch.setattr(tower, "_varlen_op", lambda: _reference_varlen(calls))
+    monkeypatch.setattr(tower, "varlen_supported", lambda q: True)
+    torch.manual_seed(0)
+    for cu, want in (([0, 5, 9, 16, 20], 1), ([0, 5, 9, 16], 0), ([0, 1500, 2000, 3000, 5000], 0),
+                     ([0, 1000, 2000, 3000, 4096], 1), ([0, 1000, 2000, 3000, 4097], 0)):
+        calls.clear()
+        L = cu[-1]
+        q, k, v = (torch.randn(L, 1, 8) for _ in range(3))
+        out = tower.packed_attention(q, k, v, cu, 0.3, "auto")
+        assert len(calls) == want, (cu, len(calls))
+        if L <= 100:
+            torch.testing.assert_close(out, tower.packed_attention(q, k, v, cu, 0.3, "sdpa"), atol=1e-5, rtol=1e-5)
