@@ -153,8 +153,7 @@ def vision_train_setup(args, out_dir: str, processor_config=None):
     return mcfg, factory
 
 
-def _train_config(args):
-    from k3.train.cli import build_train_config
+def _train_config(args, build_train_config):
     if args.resume:
         return build_train_config(args)
     if args.steps is None:
@@ -186,8 +185,9 @@ def _train_config(args):
     return cfg
 
 
-def run_train_dist(args) -> int:
-    """`k3 train --task vision-synth | image-text` under torchrun (module doc)."""
+def run_train_dist(args, build_train_config) -> int:
+    """`k3 train --task vision-synth | image-text` under torchrun (module doc). `build_train_config(args)`: k3 train's
+    TrainConfig from its flags (k3.train.cli passes its own: this module sits below the CLI)."""
     import logging
     from k3.parallel.training import MeshFlags, make_trainer
     from k3.train.report import format_summary
@@ -196,7 +196,7 @@ def run_train_dist(args) -> int:
     if torchrun_env() is None:
         raise K3ConfigError("k3.parallel.vision_train runs under torchrun; a single process trains a vision task "
                             "with `k3 train --task ...` (k3.vision.train)")
-    cfg = _train_config(args)
+    cfg = _train_config(args, build_train_config)
     mcfg, factory = vision_train_setup(args, cfg.out_dir)
     flags = MeshFlags(*(getattr(args, k, None) for k in ("dp_replicate", "dp_shard", "cp", "ep")))
     trainer = make_trainer(cfg, flags, model_config=mcfg, data=factory)

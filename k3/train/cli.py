@@ -209,7 +209,7 @@ def run(args) -> int:
         from k3.parallel.training import torchrun_env
         if torchrun_env() is not None:            # under torchrun: DistTrainer with the vision data
             from k3.parallel.vision_train import run_train_dist
-            return run_train_dist(args)
+            return run_train_dist(args, build_train_config)
         from k3.parallel.training import MeshFlags
         flags = MeshFlags(*(getattr(args, k, None) for k in ("dp_replicate", "dp_shard", "cp", "ep")))
         if flags.given():

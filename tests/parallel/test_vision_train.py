@@ -23,6 +23,7 @@ def vision_train(argv: list, text_only_rows_at_step: int = 0) -> dict:
     """`k3 train <argv>` for a vision task on this rank. `text_only_rows_at_step` N > 0: step N's batch loses the
     images of its second half of rows (their placeholders become ordinary tokens), so at 2 ranks rank 1 has none."""
     from k3.cli import build_parser
+    from k3.train.cli import build_train_config
     from k3.parallel import vision_train as vt
     if text_only_rows_at_step:
         nb = vt._Split.next_batch
@@ -45,7 +46,7 @@ def vision_train(argv: list, text_only_rows_at_step: int = 0) -> dict:
         return loc
     DistTrainer._local_batch = local_batch
     args = build_parser().parse_args(list(argv))
-    return {"rc": vt.run_train_dist(args), "images": seen}
+    return {"rc": vt.run_train_dist(args, build_train_config), "images": seen}
 
 
 def drop_images_after(b: dict, pos: int) -> dict:
@@ -102,9 +103,10 @@ def test_vision_synth_refuses_cp_before_any_work(tmp_path, monkeypatch):
     from k3.cli import build_parser
     from k3.errors import K3ConfigError
     from k3.parallel.vision_train import run_train_dist
+    from k3.train.cli import build_train_config
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     out = tmp_path / "cp"
     with pytest.raises(K3ConfigError, match="--cp 2: context parallelism is not supported with images"):
-        run_train_dist(build_parser().parse_args(BASE + ["--out", str(out), "--cp", "2"]))
+        run_train_dist(build_parser().parse_args(BASE + ["--out", str(out), "--cp", "2"]), build_train_config)
     assert not out.exists()
