@@ -7,8 +7,9 @@ uint8 [E, out, in/32] (E8M0: 2**(s - 127); s = 0 is the subnormal 2**-127, s = 2
 
 One program per (row tile of one expert, out tile). The row tiles of all experts are numbered consecutively, expert
 by expert (expert e has ceil(count_e / BM) of them); a program finds its expert from `offs` itself (a cumulative sum
-over the padded expert axis), so the launch needs no host sync: the grid is the upper bound cdiv(A, BM) + E row
-tiles and programs past the last tile run no K iterations and store nothing. Per K block of BK inputs the program
+over the padded expert axis), so the launch needs no host sync: the grid is the upper bound cdiv(A, BM) + min(E, A)
+row tiles (full tiles plus one partial tile per expert with rows) and programs past the last tile run no K
+iterations and store nothing. Per K block of BK inputs the program
 loads the x tile, the packed codes and the scales of its [BN, BK] weight tile, decodes each E2M1 code to its fp32
 bit pattern (the 16-value table {0, .5, 1, 1.5, 2, 3, 4, 6} x sign, written as exponent/mantissa bits), multiplies
 by the fp32 scale built from the E8M0 byte's bits (exact: 2 significant bits times a power of two), casts to x's
@@ -143,12 +144,14 @@ def mxfp4_grouped_matmul(x_Al: torch.Tensor, offs: torch.Tensor, packed: torch.T
     args = (x, offs, packed, scale, y, E, OUT, IN, x.stride(0), packed.stride(0), packed.stride(1), scale.stride(0),
             scale.stride(1), y.stride(0), bucket)
     kw = dict(EP=ep, IEEE=x.dtype == torch.float32)
+    # row tiles: at most cdiv(A, BM) full ones plus one partial tile per expert with rows (at most min(E, A) of them)
+    part = min(E, A)
     if config is None:
-        _mxfp4_gmm_tuned[lambda meta: (triton.cdiv(A, meta["BM"]) + E, triton.cdiv(OUT, meta["BN"]))](*args, **kw)
+        _mxfp4_gmm_tuned[lambda meta: (triton.cdiv(A, meta["BM"]) + part, triton.cdiv(OUT, meta["BN"]))](*args, **kw)
     else:
         bm, bn, bk, nw, ns = config
-        _mxfp4_gmm_kernel[(triton.cdiv(A, bm) + E, triton.cdiv(OUT, bn))](*args, BM=bm, BN=bn, BK=bk,
-                                                                            num_warps=nw, num_stages=ns, **kw)
+        _mxfp4_gmm_kernel[(triton.cdiv(A, bm) + part, triton.cdiv(OUT, bn))](*args, BM=bm, BN=bn, BK=bk,
+                                                                               num_warps=nw, num_stages=ns, **kw)
     return y
 
 

@@ -53,12 +53,20 @@ scale = torch.randint(118, 134, (E, OUT, IN // 32), dtype=torch.uint8)
 # of the 253 / 254 groups kept to |v| <= 1.5 (6 * 2**127 overflows fp32), and x's columns there scaled so that every
 # group's products are O(1) (x stays a normal fp32 number)
 EDGE = {0: 0, 1: 254, 2: 1, 3: 253}
-x = torch.randn(A, IN)
 for g, s in EDGE.items():
     scale[:, :, g] = s
     if s > 127:
         packed[:, :, g * 16:(g + 1) * 16] &= 0b10111011
-    x[:, g * 32:(g + 1) * 32] *= 2.0 ** max(-120, min(120, 127 - s))
+
+
+def edge_x(rows):
+    x = torch.randn(rows, IN)
+    for g, s in EDGE.items():
+        x[:, g * 32:(g + 1) * 32] *= 2.0 ** max(-120, min(120, 127 - s))
+    return x
+
+
+x = edge_x(A)
 ref = grouped_fp64(x, COUNTS, packed, scale)
 out = {}
 
@@ -71,6 +79,16 @@ case(out, "kernel fp32", lambda: kernel(x))
 # every launch option a GPU's autotuner may pick, through the same kernel
 for cfg in mt.CONFIGS:
     case(out, "config {}x{}x{} w{} s{}".format(*cfg), lambda cfg=cfg: kernel(x, cfg))
+def every_expert_rows():
+    """Every expert has rows, most in partial tiles (the launch's row-tile bound cdiv(A, BM) + min(E, A) is tight
+    here): all rows written, equal to the formula."""
+    counts = [1, 1, 17, 1, 33, 16, 1]
+    xs = edge_x(sum(counts))
+    o = torch.tensor(counts).cumsum(0).to(torch.int32)
+    return rel(mt.mxfp4_grouped_matmul(xs, o, packed, scale), grouped_fp64(xs, counts, packed, scale), finite=True)
+
+
+case(out, "kernel fp32 every expert with rows", every_expert_rows)
 # bf16 activations: the bf16 x values against the fp64 formula (fp32 accumulation, bf16 output rounding)
 xb = x.bfloat16()
 ref_b = grouped_fp64(xb, COUNTS, packed, scale)
