@@ -9,17 +9,18 @@ One program per (row tile of one expert, out tile). The row tiles of all experts
 by expert (expert e has ceil(count_e / BM) of them); a program finds its expert from `offs` itself (a cumulative sum
 over the padded expert axis), so the launch needs no host sync: the grid is the upper bound cdiv(A, BM) + min(E, A)
 row tiles (full tiles plus one partial tile per expert with rows) and programs past the last tile run no K
-iterations and store nothing. Per K block of BK inputs the program
-loads the x tile, the packed codes and the scales of its [BN, BK] weight tile, decodes each E2M1 code to its fp32
-bit pattern (the 16-value table {0, .5, 1, 1.5, 2, 3, 4, 6} x sign, written as exponent/mantissa bits), multiplies
+iterations and store nothing. Per K block of BK inputs the program loads the x tile, the packed codes and the
+scales of its [BN, BK] weight tile, decodes each E2M1 code to its fp32 bit pattern (the 16-value table {0, .5, 1, 1.5, 2, 3, 4, 6} x sign, written as exponent/mantissa bits), multiplies
 by the fp32 scale built from the E8M0 byte's bits (exact: 2 significant bits times a power of two), casts to x's
 dtype (exact for bf16 / fp32) and accumulates tl.dot in fp32. No full-precision copy of any weight is written to
-global memory. x in bf16 / fp16 / fp32 (fp32: IEEE fp32 dots, no TF32); y in `out_dtype`.
+global memory. x in bf16 / fp16 / fp32 (fp32: IEEE fp32 dots, no TF32, slow on a GPU; fp16: decoded weights above
+65504 overflow, as a decode to fp16 would); y in `out_dtype`.
 
 Opaque custom op `torch.ops.k3.mxfp4_grouped_mm` (torch.compile launches it as written). The CUDA default of the
 "moe_packed" op family (k3/ops/moe.py: packed_experts_forward; `K3_BACKEND=moe_packed:torch` for the decode-then-GEMM
 torch path). Launch options: triton.autotune picks among CONFIGS on a GPU's first call per (out, in, rows-per-expert
-bucket); the first one under the interpreter. Timing: benchmarks/mxfp4_gpu.py.
+bucket); the first one under the interpreter. All compile for sm_90 without spills, on tensor cores
+(tests/ops/test_mxfp4_triton.py). Timing: benchmarks/mxfp4_gpu.py (not yet run on the H200).
 """
 from __future__ import annotations
 
