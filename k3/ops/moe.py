@@ -8,7 +8,8 @@ all-to-all can go between them without touching the math:
 - compute_experts: one grouped GEMM per projection over stacked [E, in, out] weights (`torch._grouped_mm`), or a
   padded batched GEMM fallback when the shapes are not 16-byte aligned; no Python loop over experts;
 - combine_tokens: each expert output (in the activation dtype) times its fp32 weight, summed in fp32, cast back.
-packed_experts_forward: the same with MXFP4-packed expert weights (inference), dequantised per block of experts.
+packed_experts_forward: the same with MXFP4-packed expert weights (inference): on CUDA one Triton grouped GEMM per
+projection dequantising tiles in registers (k3/ops/mxfp4_triton.py), elsewhere dequantised per block of experts.
 Permute and unpermute are row gathers whose backward is the gather by the inverse permutation (`_DispatchRows`,
 `_PermuteRows`): no index_add / atomics, deterministic, and the k copies of a token's gradient are summed in fp32.
 """
@@ -28,6 +29,10 @@ dispatch.register("moe", "loop", lambda: True, priority=-10)  # per-token refere
 # the combine and the dispatch backward as Triton row-gather kernels (k3/ops/moe_triton.py): opt-in until timed
 dispatch.register("moe_combine", "torch", lambda: True, priority=0)
 dispatch.register("moe_combine", "triton", dispatch.triton_runs, priority=-1)
+# packed MXFP4 experts (inference): the grouped GEMM dequantising in registers (k3/ops/mxfp4_triton.py) on CUDA,
+# the decode-then-GEMM torch path elsewhere
+dispatch.register("moe_packed", "triton", dispatch.triton_runs, priority=1)
+dispatch.register("moe_packed", "torch", lambda: True, priority=0)
 
 
 def route(x_Nd: torch.Tensor, weight_Ed: torch.Tensor, bias_E: Optional[torch.Tensor], top_k: int,
@@ -221,7 +226,7 @@ def experts_forward_reference(x_Nl, topk_idx_Nk, topk_w_Nk, gate_up_El2M, down_E
 def packed_experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w_Nk: torch.Tensor,
                            gate_up_packed: torch.Tensor, gate_up_scale: torch.Tensor,
                            down_packed: torch.Tensor, down_scale: torch.Tensor, glu: Callable,
-                           block_bytes: int = 32 << 20) -> torch.Tensor:
+                           block_bytes: int = 32 << 20, backend: Optional[str] = None) -> torch.Tensor:
     """The routed experts with MXFP4 weights kept packed (inference): same math as `experts_forward` on the
     dequantised weights, which are decoded on the fly, one block of *selected* experts at a time, into a scratch
     buffer of at most ~`block_bytes` (docs/architecture.md §4.3; decoding is exact, so results equal the
@@ -229,11 +234,28 @@ def packed_experts_forward(x_Nl: torch.Tensor, topk_idx_Nk: torch.Tensor, topk_w
 
     gate_up_packed [E, 2M, l/2] / gate_up_scale [E, 2M, l/32]: W1 (rows 0..M-1) and W3 (rows M..2M-1) as
     [out, in]; down_packed [E, l, M/2] / down_scale [E, l, M/32]: W2. Output [N, l] in x's dtype. No autograd
-    through the weights (they are not parameters)."""
-    from k3.checkpoint.mxfp4 import mxfp4_decode
+    through the weights (they are not parameters).
+
+    `backend` (op family "moe_packed"; else K3_BACKEND, else auto): "triton" = one grouped GEMM per projection over
+    the dispatched rows that reads the packed bytes and dequantises tiles in registers (k3/ops/mxfp4_triton.py: no
+    decoded weight in memory, no host sync; the CUDA default for bf16 / fp16 activations, fp32 on request);
+    "torch" = the block decode above (the default elsewhere; other dtypes always)."""
     E, M2, _ = gate_up_packed.shape
-    l = x_Nl.shape[1]
     dt = x_Nl.dtype
+    name = dispatch.resolve("moe_packed", backend, x_Nl.device.type)
+    if name == "triton" and (dt in (torch.bfloat16, torch.float16)
+                             or (dt == torch.float32 and (backend or dispatch.env_choice("moe_packed")) == "triton")):
+        from k3.ops import mxfp4_triton  # noqa: F401  (registers torch.ops.k3.mxfp4_grouped_mm)
+        x_Al, plan = dispatch_tokens(x_Nl, topk_idx_Nk, E)
+        h_A2M = torch.ops.k3.mxfp4_grouped_mm(x_Al, plan.offsets, gate_up_packed, gate_up_scale, dt)
+        g, u = h_A2M.chunk(2, dim=-1)
+        a_AM = glu(g, u).contiguous()
+        y_Al = torch.ops.k3.mxfp4_grouped_mm(a_AM, plan.offsets, down_packed, down_scale, dt)
+        return combine_tokens(y_Al, plan, topk_w_Nk).to(dt)
+    if name == "triton":
+        dispatch.log_once("moe_packed", "torch", x_Nl.device.type, f"{dt} activations")
+    from k3.checkpoint.mxfp4 import mxfp4_decode
+    l = x_Nl.shape[1]
     x_Al, plan = dispatch_tokens(x_Nl, topk_idx_Nk, E)
     counts = plan.counts.tolist()  # host copy: the loop below walks only the experts that got tokens
     starts = [0] * E
