@@ -174,7 +174,7 @@ def _knob(name, values, default, default_text, doc, parser, readers, python, kin
 KNOBS: dict[str, Knob] = {k.name: k for k in (
     # -- backends and kernels
     _knob("K3_BACKEND", "`name` (all op families that know it) or `op:name,...` (op families: kda, "
-          "attention, attnres, moe, moe_combine, conv, router; `auto` = automatic)", None,
+          "attention, attnres, moe, moe_combine, moe_packed, conv, router; `auto` = automatic)", None,
           "automatic per op family and device",
           "Which implementation each op family runs (k3/ops/dispatch.py): speed and memory against the pure-PyTorch "
           "reference; an unknown or unavailable name fails with the known ones.",
