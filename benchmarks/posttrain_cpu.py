@@ -68,6 +68,11 @@ def plot_curve(summary: dict, path: str) -> None:
                     yerr=[2 * (rl.get("eval_stderr_start") or 0), 2 * (rl.get("eval_stderr_end") or 0)],
                     fmt="s", color="k", capsize=4,
                     label=f"greedy eval, {rl['eval_prompts']} held-out prompts (+-2 s.e.)")
+    if rl.get("eval_sampled_start") is not None and rl.get("eval_sampled_end") is not None:
+        ax.errorbar([0, len(ys)], [rl["eval_sampled_start"], rl["eval_sampled_end"]],
+                    yerr=[2 * (rl.get("eval_sampled_stderr_start") or 0), 2 * (rl.get("eval_sampled_stderr_end") or 0)],
+                    fmt="D", color="tab:red", capsize=4,
+                    label=f"sampled eval, {rl['eval_samples']} x {rl['eval_prompts']} held-out (+-2 s.e.)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward (exact match)")
     ax.set_ylim(0, 1)
@@ -103,6 +108,9 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=1, help="RL optimizer steps per batch")
     p.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
     p.add_argument("--eval-prompts", type=int, default=256)
+    p.add_argument("--eval-samples", type=int, default=0,
+                   help="also the sampled reward on the eval prompts: this many samples per prompt at --temperature "
+                        "(the same sampler seeds before and after: a paired difference) [0 = greedy only]")
     p.add_argument("--max-new-tokens", type=int, default=64, help="RL: tokens per assistant turn")
     p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
     p.add_argument("--calc-digits", type=int, default=1, help="calculator env: digits per operand")
@@ -185,12 +193,16 @@ def main(argv=None) -> int:
                   warmup_steps=a.rl_warmup, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
                   temperature=a.temperature, max_turns=3,
                   max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
+                  eval_samples=a.eval_samples,
                   skip_uniform_groups=not a.keep_uniform_groups, device=a.device, threads=a.threads,
                   overwrite=True)
     s = RLRunner(rc).run()
     res["rl_s"] = time.time() - t0
     res["rl"] = {k: s.get(k) for k in ("eval_reward_start", "eval_reward_end", "eval_stderr_start",
                                        "eval_stderr_end", "eval_delta", "eval_delta_stderr", "eval_prompts",
+                                       "eval_samples", "eval_sampled_start", "eval_sampled_end",
+                                       "eval_sampled_stderr_start", "eval_sampled_stderr_end",
+                                       "eval_sampled_delta", "eval_sampled_delta_stderr",
                                        "reward_curve", "rollout_tokens_per_s", "train_tokens_per_s", "status")}
     with open(os.path.join(rl_dir, "metrics.jsonl")) as f:
         rows = [json.loads(ln) for ln in f if ln.strip()]
@@ -202,8 +214,9 @@ def main(argv=None) -> int:
     res["rl"]["trained_tokens"] = sum(r.get("packed_tokens") or 0 for r in rows)
     if a.device.startswith("cuda"):
         res["max_memory_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    if res["rl"].get("eval_delta_stderr"):
-        res["rl"]["eval_delta_z"] = res["rl"]["eval_delta"] / res["rl"]["eval_delta_stderr"]
+    for k in ("eval_delta", "eval_sampled_delta"):
+        if res["rl"].get(k + "_stderr"):
+            res["rl"][k + "_z"] = res["rl"][k] / res["rl"][k + "_stderr"]
     res["load_avg_end"] = os.getloadavg()[0]
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(res, f, indent=2)
