@@ -78,9 +78,13 @@ def plot_curve(summary: dict, path: str) -> None:
     ys = rl["reward_curve"]
     se = rl.get("reward_stderr_curve") or [0.0] * len(ys)
     xs = list(range(1, len(ys) + 1))
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
     ax.plot(xs, ys, "o-", ms=3, label="sampled reward (train rollouts, T=%g)" % summary["temperature"])
     ax.fill_between(xs, [y - e for y, e in zip(ys, se)], [y + e for y, e in zip(ys, se)], alpha=0.2)
+    w = 5
+    if len(ys) >= 2 * w:
+        ma = [sum(ys[i - w + 1:i + 1]) / w for i in range(w - 1, len(ys))]
+        ax.plot(xs[w - 1:], ma, "-", color="tab:blue", lw=2.5, alpha=0.6, label=f"its {w}-step moving mean")
     if rl.get("eval_reward_start") is not None and rl.get("eval_reward_end") is not None:
         ax.errorbar([0, len(ys)], [rl["eval_reward_start"], rl["eval_reward_end"]],
                     yerr=[2 * (rl.get("eval_stderr_start") or 0), 2 * (rl.get("eval_stderr_end") or 0)],
@@ -94,8 +98,11 @@ def plot_curve(summary: dict, path: str) -> None:
     ax.set_xlabel("RL step")
     ax.set_ylabel("reward (exact match)")
     ax.set_ylim(0, 1)
-    ax.set_title(f"calculator: SFT -> GRPO, {summary['model']} on {summary['device']}", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    argv = summary.get("argv") or []
+    tp = argv[argv.index("--train-params") + 1] if "--train-params" in argv[:-1] else None
+    ax.set_title(f"calculator: SFT -> GRPO, {summary['model']} on {summary['device']}"
+                 + (f", training only {tp}" if tp else ""), fontsize=9)
+    ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
