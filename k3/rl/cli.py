@@ -143,7 +143,8 @@ def run(args) -> int:
         print(json.dumps(finite_or_none(summary), indent=2, default=str, allow_nan=False))
     else:
         for k in ("status", "step", "reward_first", "reward_last", "eval_reward_start", "eval_reward_end",
-                  "rollout_tokens_per_s", "train_tokens_per_s", "checkpoint", "final", "plot"):
+                  "eval_sampled_start", "eval_sampled_end", "rollout_tokens_per_s", "train_tokens_per_s",
+                  "checkpoint", "final", "plot"):
             v = summary.get(k)
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     return 130 if summary["status"] == "interrupted" else 0

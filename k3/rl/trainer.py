@@ -10,7 +10,8 @@ truncated importance sampling against the sampler log-probs, optional KL to the 
 Run directory (`out_dir`):
     rl_config.json        the resolved arguments          metrics.jsonl    one strict-JSON row per step
     audit.jsonl           every trajectory (prompt, calls, outputs, rewards, filter decision)
-    eval.jsonl            greedy reward on fixed held-out prompts (`eval_prompts`), before and after training
+    eval.jsonl            greedy reward on fixed held-out prompts (`eval_prompts`), before and after training;
+                          with `eval_samples` K also the sampled reward (K samples per prompt, fixed sampler seeds)
     review/               batches for human review and their approve/reject files
     checkpoints/step-XXXXXXXX/   model + tokenizer + trainer_state.pt (optimizer, step, RNG, rollout counter),
                           written atomically, read back with the project's safe loader (weights_only)
