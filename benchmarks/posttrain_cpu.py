@@ -24,7 +24,7 @@ the sampled reward (K samples per held-out prompt at --temperature, the same sam
 The measured micro run (given-call level, SFT reused from --out with --skip-done):
 
     python benchmarks/posttrain_cpu.py --micro --threads 1 --skip-done --out RUN --calc-given-call \
-        --rl-steps 40 --prompts-per-step 8 --rl-lr 3e-2 --rl-warmup 3 --train-params '^model\.norm\.' \
+        --rl-steps 30 --prompts-per-step 8 --rl-lr 1e-1 --rl-warmup 3 --train-params '^model\.norm\.' \
         --eval-prompts 256 --eval-samples 4 --plot benchmarks/posttrain_cpu.png
 
 Why `--train-params '^model\.norm\.'` (only the final RMSNorm's 64 weights) on the micro model: full-model GRPO
@@ -33,9 +33,12 @@ GRPO gradient of one 16x8 batch points the right way (cosine 0.81 with the exact
 expected reward, 0.52 with that of 64 held-out prompts), but the expected reward rises only for a step of norm
 <= ~0.03 along it (+0.003 held out) and falls beyond (-0.03 at 0.1, -0.24 at 0.3); a sign (Adam-like) step helps
 up to 1e-4 per weight and hurts at 3e-4. The SFT policy's answer token is spread (entropy ~2 nats; greedy reward
-0.73, sampled at T=1 0.39, and 0.62 at T=0.5), so the reward-improving direction that survives such noise is
+0.73; teacher-forced probability of the correct answer 0.39 at T=1, 0.62 at T=0.5), so the reward-improving direction that survives such noise is
 sharpening: training only the final norm, RL learns a lower-entropy answer distribution and the sampled reward rises
-toward the greedy one; the greedy reward (argmax) does not move, by construction.
+toward the greedy one; the greedy reward (argmax) does not move, by construction. Measured (2026-12-02, 1 thread,
+2 shared cores; SFT val loss 0.094): held-out sampled reward 0.412 -> 0.675 (paired +0.263 +- 0.017 over 4 x 256),
+greedy 0.734 -> 0.734; RL stage 232 s with the four evals (--rl-lr 3e-2 over 40 steps: 0.412 -> 0.593).
+Training lm_head too (AdamW 3e-3..1e-2) also raises the sampled reward but lowers the greedy one (0.73 -> 0.56..0.61).
 
 Prints a JSON summary (greedy reward on held-out prompts before / after RL with standard errors, the per-step
 sampled reward curve, rollout and training tokens per second, wall times, the 1-minute load average) and writes it
