@@ -12,7 +12,8 @@ from k3.rl.trainer import RLConfig
 _FIELDS = {
     "ckpt": "ckpt", "env": "env", "out": "out_dir", "steps": "steps", "group_size": "group_size",
     "prompts_per_step": "prompts_per_step", "lr": "lr", "warmup_steps": "warmup_steps",
-    "weight_decay": "weight_decay", "grad_clip": "max_grad_norm",
+    "weight_decay": "weight_decay", "train_params": "train_params", "eval_samples": "eval_samples",
+    "grad_clip": "max_grad_norm",
     "epochs": "epochs", "kl_coef": "kl_coef", "neg_adv_scale": "neg_adv_scale", "clip_low": "clip_low",
     "clip_high": "clip_high", "tis_cap": "tis_cap",
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_turns": "max_turns",
@@ -59,6 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--lr", type=finite_float(0, lo_open=True), default=None, help=f"AdamW learning rate [{d.lr}]")
     a("--warmup-steps", type=int_at_least(0), default=None, help=f"linear LR warmup, RL steps [{d.warmup_steps}]")
     a("--weight-decay", type=finite_float(0), default=None, help=f"[{d.weight_decay}]")
+    a("--train-params", default=None, metavar="REGEX",
+      help="train only the parameters whose name matches REGEX (re.search), freeze the rest [all]")
     a("--grad-clip", type=finite_float(0), default=None, help=f"gradient-norm clip, 0 = off [{d.max_grad_norm}]")
     a("--epochs", type=int_at_least(1), default=None, help=f"optimizer steps per batch [{d.epochs}]")
     a("--kl-coef", type=finite_float(0), default=None, help=f"KL to the --ckpt model, 0 = off [{d.kl_coef}]")
@@ -90,6 +93,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--review-timeout", type=finite_float(0), default=None, help=f"seconds to wait for a review [{d.review_timeout}]")
     a("--eval-prompts", type=int_at_least(0), default=None,
       help="greedy reward on this many held-out prompts at the start and the end [0 = off]")
+    a("--eval-samples", type=int_at_least(0), default=None,
+      help="with --eval-prompts: also the sampled reward, N samples per prompt at --temperature [0 = off]")
     a("--save-every", type=int_at_least(0), default=None, help="checkpoint every N steps; 0 = at the end [0]")
     a("--keep", type=int_at_least(1), default=None, help=f"checkpoints to keep [{d.keep}]")
     a("--stop-at", type=int_at_least(1), default=None, help="stop (with a checkpoint) after this step")
@@ -138,7 +143,8 @@ def run(args) -> int:
         print(json.dumps(finite_or_none(summary), indent=2, default=str, allow_nan=False))
     else:
         for k in ("status", "step", "reward_first", "reward_last", "eval_reward_start", "eval_reward_end",
-                  "rollout_tokens_per_s", "train_tokens_per_s", "checkpoint", "final", "plot"):
+                  "eval_sampled_start", "eval_sampled_end", "rollout_tokens_per_s", "train_tokens_per_s",
+                  "checkpoint", "final", "plot"):
             v = summary.get(k)
             print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")
     return 130 if summary["status"] == "interrupted" else 0

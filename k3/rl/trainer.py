@@ -10,7 +10,8 @@ truncated importance sampling against the sampler log-probs, optional KL to the 
 Run directory (`out_dir`):
     rl_config.json        the resolved arguments          metrics.jsonl    one strict-JSON row per step
     audit.jsonl           every trajectory (prompt, calls, outputs, rewards, filter decision)
-    eval.jsonl            greedy reward on fixed held-out prompts (`eval_prompts`), before and after training
+    eval.jsonl            greedy reward on fixed held-out prompts (`eval_prompts`), before and after training;
+                          with `eval_samples` K also the sampled reward (K samples per prompt, fixed sampler seeds)
     review/               batches for human review and their approve/reject files
     checkpoints/step-XXXXXXXX/   model + tokenizer + trainer_state.pt (optimizer, step, RNG, rollout counter),
                           written atomically, read back with the project's safe loader (weights_only)
@@ -29,6 +30,7 @@ import json
 import logging
 import math
 import os
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ CONFIG_NAME = "rl_config.json"
 
 # what the continued run's numbers depend on: a resumed run keeps them (a different value is refused)
 RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "warmup_steps", "weight_decay",
+            "train_params",
             "kl_coef", "neg_adv_scale", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature",
             "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
@@ -57,9 +60,9 @@ FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompt
          "clip_low": "--clip-low", "clip_high": "--clip-high", "tis_cap": "--tis-cap", "review_every": "--review-every",
          "filter_rules": "--filter-rules", "iteration_budget": "--iteration-budget", "max_tokens": "--max-tokens",
          "max_new_tokens_per_turn": "--max-new-tokens", "max_turns": "--max-turns", "temperature": "--temperature",
-         "seed": "--seed", "epochs": "--epochs", "weight_decay": "--weight-decay",
+         "seed": "--seed", "epochs": "--epochs", "weight_decay": "--weight-decay", "train_params": "--train-params",
          "max_grad_norm": "--grad-clip", "save_every": "--save-every", "keep": "--keep",
-         "eval_prompts": "--eval-prompts", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
+         "eval_prompts": "--eval-prompts", "eval_samples": "--eval-samples", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
          "env_options": "--env-option", "thinking": "--thinking", "replay": "--no-replay",
          "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm",
          "skip_uniform_groups": "--skip-uniform-groups", "review_timeout": "--review-timeout"}
@@ -83,6 +86,9 @@ class RLConfig:
     warmup_steps: int = 0                    # linear LR warmup over the first N RL steps (AdamW's first updates
     #                                          are sign-like, lr on every parameter: a fine-tuned policy can collapse)
     weight_decay: float = 0.0
+    train_params: Optional[str] = None       # regex (re.search on parameter names): train only the matching
+    #                                          parameters, freeze the rest (e.g. "lm_head|^model\\.norm" for a tiny
+    #                                          model whose full-model updates are too noisy); None = all
     max_grad_norm: float = 1.0               # 0 = off
     epochs: int = 1                          # optimizer steps per batch (the first one is on-policy: ratio 1)
     # GRPO
@@ -112,6 +118,9 @@ class RLConfig:
     review_timeout: float = 3600.0
     # run
     eval_prompts: int = 0                    # greedy reward on this many held-out prompts before / after
+    eval_samples: int = 0                    # > 0: also the sampled reward (this many samples per eval prompt at
+    #                                          the RL temperature, the same sampler seeds before and after): the
+    #                                          quantity GRPO optimises
     save_every: int = 0                      # 0: only at the end
     keep: int = 2
     device: str = "auto"
@@ -143,7 +152,8 @@ class RLConfig:
         for n in ("steps", "group_size", "prompts_per_step", "epochs", "max_turns", "max_tokens",
                   "max_new_tokens_per_turn", "keep"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 1, n, "an integer >= 1")
-        for n in ("top_k", "review_every", "eval_prompts", "save_every", "seed_offset", "warmup_steps"):
+        for n in ("top_k", "review_every", "eval_prompts", "eval_samples", "save_every", "seed_offset",
+                  "warmup_steps"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 0, n, "an integer >= 0")
         need(is_int(self.seed), "seed", "an integer")
         for n in ("iteration_budget", "threads", "stop_at"):
@@ -156,6 +166,12 @@ class RLConfig:
         need(is_num(self.neg_adv_scale) and 0 <= self.neg_adv_scale <= 1, "neg_adv_scale", "in [0, 1]")
         for n in ("weight_decay", "max_grad_norm", "kl_coef", "clip_high", "tis_cap", "review_timeout"):
             need(is_num(getattr(self, n)) and getattr(self, n) >= 0, n, "a finite number >= 0")
+        if self.train_params is not None:
+            try:
+                re.compile(self.train_params)
+            except (re.error, TypeError) as e:
+                raise K3ConfigError(f"--train-params must be a regular expression, got {self.train_params!r}: "
+                                    f"{e}") from None
         if self.group_size < 2:
             log.warning("--group-size 1: every group-normalised advantage is 0 (nothing is learned)")
         from k3.rl.env import list_envs
@@ -189,6 +205,27 @@ class RLConfig:
                           tis_cap=self.tis_cap if self.tis_cap > 0 else None)
 
 
+def select_trainable(model, pattern: Optional[str]) -> List[torch.nn.Parameter]:
+    """The parameters to optimise: all of them (pattern None), or those whose name matches `pattern`
+    (re.search); the others get requires_grad=False. No match -> K3ConfigError naming the pattern."""
+    if pattern is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    rx = re.compile(pattern)
+    out = []
+    for n, p in model.named_parameters():
+        keep = bool(rx.search(n))
+        p.requires_grad_(keep)
+        if keep:
+            out.append(p)
+    if not out:
+        names = [n for n, _ in model.named_parameters()]
+        raise K3ConfigError(f"--train-params {pattern!r} matches no parameter (names look like "
+                            f"{', '.join(names[:3])}, ..., {names[-1]})")
+    log.info("--train-params %r: training %d of %d parameters", pattern, sum(p.numel() for p in out),
+             sum(p.numel() for p in model.parameters()))
+    return out
+
+
 def stored_config(out_dir: str) -> Optional[dict]:
     from k3.train.config import stored_train_config
     return stored_train_config(out_dir, CONFIG_NAME)
@@ -211,19 +248,26 @@ def resume_rl_config(out_dir: str, overrides: Optional[dict] = None) -> RLConfig
 
 
 @torch.no_grad()
-def evaluate_reward(model, tokenizer, cfg: RLConfig, n: int, seed_base: Optional[int] = None) -> Dict[str, Any]:
-    """Greedy rollouts (one per prompt) on `n` fixed held-out prompts: {"reward_mean", "rewards", "finish"}."""
+def evaluate_reward(model, tokenizer, cfg: RLConfig, n: int, seed_base: Optional[int] = None,
+                    samples: int = 0) -> Dict[str, Any]:
+    """Greedy rollouts (one per prompt) on `n` fixed held-out prompts: {"reward_mean", "rewards", "finish"};
+    with samples > 0, `samples` sampled rollouts per prompt instead (the RL temperature / top-p / top-k, sampler
+    seeds fixed by cfg.seed: two calls on the same model give the same samples), "rewards" then holds each
+    prompt's mean reward."""
     from k3.rl.rollout import RolloutEngine
     base = cfg.seed_offset * 2 if seed_base is None else seed_base
-    eng = RolloutEngine(model, tokenizer, cfg.env, cfg.rollout_config(group_size=1, do_sample=False,
-                                                                      record_routing=False,
-                                                                      compute_logprobs=False),
-                        env_options=cfg.env_options)
+    if samples:
+        rc = cfg.rollout_config(group_size=int(samples), record_routing=False, compute_logprobs=False,
+                                iteration_budget=None)
+    else:
+        rc = cfg.rollout_config(group_size=1, do_sample=False, record_routing=False, compute_logprobs=False)
+    eng = RolloutEngine(model, tokenizer, cfg.env, rc, env_options=cfg.env_options)
     groups = eng.collect([base + i for i in range(n)])
-    r = [g[0].reward for g in groups]
+    r = [statistics.fmean(t.reward for t in g) for g in groups]
     fin: Dict[str, int] = {}
     for g in groups:
-        fin[g[0].finish_reason] = fin.get(g[0].finish_reason, 0) + 1
+        for t in g:
+            fin[t.finish_reason] = fin.get(t.finish_reason, 0) + 1
     return {"reward_mean": statistics.fmean(r) if r else 0.0, "rewards": r, "finish": fin,
             "generated_tokens": eng.stats["generated_tokens"], "seconds": eng.stats["generate_seconds"]}
 
@@ -303,7 +347,7 @@ class RLRunner:
             if self.ref_model is self.model:
                 self.ref_model = copy.deepcopy(self.model)
             self.ref_model.eval().requires_grad_(False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = select_trainable(self.model, cfg.train_params)
         self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.engine = RolloutEngine(self.model, self.tokenizer, cfg.env, cfg.rollout_config(),
                                     env_options=cfg.env_options)
@@ -424,9 +468,17 @@ class RLRunner:
         self.eval_rewards[when] = list(ev["rewards"])
         rec = {"type": "eval", "when": when, "step": self.step, "stderr": _stderr(ev["rewards"]),
                **{k: v for k, v in ev.items() if k != "rewards"}}
-        self._log(self._path("eval.jsonl"), rec)
         log.info("eval (%s, step %d): greedy reward %.3f on %d prompts", when, self.step, ev["reward_mean"],
                  self.cfg.eval_prompts)
+        if self.cfg.eval_samples:
+            es = evaluate_reward(self.model, self.tokenizer, self.cfg, self.cfg.eval_prompts,
+                                 samples=self.cfg.eval_samples)
+            self.eval_rewards["sampled_" + when] = list(es["rewards"])
+            rec.update({"sampled_reward_mean": es["reward_mean"], "sampled_stderr": _stderr(es["rewards"]),
+                        "samples": self.cfg.eval_samples, "sampled_seconds": es["seconds"]})
+            log.info("eval (%s, step %d): sampled reward %.3f (%d samples x %d prompts, T=%g)", when, self.step,
+                     es["reward_mean"], self.cfg.eval_samples, self.cfg.eval_prompts, self.cfg.temperature)
+        self._log(self._path("eval.jsonl"), rec)
         return rec
 
     def _run(self) -> dict:
@@ -469,6 +521,8 @@ class RLRunner:
                    "reward_curve": [r["reward_mean"] for r in rows],
                    "eval_reward_start": first_eval["reward_mean"] if first_eval else None,
                    "eval_reward_end": last_eval["reward_mean"] if last_eval else None,
+                   "eval_sampled_start": (first_eval or {}).get("sampled_reward_mean"),
+                   "eval_sampled_end": (last_eval or {}).get("sampled_reward_mean"),
                    **self._eval_stats(),
                    "rollout_tokens_per_s": _mean([r["rollout_tokens_per_s"] for r in rows]),
                    "train_tokens_per_s": _mean([r["train_tokens_per_s"] for r in rows if r["train_s"]]),
@@ -487,6 +541,16 @@ class RLRunner:
             d = [b - a for a, b in zip(st, en)]
             out["eval_delta"] = statistics.fmean(d)
             out["eval_delta_stderr"] = _stderr(d)
+        st, en = self.eval_rewards.get("sampled_start"), self.eval_rewards.get("sampled_end")
+        if st:
+            out["eval_samples"] = self.cfg.eval_samples
+            out["eval_sampled_stderr_start"] = _stderr(st)
+        if en:
+            out["eval_sampled_stderr_end"] = _stderr(en)
+        if st and en and len(st) == len(en):
+            d = [b - a for a, b in zip(st, en)]
+            out["eval_sampled_delta"] = statistics.fmean(d)
+            out["eval_sampled_delta_stderr"] = _stderr(d)
         return out
 
     def plot(self) -> Optional[str]:

@@ -178,3 +178,43 @@ def test_rl_resume_refuses_changed_settings(tiny_ckpt, tmp_path, capsys):
     assert "--lr" in capsys.readouterr().err
     assert main(["rl", "--ckpt", tiny_ckpt, "--out", run, "--steps", "1", *RL]) == 2      # holds a run
     assert "--resume" in capsys.readouterr().err
+
+
+def test_rl_train_params_and_sampled_eval(tiny_ckpt, tmp_path):
+    """--train-params REGEX: only the matching parameters change (the others are frozen); --eval-samples: the
+    sampled eval uses fixed sampler seeds (an untrained start and end give the same per-prompt rewards), so the
+    paired difference is exactly 0 when nothing was trained."""
+    import torch
+    from k3.checkpoint import from_pretrained
+    from k3.rl.trainer import RLConfig, RLRunner
+    run = str(tmp_path / "p")
+    s = RLRunner(RLConfig(ckpt=tiny_ckpt, env="calculator", out_dir=run, steps=1, group_size=2, prompts_per_step=2,
+                          max_new_tokens_per_turn=6, max_turns=2, threads=1, lr=1e-2, plot=False,
+                          train_params=r"^lm_head\.", eval_prompts=2, eval_samples=2,
+                          skip_uniform_groups=True)).run()
+    assert s["eval_samples"] == 2 and s["eval_sampled_delta"] == 0.0        # nothing trained: same samples
+    assert s["eval_sampled_start"] == s["eval_sampled_end"]
+    with open(os.path.join(run, "eval.jsonl")) as f:
+        ev = [json.loads(ln) for ln in f]
+    assert [e["samples"] for e in ev] == [2, 2] and all("sampled_reward_mean" in e for e in ev)
+    # with every group kept (advantage 0 but an optimizer step), only lm_head may move
+    run2 = str(tmp_path / "q")
+    RLRunner(RLConfig(ckpt=tiny_ckpt, env="calculator", out_dir=run2, steps=1, group_size=2, prompts_per_step=2,
+                      max_new_tokens_per_turn=6, max_turns=2, threads=1, lr=1e-2, plot=False, weight_decay=0.5,
+                      train_params=r"^lm_head\.")).run()
+    a = dict(from_pretrained(tiny_ckpt, dtype=torch.float32).named_parameters())
+    b = dict(from_pretrained(os.path.join(run2, "final"), dtype=torch.float32).named_parameters())
+    changed = {n for n in a if not torch.equal(a[n], b[n])}
+    assert changed == {"lm_head.weight"}
+
+
+def test_rl_train_params_errors(tiny_ckpt, tmp_path, capsys):
+    from k3.errors import K3ConfigError
+    from k3.rl.trainer import RLConfig, RLRunner
+    with pytest.raises(K3ConfigError, match="--train-params"):
+        RLConfig(ckpt=tiny_ckpt, train_params="(").validate()
+    with pytest.raises(K3ConfigError, match="--train-params 'nothing_matches' matches no parameter"):
+        RLRunner(RLConfig(ckpt=tiny_ckpt, out_dir=str(tmp_path / "e"), train_params="nothing_matches",
+                          threads=1)).setup()
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", str(tmp_path / "f"), "--train-params", "nothing"]) == 2
+    assert "--train-params" in capsys.readouterr().err
