@@ -501,6 +501,46 @@ def _decode_argument(raw: str, typ: str) -> Any:
         return raw  # partial or malformed value: keep the text
 
 
+def assistant_turn_problem(ids: Sequence[int], tokenizer, thinking: bool = True) -> Optional[str]:
+    """Why a generated assistant turn (token ids after the generation prompt, ending at <|end_of_msg|>) is not a
+    well-formed message, or None when it is. The prompt left `message` and `think` (thinking) or `response` open;
+    every block must close with its own name (`<|close|>NAME<|sep|>`) in order, no text may stand outside a block
+    but whitespace, and <|end_of_msg|> must come right after the message closed. `parse_assistant` is lenient
+    (it parses unterminated output as far as it goes); rewards must not be (an answer followed by a tools block
+    that never closes is not an answer)."""
+    segs = _segments_from_ids(ids, tokenizer)
+    stack = ["message", "think" if thinking else "response"]
+    k, n = 0, len(segs)
+    while k < n:
+        kind, val = segs[k]
+        if kind == "text":
+            if len(stack) <= 1 and val.strip():
+                return f"text outside a block: {val.strip()[:40]!r}"
+            k += 1
+            continue
+        if val in (OPEN, CLOSE):
+            head = segs[k + 1][1] if k + 1 < n and segs[k + 1][0] == "text" else ""
+            if not (k + 2 < n and segs[k + 2] == ("special", SEP)):
+                return f"{val} without its <|sep|>"
+            name = head.strip().split(" ", 1)[0] if head.strip() else ""
+            if val == OPEN:
+                if not stack:
+                    return f"a {name!r} block after the message closed"
+                stack.append(name)
+            else:
+                if not stack or stack[-1] != name:
+                    return f"<|close|>{name} while {stack[-1] if stack else 'nothing'!r} is open"
+                stack.pop()
+            k += 3
+            continue
+        if val == END_OF_MSG:
+            if stack:
+                return f"<|end_of_msg|> with {stack[-1]!r} still open"
+            return None if k == n - 1 else "tokens after <|end_of_msg|>"
+        return f"a stray {val}"
+    return f"the turn ended with {stack[-1]!r} still open" if stack else "no <|end_of_msg|>"
+
+
 def parse_assistant(output: Union[str, Sequence[int]], tokenizer=None, thinking: bool = True) -> Dict[str, Any]:
     """Parse a generated assistant turn back into {"reasoning_content", "content", "tool_calls"}.
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from k3.chat import parse_assistant, render_messages
+from k3.chat import assistant_turn_problem, parse_assistant, render_messages
 from k3.errors import K3ConfigError
 from k3.rl.env import CheckedEnv, EnvProtocolError, ToolCallError, checked, make_env, normalize_tool_call
 from k3.rl.logprobs import token_logprobs
@@ -85,7 +85,8 @@ class Trajectory:
     rewards: List[float] = field(default_factory=list)             # tool steps, then the answer
     reward: float = 0.0
     done: bool = False
-    finish_reason: Optional[str] = None        # answer | env_done | budget | turn_length | max_turns
+    finish_reason: Optional[str] = None        # answer | env_done | malformed | budget | turn_length | max_turns
+    format_error: Optional[str] = None         # why a turn was not a well-formed message (finish "malformed")
     turns: int = 0
     iterations: int = 0                        # collect() calls this trajectory took part in
     sampler_logprobs: Optional[List[float]] = None
@@ -107,7 +108,7 @@ class Trajectory:
                 "outputs": self.outputs, "final_answer": self.final_answer, "rewards": self.rewards,
                 "reward": self.reward, "finish_reason": self.finish_reason, "turns": self.turns,
                 "tokens": len(self.token_ids), "generated_tokens": self.num_generated,
-                "filtered": self.filtered, "filter_rules": self.filter_rules}
+                "filtered": self.filtered, "filter_rules": self.filter_rules, "format_error": self.format_error}
 
 
 def _seed(*parts) -> int:
@@ -263,6 +264,12 @@ class RolloutEngine:
         text = self.tok.decode([i for i in gen if i < self.tok.vocab_size])
         t.outputs.append(text)
         t.turns += 1
+        problem = assistant_turn_problem(gen, self.tok, thinking=self.cfg.thinking)
+        if problem is not None:   # not a message: no answer, no tool calls, reward 0 (it stays in the batch)
+            t.format_error = problem
+            t.messages.append({"role": "assistant", "content": text})
+            self._finish(t, "malformed")
+            return
         try:
             msg = parse_assistant(gen, tokenizer=self.tok, thinking=self.cfg.thinking)
         except Exception:   # an untrained model need not produce a parsable turn: treat it as an (empty) answer

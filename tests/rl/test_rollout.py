@@ -226,3 +226,63 @@ def test_generate_logprobs_equal_recomputed_with_replay(toy_tok, make_tiny_model
     for t, g in zip(trajs, got):
         torch.testing.assert_close(torch.tensor(g, dtype=torch.float64),
                                    torch.tensor(t.sampler_logprobs, dtype=torch.float64), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_assistant_turn_problem_accepts_rendered_turns_and_names_broken_ones(toy_tok, thinking):
+    """Every assistant turn the chat format renders (answers, tool calls, with and without thinking) is well-formed;
+    an unclosed tools block, a wrong close, text outside the blocks, a missing <|end_of_msg|> are named."""
+    from k3.chat import assistant_turn_problem
+    conv = expert_conversation(make_env("multi-tool"), 3)
+    msgs, tools = conv["messages"], conv["tools"]
+    if thinking:
+        msgs = [dict(m, reasoning_content="think first") if m["role"] == "assistant" else m for m in msgs]
+    turns = 0
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = render_messages(msgs[:i], tools, thinking=thinking, tokenizer=toy_tok)
+        full = render_messages(msgs[:i + 1], tools, thinking=thinking, add_generation_prompt=False, tokenizer=toy_tok)
+        assert full[:len(prompt)] == prompt
+        assert assistant_turn_problem(full[len(prompt):], toy_tok, thinking=thinking) is None, i
+        turns += 1
+    assert turns >= 3
+    # the last (answer) turn, broken in four ways
+    prompt = render_messages(msgs[:-1], tools, thinking=thinking, tokenizer=toy_tok)
+    good = render_messages(msgs, tools, thinking=thinking, add_generation_prompt=False, tokenizer=toy_tok)[len(prompt):]
+    op, cl, sep, eom = (toy_tok.token_to_id(s) for s in ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"))
+    close_msg = [cl] + toy_tok.encode("message") + [sep, eom]
+    assert good[-len(close_msg):] == close_msg
+    body = good[:-len(close_msg)]
+    cases = {
+        "unclosed tools": (body + [op] + toy_tok.encode("tools") + [sep] + toy_tok.encode("x") + [eom], "'tools'"),
+        "wrong close": (body + [cl] + toy_tok.encode("tools") + [sep, eom], "<|close|>tools while 'message'"),
+        "text outside": (body + toy_tok.encode(" 42") + close_msg, "text outside a block: '42'"),
+        "no end": (good[:-1], "no <|end_of_msg|>"),
+    }
+    for name, (ids, want) in cases.items():
+        p = assistant_turn_problem(ids, toy_tok, thinking=thinking)
+        assert p is not None and want in p, (name, p)
+
+
+def test_malformed_answer_turn_earns_nothing(scripted, toy_tok, toy_model):
+    """An answer followed by a tools block that never closes (a loophole RL found: the lenient parser read it as
+    the answer) finishes as "malformed" with reward 0 and the reason in the audit record."""
+    env = make_env("calculator")
+    conv = expert_conversation(env, 5)
+    good, _ = _expert_ids(toy_tok, "calculator", 5)
+    op, sep, eom = (toy_tok.token_to_id(s) for s in ("<|open|>", "<|sep|>", "<|end_of_msg|>"))
+    cl = toy_tok.token_to_id("<|close|>")
+    close_msg = [cl] + toy_tok.encode("message") + [sep, eom]
+    assert good[-len(close_msg):] == close_msg
+    bad = good[:-len(close_msg)] + [op] + toy_tok.encode("tools") + [sep, eom]
+    for ids, reward, reason in ((good, 1.0, "answer"), (bad, 0.0, "malformed")):
+        scripted["expert"].clear()
+        scripted["expert"][5] = ids
+        eng = RolloutEngine(toy_model, toy_tok, "calculator", RolloutConfig(group_size=1, record_routing=False,
+                                                                              compute_logprobs=False, max_tokens=4000))
+        t = eng.collect([5])[0][0]
+        assert t.token_ids == ids and t.finish_reason == reason and t.reward == reward, (reason, t.to_record())
+        rec = t.to_record()
+        assert (rec["format_error"] is None) == (reason == "answer")
+    assert conv["messages"][-1]["role"] == "assistant"
