@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 
 
 from k3 import sweep as ksweep
+from k3.train.report import finite_or_none
 
 # the trainer tests' micro model (tests/conftest.py): for smoke runs of the scripts only
 MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=768, eos_token_id=770,
@@ -159,7 +160,7 @@ def write_json(out: str, name: str, obj) -> str:
     os.makedirs(out, exist_ok=True)
     p = os.path.join(out, f"{name}.json")
     with open(p, "w") as f:
-        json.dump(ksweep._jsonable(obj), f, indent=2, default=str)
+        json.dump(finite_or_none(obj), f, indent=2, default=str)
         f.write("\n")
     return p
 
@@ -169,6 +170,28 @@ def plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def plot_by_layer(rows, variants, key: str, xlabel: str, ylabel: str, path: str, logy: bool = False) -> str:
+    """Per variant, the mean over seeds of a per-layer list metric (`key`), against the layer index."""
+    p = plt()
+    fig, ax = p.subplots(figsize=(6.5, 4.5))
+    for v in variants:
+        per = [r[key] for r in rows if r["variant"] == v and r.get(key)]
+        if per:
+            L = min(len(x) for x in per)
+            ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=v)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logy:
+        ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    p.close(fig)
+    return path
 
 
 def plot_curves(rows, variants, key: str, ylabel: str, path: str, title: str = "", logy: bool = False,
