@@ -40,24 +40,9 @@ def main(argv=None):
     plots = [common.plot_curves(rows, [v[0] for v in variants], "loss", "train loss (EMA, mean over seeds)",
                                 os.path.join(args.out, "loss.png"), "residual variants"),
              common.plot_bars(groups, "val_loss", "final val loss", os.path.join(args.out, "val_loss.png"))]
-    plt = common.plt()
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for name, _, _ in variants:
-        per = [r["act_rms_by_layer"] for r in rows if r["variant"] == name and r.get("act_rms_by_layer")]
-        if per:
-            L = min(len(x) for x in per)
-            ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=name)
-    ax.set_xlabel("layer (last point: the final hidden state before the norm)")
-    ax.set_ylabel("RMS of the layer input")
-    ax.set_yscale("log")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    pth = os.path.join(args.out, "act_norms.png")
-    fig.savefig(pth, dpi=110)
-    plt.close(fig)
-    plots.append(pth)
+    plots.append(common.plot_by_layer(rows, [v[0] for v in variants], "act_rms_by_layer",
+                                      "layer (last point: the final hidden state before the norm)",
+                                      "RMS of the layer input", os.path.join(args.out, "act_norms.png"), logy=True))
     common.report(args.out, "attnres", "Block AttnRes vs standard residual vs full AttnRes",
                   "Block AttnRes improves loss at equal compute with small overhead and bounded activation norms",
                   groups, [("val_loss", "val loss", "{:.4f}"), ("train_loss", "train loss", "{:.4f}"),

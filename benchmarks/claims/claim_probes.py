@@ -20,6 +20,20 @@ def _fixed_batch(trainer, seq_len: int, rows: int):
     return b["input_ids"].to(trainer.device)
 
 
+def _probe_forward(trainer, model, hooks, seq_len: int, rows: int) -> None:
+    """One eval-mode forward of the fixed validation rows with `hooks` registered; removes them and restores the
+    model's mode afterwards."""
+    was = model.training
+    model.eval()
+    try:
+        with trainer._autocast():
+            model(_fixed_batch(trainer, seq_len, rows))
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was)
+
+
 def _is_final_eval(trainer) -> bool:
     return trainer.step >= trainer.cfg.steps
 
@@ -49,15 +63,7 @@ class ActivationNorms(Callback):
             if isinstance(m, K3DecoderLayer):
                 hooks.append(m.input_layernorm.register_forward_pre_hook(pre))
         hooks.append(model.model.norm.register_forward_pre_hook(pre))
-        was = model.training
-        model.eval()
-        try:
-            with trainer._autocast():
-                model(_fixed_batch(trainer, self.seq_len, self.rows))
-        finally:
-            for h in hooks:
-                h.remove()
-            model.train(was)
+        _probe_forward(trainer, model, hooks, self.seq_len, self.rows)
         self.rms = vals
 
     def sweep_metrics(self):
@@ -136,15 +142,7 @@ class FirstTokenMass(Callback):
         for m in model.modules():
             if isinstance(m, MLAAttention):
                 hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        was = model.training
-        model.eval()
-        try:
-            with trainer._autocast():
-                model(_fixed_batch(trainer, self.seq_len, self.rows))
-        finally:
-            for h in hooks:
-                h.remove()
-            model.train(was)
+        _probe_forward(trainer, model, hooks, self.seq_len, self.rows)
         self.mass = masses
 
     def sweep_metrics(self):

@@ -32,23 +32,9 @@ def main(argv=None):
     plots = [common.plot_bars(groups, "first_token_mass", "attention mass on the first token",
                               os.path.join(args.out, "first_token_mass.png"),
                               f"mean over MLA layers, heads, query positions (T={T})")]
-    plt = common.plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for v in ("gate", "no gate"):
-        per = [r["first_token_mass_by_layer"] for r in rows if r["variant"] == v and r.get("first_token_mass_by_layer")]
-        if per:
-            L = min(len(x) for x in per)
-            ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=v)
-    ax.set_xlabel("MLA layer (index among MLA layers)")
-    ax.set_ylabel("first-token attention mass")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    pth = os.path.join(args.out, "first_token_mass_by_layer.png")
-    fig.savefig(pth, dpi=110)
-    plt.close(fig)
-    plots.append(pth)
+    plots.append(common.plot_by_layer(rows, ["gate", "no gate"], "first_token_mass_by_layer",
+                                      "MLA layer (index among MLA layers)", "first-token attention mass",
+                                      os.path.join(args.out, "first_token_mass_by_layer.png")))
     common.report(args.out, "mla_gate", "MLA output gate vs none: attention sink",
                   "the MLA output gate removes the first-token attention sink", groups,
                   [("first_token_mass", "first-token mass", "{:.4f}"), ("uniform_mass", "uniform", "{:.4f}"),
