@@ -1,4 +1,4 @@
-"""The K3 text model's math, restated in fp64 from the spec (K3_SPEC.md §2-§3, quoted per function).
+"""The K3 text model's math, restated in fp64 from the model description (docs/architecture.md §2-§3, per function).
 
 Independent of the implementation on purpose: nothing here imports `k3.nn` or `k3.ops` (the tests check that),
 no fused paths, no chunking, no caches. Every function takes plain fp64 tensors and a parameter dict keyed by
