@@ -144,6 +144,17 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # routed experts kept packed as MXFP4 vs dequantised on load, `small`, bf16
   mxfp4) step mxfp4 150 python3 benchmarks/mxfp4_experts.py --device cuda --preset small --dtype bfloat16 \
       --json "$OUT/mxfp4_h200.json" ;;
+  # the MXFP4 grouped GEMM (Triton, in-register dequantisation) against decode-then-GEMM and dequantise-on-load, at
+  # the `small` and the released expert shapes (mxfp4gpu); its CUDA tests (mxfp4test)
+  mxfp4gpu) step mxfp4gpu 200 python3 benchmarks/mxfp4_gpu.py --json "$OUT/mxfp4_gpu.json" ;;
+  mxfp4test) step mxfp4test 120 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_mxfp4.py ;;
+  # MTP self-speculative decoding on a `small` model trained here with one MTP block (fp32 decoding: exact match)
+  mtp) step mtp ${MTP_BUDGET:-300} python3 benchmarks/mtp_speculative.py --device cuda --preset small \
+      --steps ${MTP_STEPS:-60} --batch-tokens 32768 --seq-len 1024 --lr 3e-3 --new-tokens 128 --prompts 4 \
+      --dtype float32 --plain-static off --json "$OUT/mtp_h200.json" ;;
+  # the gate claim's kernel timing alone (bounded vs softplus gate, fla / ours / torch, one 8K sequence, 96 heads)
+  gatekernel) step gatekernel 150 python3 benchmarks/claims/gate.py --device cuda --no-train \
+      --kernel-shape 1,8192,96,128 --backends fla,triton,torch --out "$OUT/claims/gate_kernel" ;;
   # RL rollout and training tokens/s, `small` (untrained policy; no eval)
   rl) step rl 200 python3 benchmarks/posttrain_cpu.py --device cuda --preset small --throughput --out /tmp/pt_gpu \
       ${RL_ARGS:-} ;;

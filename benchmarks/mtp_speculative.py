@@ -43,7 +43,8 @@ def train(args, out_dir: str):
     cfg = TrainConfig(out_dir=out_dir, preset="tiny" if args.preset == "micro" else args.preset,
                       model_overrides=overrides, steps=args.steps, tokens_per_step=args.batch_tokens,
                       stages=[(args.seq_len, 1.0)], lr=args.lr, progress=False, tensorboard=False, samples=False,
-                      plot=False, seed=0, device=args.device, eval_every=0, recall_examples=0)
+                      plot=False, seed=0, device=args.device, eval_every=0, recall_examples=0,
+                      compile=args.compile)
     t0 = time.time()
     summary = Trainer(cfg).train()
     return os.path.join(out_dir, "final"), {"train_seconds": time.time() - t0, "steps": args.steps,
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--compile", default="auto", choices=["auto", "none", "modules", "layers", "model"],
+                   help="training: k3 train's --compile [auto: modules on CUDA]")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)

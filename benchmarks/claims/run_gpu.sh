@@ -1,27 +1,52 @@
 #!/usr/bin/env bash
-# Every claim's training runs (`tiny`, 3 seeds, eager) on one GPU, one script after another (processes side by side
-# time-slice the GPU: 9 at once ran each 200-step run 5-7x slower, docs/LOG.md), then the gate claim's kernel timing.
-# A `tiny` run of 200 steps takes ~40 s on an H200, so all six claims take ~45 min: pass a subset (CLAIM...).
-# Results (json / jsonl / md / csv / png, no checkpoints) go to $OUT/claims/.
-# Usage (from gpu_run.sh's environment): bash benchmarks/claims/run_gpu.sh [CLAIM...]; CLAIM_ARGS adds flags.
+# The claims' `tiny` training runs (3 seeds, eager) on one GPU, then the gate claim's kernel timing.
+# A `tiny` run of 200 steps takes ~40 s alone on an H200, so all six claims take ~45 min one after another.
+# Two modes:
+#   bash benchmarks/claims/run_gpu.sh [CLAIM...]       one claim after another (default: all six)
+#   CLAIMS_PAR="gate:--no-kernel;stages;attnres:--block-sizes 1;attnres:--block-sizes 2,4 --no-standard" \
+#     bash benchmarks/claims/run_gpu.sh                 these jobs side by side ("claim[:flags]"; jobs of one claim
+#                                                       share its output directory, one variant set each)
+# Side by side, each job gets 2 CPU threads: a launch-bound `tiny` step leaves the GPU idle between kernels, but
+# jobs with the default threads oversubscribe the CPU (9 jobs x 16 threads: 276 s per run, docs/LOG.md).
+# The sweeps resume: a point finished in an earlier call is not re-run when its results are put back under
+# CLAIMS_WORK, and re-running a claim script over the merged directory (any device) rewrites its report.
+# Results (json / jsonl / md / csv / png, no checkpoints) go to $OUT/claims/, also when a job hits its timeout.
+# Usage (from gpu_run.sh's environment); CLAIM_ARGS adds flags to every job.
 set -u
 OUT=${OUT:-/tmp/out}; W=${CLAIMS_WORK:-/tmp/claims}; mkdir -p "$OUT/claims" "$W"
-claims=${*:-"gate attnres situ mla_gate balancing stages"}
-for c in $claims; do
-  case $c in
-    gate) extra="--no-kernel" ;;                             # kernel timing runs alone below
-    mla_gate) extra="--steps ${MLA_GATE_STEPS:-400}" ;;      # a sink needs longer training than the others
-    stages) extra="--equal-time" ;;
-    *) extra="" ;;
-  esac
-  timeout -k 5 ${CLAIM_TIMEOUT:-3000} python3 benchmarks/claims/$c.py --device cuda --compile none ${CLAIM_ARGS:-} \
-    $extra --out "$W/$c" > "$OUT/claims/$c.log" 2>&1
-  echo "$c rc=$?" | tee -a "$OUT/claims/$c.log"
-done
-if [[ " $claims " == *" gate "* ]]; then
+copy_results() {
+  (cd "$W" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.csv' -o -name '*.png' \) \
+    -size -2M -exec cp --parents {} "$OUT/claims/" \;)
+  du -sh "$OUT/claims"
+}
+kernel=0
+if [ -n "${CLAIMS_PAR:-}" ]; then
+  IFS=';' read -ra jobs <<< "$CLAIMS_PAR"
+  i=0
+  for j in "${jobs[@]}"; do
+    c=${j%%:*}; extra=""; [[ $j == *:* ]] && extra=${j#*:}
+    OMP_NUM_THREADS=2 timeout -k 5 ${CLAIM_TIMEOUT:-3000} python3 benchmarks/claims/$c.py --device cuda \
+      --compile none --threads 2 ${CLAIM_ARGS:-} $extra --out "$W/$c" > "$OUT/claims/$c.$i.log" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  [ -n "${CLAIMS_KERNEL:-}" ] && kernel=1
+else
+  claims=${*:-"gate attnres situ mla_gate balancing stages"}
+  for c in $claims; do
+    case $c in
+      gate) extra="--no-kernel"; kernel=1 ;;                  # kernel timing runs alone below
+      mla_gate) extra="--steps ${MLA_GATE_STEPS:-400}" ;;      # a sink needs longer training than the others
+      stages) extra="--equal-time" ;;
+      *) extra="" ;;
+    esac
+    timeout -k 5 ${CLAIM_TIMEOUT:-3000} python3 benchmarks/claims/$c.py --device cuda --compile none ${CLAIM_ARGS:-} \
+      $extra --out "$W/$c" > "$OUT/claims/$c.log" 2>&1
+    echo "$c rc=$?" | tee -a "$OUT/claims/$c.log"
+  done
+fi
+if [ $kernel = 1 ]; then
   timeout -k 5 120 python3 benchmarks/claims/gate.py --device cuda --no-train --kernel-shape 1,8192,96,128 \
     --backends fla,triton,torch --out "$W/gate_kernel" > "$OUT/claims/gate_kernel.log" 2>&1
 fi
-cd "$W" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.csv' -o -name '*.png' \) \
-  -size -2M -exec cp --parents {} "$OUT/claims/" \;
-du -sh "$OUT/claims"
+copy_results
