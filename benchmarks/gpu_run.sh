@@ -148,15 +148,17 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # the `small` and the released expert shapes (mxfp4gpu); its CUDA tests (mxfp4test)
   mxfp4gpu) step mxfp4gpu 200 python3 benchmarks/mxfp4_gpu.py --json "$OUT/mxfp4_gpu.json" ;;
   mxfp4test) step mxfp4test 120 python3 -m pytest -q -s --timeout 100 tests/gpu/test_gpu_mxfp4.py ;;
-  # MTP self-speculative decoding on a `small` model trained here with one MTP block (fp32 decoding: exact match)
-  mtp) step mtp ${MTP_BUDGET:-300} python3 benchmarks/mtp_speculative.py --device cuda --preset small \
-      --steps ${MTP_STEPS:-60} --batch-tokens 32768 --seq-len 1024 --lr 3e-3 --new-tokens 128 --prompts 4 \
-      --dtype float32 --plain-static off --json "$OUT/mtp_h200.json" ;;
+  # MTP self-speculative decoding on a `small` model trained here with one MTP block (fp32 decoding: exact match).
+  # Our KDA kernels and the torch AttnRes: fla's first backward at this shape autotunes for over 5 min on a fresh machine
+  mtp) step mtp ${MTP_BUDGET:-240} env K3_BACKEND=kda:triton,attnres:torch python3 benchmarks/mtp_speculative.py \
+      --device cuda --preset small --steps ${MTP_STEPS:-40} --batch-tokens 8192 --seq-len 1024 --lr 3e-3 \
+      --new-tokens 64 --prompts 4 --repeats 1 --compile none --dtype float32 --plain-static off \
+      --json "$OUT/mtp_h200.json" ;;
   # the gate claim's kernel timing alone (bounded vs softplus gate, fla / ours / torch, one 8K sequence, 96 heads)
   gatekernel) step gatekernel 150 python3 benchmarks/claims/gate.py --device cuda --no-train \
       --kernel-shape 1,8192,96,128 --backends fla,triton,torch --out "$OUT/claims/gate_kernel" ;;
   # RL rollout and training tokens/s, `small` (untrained policy; no eval)
-  rl) step rl 200 python3 benchmarks/posttrain_cpu.py --device cuda --preset small --throughput --out /tmp/pt_gpu \
+  rl) step rl 400 env K3_BACKEND=kda:triton,attnres:torch python3 benchmarks/posttrain_cpu.py --device cuda --preset small --throughput --out /tmp/pt_gpu \
       ${RL_ARGS:-} ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;

@@ -8,10 +8,12 @@ output is identical (exact_match; speculative decoding must equal greedy decodin
 
 CPU (~6 min on 2 loaded cores; a 1.45M-parameter `micro` model, 100 steps x 2048 tokens):
     python benchmarks/mtp_speculative.py --threads 1 --json mtp_cpu.json
-H200 (the `small` preset; run once with --dtype float32 for the exact-match check and once with bfloat16 for speed;
-bf16 argmax near-ties can differ between a 2-token verify and a 1-token step, so exact_match may be False there):
-    python benchmarks/mtp_speculative.py --device cuda --preset small --steps 300 --batch-tokens 65536 \\
-        --seq-len 1024 --lr 3e-3 --new-tokens 256 --prompts 8 --dtype float32 --plain-static off --json mtp_h200.json
+H200 (the `small` preset, ~150 s: gpu_run.sh stage `mtp`; fp32 decoding for the exact-match check, bf16 argmax
+near-ties can differ between a 2-token verify and a 1-token step, so exact_match may be False in bf16; our KDA kernels
+because fla's first backward at this shape autotunes for minutes on a fresh machine):
+    K3_BACKEND=kda:triton,attnres:torch python benchmarks/mtp_speculative.py --device cuda --preset small \\
+        --steps 40 --batch-tokens 8192 --seq-len 1024 --lr 3e-3 --new-tokens 64 --prompts 4 --repeats 1 \\
+        --compile none --dtype float32 --plain-static off --json mtp_h200.json
 """
 from __future__ import annotations
 

@@ -130,28 +130,43 @@ def main(argv=None):
                                         os.path.join(args.out, "loss.png"), "bounded vs softplus KDA gate"))
     os.makedirs(args.out, exist_ok=True)
     if kt:
-        plt = common.plt()
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ok = [r for r in kt if "ms" in r]
-        labels = sorted({r["backend"] for r in ok}, key=backends.index)
-        for j, gate in enumerate(("bounded", "softplus")):
-            ys = [next((r["ms"] for r in ok if r["backend"] == b and r["gate"] == gate), float("nan")) for b in labels]
-            ax.bar([i + 0.4 * j for i in range(len(labels))], ys, width=0.4, label=gate)
-        ax.set_xticks([i + 0.2 for i in range(len(labels))])
-        ax.set_xticklabels(labels)
-        ax.set_ylabel("chunk_kda fwd+bwd, median ms")
-        ax.set_title(f"shape B,T,H,K={shape}", fontsize=9)
-        ax.legend()
-        fig.tight_layout()
-        pth = os.path.join(args.out, "kernel_time.png")
-        fig.savefig(pth, dpi=110)
-        plt.close(fig)
-        plots.append(pth)
+        plots.append(plot_kernel(kt, shape, backends, os.path.join(args.out, "kernel_time.png")))
     common.report(args.out, "gate", "bounded vs softplus KDA gate",
                   "the bounded decay makes causal tiles dense matmuls and raises throughput", groups,
                   [("val_loss", "val loss", "{:.4f}"), ("train_loss", "train loss", "{:.4f}"),
                    ("tokens_per_s", "tokens/s", "{:.0f}"), ("skipped_steps", "skipped steps", "{:.1f}")],
                   rows, {"kernel": kt}, plots, extra_md=kmd)
+
+
+def plot_kernel(kt: list, shape: list, backends: list, path: str) -> str:
+    """Bars of median fwd+bwd ms per backend and gate; a backend that cannot run a gate (it fell back to another
+    backend or failed) gets no bar but a note, so a fallback's time is never shown as that backend's."""
+    plt = common.plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ok = [r for r in kt if "ms" in r]
+    labels = sorted({r["backend"] for r in kt}, key=backends.index)
+    top = max((r["ms"] for r in ok if not r.get("fallback")), default=1.0)
+    for j, gate in enumerate(("bounded", "softplus")):
+        xs, ys = [], []
+        for i, b in enumerate(labels):
+            r = next((r for r in kt if r["backend"] == b and r["gate"] == gate), None)
+            x = i + 0.4 * j
+            if r is None or "ms" not in r or r.get("fallback"):
+                ax.text(x, 0.02 * top, "cannot run\n(" + ("falls back" if r and r.get("fallback") else "error") + ")",
+                        ha="center", va="bottom", fontsize=7, rotation=90)
+                continue
+            xs.append(x)
+            ys.append(r["ms"])
+        ax.bar(xs, ys, width=0.4, label=gate, color=f"C{j}")
+    ax.set_xticks([i + 0.2 for i in range(len(labels))])
+    ax.set_xticklabels(labels)
+    ax.set_ylabel("chunk_kda fwd+bwd, median ms")
+    ax.set_title(f"shape B,T,H,K={shape}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ dispatch.register("moe_combine", "torch", lambda: True, priority=0)
 dispatch.register("moe_combine", "triton", dispatch.triton_runs, priority=-1)
 # packed MXFP4 experts (inference): the grouped GEMM dequantising in registers (k3/ops/mxfp4_triton.py) on CUDA,
 # the decode-then-GEMM torch path elsewhere
-dispatch.register("moe_packed", "triton", dispatch.triton_runs, priority=-1)  # opt-in until timed on the H200 (benchmarks/mxfp4_gpu.py)
+# (the CUDA default for bf16 / fp16: timed against the torch path on the H200, benchmarks/mxfp4_gpu.py)
+dispatch.register("moe_packed", "triton", dispatch.triton_runs, priority=1)
 dispatch.register("moe_packed", "torch", lambda: True, priority=0)
 
 

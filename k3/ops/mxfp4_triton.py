@@ -20,7 +20,7 @@ Opaque custom op `torch.ops.k3.mxfp4_grouped_mm` (torch.compile launches it as w
 "moe_packed" op family (k3/ops/moe.py: packed_experts_forward; `K3_BACKEND=moe_packed:torch` for the decode-then-GEMM
 torch path). Launch options: triton.autotune picks among CONFIGS on a GPU's first call per (out, in, rows-per-expert
 bucket); the first one under the interpreter. All compile for sm_90 without spills, on tensor cores
-(tests/ops/test_mxfp4_triton.py). Timing: benchmarks/mxfp4_gpu.py (not yet run on the H200).
+(tests/ops/test_mxfp4_triton.py). Timing against the torch path and dequantise-on-load: benchmarks/mxfp4_gpu.py.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-# (BM rows, BN outputs, BK inputs, warps, stages). Not yet timed on a GPU (benchmarks/mxfp4_gpu.py); BM = 16 is for
+# (BM rows, BN outputs, BK inputs, warps, stages); BM = 16 is for
 # decode-sized calls (a handful of rows per expert), the others for prefill.
 CONFIGS = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), (16, 64, 128, 4, 3), (16, 128, 64, 4, 4)]
 # under the interpreter: small tiles, so that the tests cross row, output and K tile edges
