@@ -312,6 +312,8 @@ def max_logit_case(T: int = 37, cu: tuple = (0, 9, 30, 37), seed: int = 0):
         ref(ids, labels=labels, cu_seqlens=cu_t)
     ref_ml = [m.last_max_logit.clone() for m in _mla_layers(ref)]
     pad_id, margin = extreme_pad_id(ref, ref_ml)
+    for m, S in zip(_mla_layers(ref), ref_ml):     # the scan's forward overwrote them
+        m.last_max_logit = S.clone()
     model = reference_model(cfg, seed)
     for m in _mla_layers(model):
         m.track_max_logit = True
