@@ -12,7 +12,8 @@ Feeding. Every rank of a cp group loads the same packed sequence (its data-paral
 Sharding. The (batch 1, packed) sequence of T tokens is cut into cp contiguous equal slices of L = ceil(T / cp)
 tokens (KDA needs causal order, so no load-balancing permutation). If cp does not divide T, the tail is padded
 with `pad_id` tokens that form a document of their own with ignored labels (they come after every real token, so
-nothing real sees them; the MoE layers skip them, so they count in no balancer statistic). Each
+nothing real sees them; the MoE layers skip them, so they count in no balancer statistic; the MLA max logit
+that QK-clip reads leaves out their queries, and so their keys, which only they see). Each
 rank gets local `cu_seqlens` for the pieces of documents in its slice; a document may start, end or span any
 number of slices. `CPSlice` records, for every rank, whether its slice starts inside a document (`cont`) and
 where that document starts, which is all the layers need.
