@@ -68,6 +68,39 @@ def attention_reference(q, k, v, scale: float, cu_seqlens=None):
     return torch.einsum("bhts,bshd->bthd", torch.softmax(s, -1), v.double()).to(v.dtype)
 
 
+@torch.no_grad()
+def _max_logit_tiles(q, k, scale: float, tiles: list, doc: Optional[torch.Tensor], q_offset: int) -> torch.Tensor:
+    """Per-head max logit [H] (fp32, or fp64 for fp64 inputs) of q, k [B, H, T, D] over the visible pairs of
+    the query tiles `tiles` ((q0, q1, k0) as in causal_attention); -inf for a head with no visible pair."""
+    H, Tk = q.shape[1], k.shape[2]
+    ml = torch.full((H,), float("-inf"), device=q.device, dtype=f32(q).dtype)
+    for q0, q1, k0 in tiles:
+        kmax = min(Tk, q1 + q_offset)
+        s = torch.einsum("bhtd,bhsd->bhts", f32(q[:, :, q0:q1]), f32(k[:, :, k0:kmax])) * scale
+        s = s.masked_fill(~_mask(q0, q1, kmax, doc, q.device, q_offset, k0), float("-inf"))
+        ml = torch.maximum(ml, s.amax(dim=(0, 2, 3)))
+    return ml
+
+
+def attention_max_logit(q_BTHD, k_BTHD, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
+                        q_offset: int = 0) -> torch.Tensor:
+    """The max logit `causal_attention(..., return_max_logit=True)` returns for the same arguments (same tiles,
+    same ops), without the attention itself: for callers that need it over a subset of the queries (context
+    parallelism leaves out its padding). No query: all -inf."""
+    H, Tq, Tk = q_BTHD.shape[2], q_BTHD.shape[1], k_BTHD.shape[1]
+    if cu_seqlens is not None and (q_BTHD.shape[0] != 1 or q_offset):
+        raise ValueError("attention_max_logit: cu_seqlens needs batch size 1 and no q_offset")
+    if Tq == 0:
+        return torch.full((H,), float("-inf"), device=q_BTHD.device, dtype=f32(q_BTHD).dtype)
+    doc = _doc_ids(cu_seqlens, Tk) if cu_seqlens is not None else None
+    q, k = q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2)
+    if doc is not None and q.device.type == "cpu":
+        tiles = _doc_tiles(cu_seqlens, Tq, _DOC_TILE)
+    else:
+        tiles = [(q0, min(Tq, q0 + _Q_TILE), 0) for q0 in range(0, Tq, _Q_TILE)]
+    return _max_logit_tiles(q, k, scale, tiles, doc, q_offset)
+
+
 def causal_attention(q_BTHD, k_BTHD, v_BTHE, scale: float, cu_seqlens: Optional[torch.Tensor] = None,
                      return_max_logit: bool = False, q_offset: int = 0, backend: Optional[str] = None):
     """Causal attention. With q_offset>0 the queries are the last Tq positions of a length-Tk context
@@ -89,16 +122,7 @@ def causal_attention(q_BTHD, k_BTHD, v_BTHE, scale: float, cu_seqlens: Optional[
         tiles = _doc_tiles(cu_seqlens, Tq, _DOC_TILE)
     else:
         tiles = [(q0, min(Tq, q0 + _Q_TILE), 0) for q0 in range(0, Tq, _Q_TILE)]
-    max_logit = None
-    if return_max_logit:
-        with torch.no_grad():
-            ml = torch.full((H,), float("-inf"), device=q.device, dtype=f32(q).dtype)
-            for q0, q1, k0 in tiles:
-                kmax = min(Tk, q1 + q_offset)
-                s = torch.einsum("bhtd,bhsd->bhts", f32(q[:, :, q0:q1]), f32(k[:, :, k0:kmax])) * scale
-                s = s.masked_fill(~_mask(q0, q1, kmax, doc, q.device, q_offset, k0), float("-inf"))
-                ml = torch.maximum(ml, s.amax(dim=(0, 2, 3)))
-            max_logit = ml
+    max_logit = _max_logit_tiles(q, k, scale, tiles, doc, q_offset) if return_max_logit else None
     if fast:
         from k3.ops.attention_cuda import flash_causal_attention
         o = flash_causal_attention(q_BTHD, k_BTHD, v_BTHE.to(q_BTHD.dtype), scale, cu_seqlens, q_offset)

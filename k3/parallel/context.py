@@ -12,7 +12,8 @@ Feeding. Every rank of a cp group loads the same packed sequence (its data-paral
 Sharding. The (batch 1, packed) sequence of T tokens is cut into cp contiguous equal slices of L = ceil(T / cp)
 tokens (KDA needs causal order, so no load-balancing permutation). If cp does not divide T, the tail is padded
 with `pad_id` tokens that form a document of their own with ignored labels (they come after every real token, so
-nothing real sees them; the MoE layers skip them, so they count in no balancer statistic). Each
+nothing real sees them; the MoE layers skip them, so they count in no balancer statistic; the MLA max logit
+that QK-clip reads leaves out their queries, and so their keys, which only they see). Each
 rank gets local `cu_seqlens` for the pieces of documents in its slice; a document may start, end or span any
 number of slices. `CPSlice` records, for every rank, whether its slice starts inside a document (`cont`) and
 where that document starts, which is all the layers need.
@@ -434,22 +435,39 @@ def _cp_kda_forward(self, x_BTd: torch.Tensor, cu_seqlens: Optional[torch.Tensor
     return self.o_proj(y)
 
 
+def _attend(self, q, k, v, n_real: int, track: bool, cu: Optional[list] = None, q_offset: int = 0):
+    """causal_attention of local queries (pieces `cu`, or one document at `q_offset`) -> (o, max logit or None),
+    the max logit over the first `n_real` queries only: the rows after them are the padding document (it comes
+    after every real token and sees only itself), which must not reach QK-clip. The output is the same call."""
+    from k3.ops.attention import attention_max_logit, causal_attention
+    dev = q.device
+    cu_t = None if cu is None else torch.tensor(cu, device=dev)
+    if not track or n_real >= q.shape[1]:
+        return causal_attention(q, k, v, self.softmax_scale, cu_seqlens=cu_t, q_offset=q_offset,
+                                return_max_logit=track)
+    o, _ = causal_attention(q, k, v, self.softmax_scale, cu_seqlens=cu_t, q_offset=q_offset)
+    cu_r = None if cu is None else torch.tensor([c for c in cu if c < n_real] + [n_real], device=dev)
+    ml = attention_max_logit(q[:, :n_real], k[:, :q_offset + n_real], self.softmax_scale, cu_seqlens=cu_r,
+                             q_offset=q_offset)
+    return o, ml
+
+
 @torch.compiler.disable
 def _mla_cp_attention(self, q, c, k_pe, sl: CPSlice, group):
-    """(o [1, L, H, v], max logit or None): this rank's queries over the gathered latents of their documents."""
-    from k3.ops.attention import causal_attention
+    """(o [1, L, H, v], max logit or None): this rank's queries over the gathered latents of their documents.
+    The max logit (QK-clip) leaves out the padding's queries (and so its keys: only pad queries see them); a
+    rank of padding only reports -inf."""
     r, L = sl.rank, sl.slice_len
     C = self.kv_lora_rank
     lat = torch.cat([c, k_pe], -1)[0]                                      # [L, kv_lora + rope]
     # every slice starting a document (all ranks know): no latent crosses ranks
     gathered = all_gather_cp(lat, group) if any(sl.cont) else None       # [size, L, kv_lora + rope]
     track = self.track_max_logit and self.training
+    n_real = max(0, min(L, sl.orig_len - sl.start))                      # the padding document follows these
     cu = sl.local_cu[r]
-    dev = q.device
     if not sl.cont[r]:
         k, v = self.expand_kv(c, k_pe)
-        o, ml = causal_attention(q, k, v, self.softmax_scale, cu_seqlens=torch.tensor(cu, device=dev),
-                                 return_max_logit=track)
+        o, ml = _attend(self, q, k, v, n_real, track, cu=cu)
         if gathered is not None:
             o = _anchor(o, gathered)
     else:
@@ -457,12 +475,11 @@ def _mla_cp_attention(self, q, c, k_pe, sl: CPSlice, group):
         prefix = gathered.reshape(-1, lat.shape[-1])[d0:s]
         lat1 = torch.cat([prefix, lat[:n1]], 0).unsqueeze(0)
         k1, v1 = self.expand_kv(lat1[..., :C], lat1[..., C:])
-        o, ml = causal_attention(q[:, :n1], k1, v1, self.softmax_scale, q_offset=s - d0, return_max_logit=track)
+        o, ml = _attend(self, q[:, :n1], k1, v1, min(n_real, n1), track, q_offset=s - d0)
         if n1 < L:
             k2, v2 = self.expand_kv(c[:, n1:], k_pe[:, n1:])
-            cu2 = torch.tensor([x - n1 for x in cu[1:]], device=dev)
-            o2, ml2 = causal_attention(q[:, n1:], k2, v2, self.softmax_scale, cu_seqlens=cu2,
-                                       return_max_logit=track)
+            cu2 = [x - n1 for x in cu[1:]]
+            o2, ml2 = _attend(self, q[:, n1:], k2, v2, max(0, n_real - n1), track, cu=cu2)
             o = torch.cat([o, o2], 1)
             if ml is not None:
                 ml = torch.maximum(ml, ml2)

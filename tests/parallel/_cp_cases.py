@@ -256,3 +256,86 @@ def balance_case(names=("qb", "sign"), seqs=((24, [0, 5, 17, 24]), (16, [0, 16])
         bal.step()
         out[name] = {r.name: r.bias.detach().clone() for r in bal.routers}
     return out
+
+
+def _mla_layers(model):
+    from k3.nn.mla import MLAAttention
+    return [m for m in model.modules() if isinstance(m, MLAAttention)]
+
+
+def extreme_pad_id(model, real_ml: list) -> tuple:
+    """(token id, margin): the token whose q.k with itself, alone in a document (what a padding document of one
+    token computes in every MLA layer), exceeds the one-process max logit `real_ml` ([H] per MLA layer) by the
+    most, over every head of every MLA layer. One forward of the vocabulary as single-token documents."""
+    mlas = _mla_layers(model)
+    seen = {}
+    hooks = [m.register_forward_hook(lambda m, a, kw, out, i=i: seen.__setitem__(i, a[0].detach()), with_kwargs=True)
+             for i, m in enumerate(mlas)]
+    V = model.config.vocab_size
+    try:
+        with torch.no_grad():
+            model(torch.arange(V).unsqueeze(0), cu_seqlens=torch.arange(V + 1, dtype=torch.int32))
+    finally:
+        for h in hooks:
+            h.remove()
+    best = None
+    with torch.no_grad():
+        for i, m in enumerate(mlas):
+            x = seen[i]
+            q = m.project_q(x)
+            k, _ = m.expand_kv(*m.project_latent(x))
+            self_logit = (q.float() * k.float()).sum(-1)[0] * m.softmax_scale         # [V, H]
+            margin = (self_logit - real_ml[i].float().max()).amax(-1)                   # over heads: [V]
+            j = int(margin.argmax())
+            if best is None or float(margin[j]) > best[1]:
+                best = (j, float(margin[j]))
+    return best
+
+
+def max_logit_case(T: int = 37, cu: tuple = (0, 9, 30, 37), seed: int = 0):
+    """The whole micro model, training forward with max-logit tracking, under context parallelism over the
+    world (T not divisible by it: the tail is padded with a pad token chosen so that its own q.k is extreme) vs
+    one process on the unpadded sequence: every MLA layer's per-head max logit (max-reduced over the cp ranks,
+    as QK-clip and the trainer reduce it) and the heads sharded_qk_clip clips at a tau between the real max and
+    the pad token's own logit."""
+    from k3.parallel.context import ContextParallel, apply_context_parallel
+    from k3.parallel.qk_clip import sharded_qk_clip
+    from k3.train.optim import qk_clip
+    cfg = micro_config()
+    ids, labels = batch(seed + 31, 1, T, cfg.vocab_size)
+    cu_t = torch.tensor(list(cu), dtype=torch.int32)
+    ref = reference_model(cfg, seed)
+    for m in _mla_layers(ref):
+        m.track_max_logit = True
+    ref.train()
+    with torch.no_grad():
+        ref(ids, labels=labels, cu_seqlens=cu_t)
+    ref_ml = [m.last_max_logit.clone() for m in _mla_layers(ref)]
+    pad_id, margin = extreme_pad_id(ref, ref_ml)
+    for m, S in zip(_mla_layers(ref), ref_ml):     # the scan's forward overwrote them
+        m.last_max_logit = S.clone()
+    model = reference_model(cfg, seed)
+    for m in _mla_layers(model):
+        m.track_max_logit = True
+    model.train()
+    cpar = ContextParallel()
+    apply_context_parallel(model, cpar)
+    b = cpar.shard(ids, labels, cu_t, pad_id=pad_id)
+    with torch.no_grad():
+        model(b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens)
+    local = [m.last_max_logit.clone() for m in _mla_layers(model)]
+    cp_ml = []
+    for S in local:
+        S = S.clone()
+        dist.all_reduce(S, op=dist.ReduceOp.MAX)
+        cp_ml.append(S)
+    tau = float(torch.cat([S.reshape(-1) for S in ref_ml]).max()) + margin / 2   # below the pad's own logit
+    n_cp = sharded_qk_clip(model, tau=tau)
+    n_ref = qk_clip(ref, tau=tau, sync=False)
+    return {"case": f"max logit cp={cpar.size} T={T} cu={list(cu)} pad={sl_pad(b.slice)} pad_id={pad_id}",
+            "ref": ref_ml, "cp": cp_ml, "local": local, "margin": margin, "pad_id": pad_id,
+            "n_cp": n_cp, "n_ref": n_ref, "tau": tau, "pad_rows": sl_pad(b.slice)}
+
+
+def sl_pad(sl) -> int:
+    return sl.total_len - sl.orig_len
