@@ -73,3 +73,64 @@ def test_sft_dp_shard_2_trains_on_sft_batches_like_one_process_and_resumes(sft_e
         assert a["val_loss"] == pytest.approx(b["val_loss"], rel=2e-5)
     with open(os.path.join(out, "train_config.json")) as f:
         assert json.load(f)["task"] == "sft"
+
+
+# ------------------------------------------------------------------ the data resolution itself (no spawn)
+
+def _sft_config(ckpt, out):
+    from k3.train.config import TrainConfig
+    return TrainConfig(task="sft", init_from=str(ckpt), out_dir=str(out), stages=[(512, 1.0)], tokens_per_step=1024,
+                       device="cpu", threads=1, sft_tasks=["calculator"], sft_per_task=2, tensorboard=False)
+
+
+class _Rank0:
+    """What build_run_data reads of a DistTrainer, on a plain Trainer (one rank, no process group)."""
+    is_rank0 = True
+
+    def _barrier(self):
+        pass
+
+
+def _rank0_trainer(cfg, data=None):
+    from k3.train.trainer import Trainer
+    return type("T", (_Rank0, Trainer), {})(cfg, data=data)
+
+
+def test_build_run_data_resolves_the_sft_data_as_one_process(sft_env, tmp_path):
+    from k3.ops.loss import IGNORE_INDEX
+    from k3.parallel.setup import build_run_data
+    ckpt = sft_env["dir"] / "ckpt"
+    t = _rank0_trainer(_sft_config(ckpt, tmp_path / "a"))
+    data, _ = build_run_data(t, None, str(ckpt))
+    b = data.train.next_batch(512, 2)
+    assert float((b["labels"] == IGNORE_INDEX).float().mean()) > 0.5 and int(b["cu_seqlens"][-1]) == 1024
+    assert type(data).__name__ == "SFTData"
+
+
+def test_sft_without_a_tokenizer_is_the_same_error_in_both_trainers(sft_env, tmp_path):
+    """A --ckpt without tokenizer.json: one clear K3ConfigError in one process and under torchrun (no crash in the
+    SFT loader on a None tokenizer)."""
+    import shutil
+    from k3.errors import K3ConfigError
+    from k3.parallel.setup import build_run_data
+    from k3.train.trainer import Trainer
+    bare = tmp_path / "bare"
+    shutil.copytree(sft_env["dir"] / "ckpt", bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    msg = "k3 sft needs a tokenizer: --tokenizer, or --ckpt with a tokenizer.json"
+    with pytest.raises(K3ConfigError, match=msg):
+        Trainer(_sft_config(bare, tmp_path / "one")).setup()
+    assert not (tmp_path / "one").exists()
+    t = _rank0_trainer(_sft_config(bare, tmp_path / "dist"))
+    with pytest.raises(K3ConfigError, match=msg):
+        build_run_data(t, None, t._tokenizer_path(None, str(bare)))
+    # an external factory: one process needs the tokenizer too; under torchrun it may bring its own (vision tasks)
+    seen = []
+
+    def factory(tok, seq_len, batch_size, seed):
+        seen.append(tok)
+        raise RuntimeError("stop here")
+    with pytest.raises(K3ConfigError, match="an external data source needs a tokenizer"):
+        Trainer(_sft_config(bare, tmp_path / "ext"), data=factory).setup()
+    with pytest.raises(RuntimeError, match="stop here"):
+        build_run_data(_rank0_trainer(_sft_config(bare, tmp_path / "ext2"), data=factory), None, None)
+    assert seen == [None]
