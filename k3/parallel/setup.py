@@ -20,22 +20,26 @@ EXACT_INIT_MAX_PARAMS = 2_000_000_000
 
 
 def build_run_data(trainer, mcfg, tok_path: Optional[str]):
-    """The run's data (`trainer._data_factory`, an external source as `Trainer(data=...)` takes, or
-    `k3.train.data.build_data`; a factory gets None for the tokenizer when no --tokenizer / checkpoint names one,
-    and brings its own): rank 0 first (it trains / tokenizes into the cache), then the others read the
-    cache. Returns (data, seconds)."""
+    """The run's data, resolved as in one process (`Trainer._resolved_data_factory`): an external source as
+    `Trainer(data=...)` takes, the SFT data of `k3 sft` (`task == "sft"`, assistant-only labels), or
+    `k3.train.data.build_data`. The SFT source needs a tokenizer (--tokenizer / the checkpoint's tokenizer.json:
+    `Trainer._factory_tokenizer`'s K3ConfigError, raised on every rank before any work); an external factory gets
+    None without one and brings its own (the vision tasks, k3.parallel.vision_train). Rank 0 first (it trains /
+    tokenizes into the cache), then the others read the cache. Returns (data, seconds)."""
     from k3.train.data import build_data
     cfg = trainer.cfg
     first_seq = trainer._stage_seq_len(0)
     rows = cfg.tokens_per_step // first_seq
     t0 = time.time()
+    factory = trainer._resolved_data_factory()
+    tok = None
+    if factory is not None:   # on every rank: a missing tokenizer stops them all alike
+        tok = trainer._factory_tokenizer(tok_path, optional=factory is trainer._data_factory)
     data = None
     for turn in (True, False):
         if trainer.is_rank0 == turn:
-            if trainer._data_factory is not None:   # the tokenizer: the factory's own without a tokenizer path
-                from k3.train.data import HFTokenizer, get_tokenizer
-                tok = HFTokenizer(get_tokenizer(path=tok_path)) if tok_path is not None else None
-                data = trainer._data_factory(tok, first_seq, rows, cfg.seed)
+            if factory is not None:
+                data = factory(tok, first_seq, rows, cfg.seed)
             else:
                 data = build_data(cfg.data, vocab_size=mcfg.vocab_size, seq_len=first_seq, batch_size=rows,
                                   seed=cfg.seed, tokenizer_path=tok_path, cache=cfg.cache_dir,

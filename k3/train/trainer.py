@@ -190,19 +190,9 @@ class Trainer:
         rows = cfg.tokens_per_step // first_seq
         tok_path = self._tokenizer_path(ckpt, init)
         t0 = time.time()
-        factory = self._data_factory
-        if factory is None and cfg.task == "sft":
-            from k3.rl.sft_data import build_sft_data
-
-            def factory(tok, seq_len, batch_size, seed):
-                return build_sft_data(tok, seq_len, batch_size, seed=seed, data=cfg.sft_data,
-                                      n_per_task=cfg.sft_per_task, tasks=cfg.sft_tasks)
+        factory = self._resolved_data_factory()
         if factory is not None:
-            if tok_path is None:
-                raise K3ConfigError("an external data source needs a tokenizer: --tokenizer, or --ckpt with a "
-                                    "tokenizer.json")
-            from k3.train.data import HFTokenizer, get_tokenizer
-            self.data = factory(HFTokenizer(get_tokenizer(path=tok_path)), first_seq, rows, cfg.seed)
+            self.data = factory(self._factory_tokenizer(tok_path), first_seq, rows, cfg.seed)
         else:
             self.data = build_data(cfg.data, vocab_size=mcfg.vocab_size, seq_len=first_seq, batch_size=rows,
                                    seed=cfg.seed, tokenizer_path=tok_path, cache=cfg.cache_dir,
@@ -256,6 +246,34 @@ class Trainer:
         if cfg.model_overrides and ckpt is None:
             mcfg = mcfg.replace(**cfg.model_overrides)
         return mcfg
+
+    def _resolved_data_factory(self):
+        """The run's data factory, or None for `cfg.data` through `k3.train.data.build_data` (pre-training text):
+        the external one given as `Trainer(data=...)`, else for `task == "sft"` k3.rl.sft_data's (chats.jsonl or
+        the generated set of the built-in tasks, assistant-only labels). `k3.parallel.setup.build_run_data`
+        resolves it here too, so `k3 sft` under torchrun trains on the same SFT batches as in one process."""
+        if self._data_factory is not None:
+            return self._data_factory
+        cfg = self.cfg
+        if cfg.task != "sft":
+            return None
+        from k3.rl.sft_data import build_sft_data
+
+        def sft_factory(tok, seq_len, batch_size, seed):
+            return build_sft_data(tok, seq_len, batch_size, seed=seed, data=cfg.sft_data,
+                                  n_per_task=cfg.sft_per_task, tasks=cfg.sft_tasks)
+        return sft_factory
+
+    def _factory_tokenizer(self, tok_path: Optional[str], optional: bool = False):
+        """The tokenizer a data factory gets: the one at `tok_path` (`_tokenizer_path`); without one
+        K3ConfigError, or None when `optional` (a factory that brings its own tokenizer)."""
+        if tok_path is None:
+            if optional:
+                return None
+            what = "k3 sft" if self._data_factory is None and self.cfg.task == "sft" else "an external data source"
+            raise K3ConfigError(f"{what} needs a tokenizer: --tokenizer, or --ckpt with a tokenizer.json")
+        from k3.train.data import HFTokenizer, get_tokenizer
+        return HFTokenizer(get_tokenizer(path=tok_path))
 
     def _tokenizer_path(self, ckpt: Optional[str], init: Optional[str]) -> Optional[str]:
         """--tokenizer, else the tokenizer.json of the checkpoint resumed / started from (None: build one)."""

@@ -37,3 +37,27 @@ def train_cli_ctrl_c(argv: list, signal_rank: int, after_step: int) -> dict:
         return train_cli(argv)
     finally:
         DistTrainer.train_step = step
+
+
+def train_cli_label_counts(argv: list) -> dict:
+    """`k3 <argv>` recording, per training micro-batch, the global batch's supervised positions and IGNORE_INDEX
+    fraction (`target_count`, what the loss is divided by) and this rank's supervised positions after the
+    data-parallel split: {"rc", "stderr", "global_targets", "global_ignored", "local_targets"}."""
+    from k3.ops.loss import IGNORE_INDEX
+    from k3.parallel.batching import target_count
+    from k3.parallel.training import DistTrainer
+    local = DistTrainer._local_batch
+    seen = {"global_targets": [], "global_ignored": [], "local_targets": []}
+
+    def _local_batch(self, b, seq, allow_uneven=False):
+        loc = local(self, b, seq, allow_uneven)
+        if not allow_uneven:   # a training micro-batch (evaluation passes allow_uneven=True)
+            seen["global_targets"].append(target_count(b))
+            seen["global_ignored"].append(float((b["labels"] == IGNORE_INDEX).float().mean()))
+            seen["local_targets"].append(int((loc["labels"] != IGNORE_INDEX).sum()))
+        return loc
+    DistTrainer._local_batch = _local_batch
+    try:
+        return {**train_cli(argv), **seen}
+    finally:
+        DistTrainer._local_batch = local
