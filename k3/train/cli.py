@@ -86,6 +86,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
            "(k3.vision.train.run_train_cli) [text]")
     a("--time-budget", type=finite_float(0, lo_open=True), default=None,
       help="vision tasks: training seconds when --steps is not given [540]")
+    add_mesh_flags(s)
+    s.set_defaults(fn=run)
+    return s
+
+
+def add_mesh_flags(s: argparse.ArgumentParser) -> None:
+    """The device-mesh flags of `k3 train` and `k3 sft` (read by k3.parallel.training.MeshFlags under torchrun)."""
     m = s.add_argument_group("distributed (under torchrun; docs/parallelism.md)")
     m.add_argument("--dp-replicate", type=int_at_least(1), default=None, help="HSDP replicas [1]")
     m.add_argument("--dp-shard", type=int_at_least(1), default=None,
@@ -94,8 +101,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="expert parallelism, folded into the dp-shard x cp ranks [1]")
     m.add_argument("--cp", type=int_at_least(1), default=None,
                    help="context parallelism: each sequence split over this many ranks, for every stage [1]")
-    s.set_defaults(fn=run)
-    return s
 
 
 def add_sft_parser(subparsers) -> argparse.ArgumentParser:
@@ -144,6 +149,7 @@ def add_sft_parser(subparsers) -> argparse.ArgumentParser:
     a("--no-progress", action="store_true", default=None, help="no progress bar")
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
     a("--json", action="store_true", help="print the summary as JSON")
+    add_mesh_flags(s)
     s.set_defaults(fn=run_sft)
     return s
 

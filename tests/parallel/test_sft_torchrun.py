@@ -45,12 +45,11 @@ def test_sft_dp_shard_2_trains_on_sft_batches_like_one_process_and_resumes(sft_e
     # 2 rows of 512 per step, one per rank (a calculator chat is ~370 tokens, ~90 of them the assistant's); 4 rows
     # per epoch: step 3 starts the second epoch, after the resume
     run = ["sft", *base, "--steps", "3"]
-    # (k3 sft takes no mesh flags yet: the default mesh fills the world, dp_shard = 2 on 2 ranks)
     ref = str(d / "ref")
     single_process([*run, "--out", ref])
     out = str(d / "dp2")
     res = run_dist("tests/parallel/train_cli_cases.py:train_cli_label_counts", 2,
-                   {"argv": [*run, "--out", out, "--stop-at", "2"]}, timeout=300)
+                   {"argv": [*run, "--out", out, "--stop-at", "2", "--dp-shard", "2"]}, timeout=300)
     assert [r["rc"] for r in res] == [0, 0], res[0]["stderr"][-3000:]
     # SFT batches (assistant-only labels: many IGNORE_INDEX positions besides the row padding), every rank drawing
     # the same global batch; the ranks' supervised positions add up to the global count the loss is divided by
