@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 
-from k3.errors import K3ConfigError
 
 __all__ = ["EXACT_INIT_MAX_PARAMS", "build_run_data", "build_parallel_model"]
 
@@ -61,9 +60,8 @@ def build_parallel_model(trainer, mcfg, pmesh, *, fresh: bool, init: Optional[st
     from k3.train.config import resolve_compile, resolve_param_dtype
     cfg, device = trainer.cfg, trainer.device
     multimodal = is_multimodal_config(mcfg)
-    if multimodal and trainer.dims.cp_enabled:
-        raise K3ConfigError(f"--cp {trainer.dims.cp}: context parallelism is not supported with images (a "
-                            f"multimodal model); use --cp 1 (data parallelism: --dp-shard / --dp-replicate)")
+    from k3.parallel.training import refuse_cp_unsupported
+    refuse_cp_unsupported(trainer.dims, mcfg)   # also for a model config read from --init / a resumed run
     trainer.param_dtype = resolve_param_dtype(cfg.param_dtype, device)
     trainer.compile_mode = resolve_compile(cfg.compile, device)
     if trainer.compile_mode == "model":

@@ -98,12 +98,25 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
     cfg.validate()
     mcfg = _model_config(cfg, kw.get("model_config"))
     dims = mesh_dims(flags, world, int(mcfg.num_experts))
-    from k3.multimodal import is_multimodal_config
-    if dims.cp_enabled and is_multimodal_config(mcfg):
-        raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
-                            f"model); use --cp 1 and data parallelism (--dp-shard / --dp-replicate)")
+    refuse_cp_unsupported(dims, mcfg)
     check_batch_shape(cfg, dims)
     return DistTrainer(cfg, dims, local_rank=local, **kw)
+
+
+def refuse_cp_unsupported(dims, mcfg) -> None:
+    """Context parallelism splits each sequence over ranks; two model parts cannot run on such slices: the vision
+    tower (images) and multi-token prediction (its shifted inputs and targets would stop at each slice's end)."""
+    if not dims.cp_enabled:
+        return
+    from k3.multimodal import is_multimodal_config
+    if is_multimodal_config(mcfg):
+        raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
+                            f"model); use --cp 1 and data parallelism (--dp-shard / --dp-replicate)")
+    n_mtp = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
+    if n_mtp > 0:
+        raise K3ConfigError(f"--cp {dims.cp}: multi-token prediction (num_nextn_predict_layers={n_mtp}) is not "
+                            f"supported with context parallelism (each rank's slice would lose the next slice's "
+                            f"tokens at its end); use --cp 1, or num_nextn_predict_layers=0")
 
 
 def _refuse_dcp_resume_without_torchrun(cfg) -> None:

@@ -39,3 +39,26 @@ def test_pad_rows_skip_the_router_and_the_balancer(name, T, size, rank, real):
         torch.testing.assert_close(y[:, :real], ref(x[:, :real]))
     assert torch.count_nonzero(y[:, real:]) == 0
     y.sum().backward()                                           # the graph is whole (also with 0 real rows)
+
+
+def test_cp_refuses_mtp_before_any_work(tmp_path, monkeypatch):
+    # MTP shifts inputs and targets within the sequence: under CP each rank's slice would lose the next slice's
+    # tokens at its end, so `--cp` with MTP blocks is refused before the process group starts (as images are)
+    from k3.errors import K3ConfigError
+    from k3.parallel.training import MeshFlags, make_trainer
+    from k3.train.config import TrainConfig
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "cp_mtp"
+    cfg = TrainConfig(out_dir=str(out), steps=1, model_overrides={"num_nextn_predict_layers": 1})
+    with pytest.raises(K3ConfigError, match=r"--cp 2: multi-token prediction \(num_nextn_predict_layers=1\)"):
+        make_trainer(cfg, MeshFlags(cp=2))
+    assert not out.exists()
+    # the same model without CP passes the check
+    from k3.config import K3Config
+    from k3.parallel.mesh import ParallelDims
+    from k3.parallel.training import refuse_cp_unsupported
+    mtp_model = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=1)
+    refuse_cp_unsupported(ParallelDims(dp_shard=2, world_size=2), mtp_model)
+    with pytest.raises(K3ConfigError, match="multi-token prediction"):
+        refuse_cp_unsupported(ParallelDims(dp_shard=1, cp=2, world_size=2), mtp_model)
