@@ -6,8 +6,10 @@ twice: `k3.generate(...)` and `k3.generate(..., speculative="mtp")`. Reports per
 alternating), the MTP acceptance rate (accepted drafts / drafted), tokens per verify round, and whether every
 output is identical (exact_match; speculative decoding must equal greedy decoding).
 
-CPU (~6 min on 2 loaded cores; a 1.45M-parameter `micro` model, 100 steps x 2048 tokens):
+CPU (~6 min on 2 loaded cores with the 1.45M-parameter `micro` model, 100 steps x 2048 tokens; ~14 min with
+`--preset tiny`, the RESULTS row):
     python benchmarks/mtp_speculative.py --threads 1 --json mtp_cpu.json
+    python benchmarks/mtp_speculative.py --preset tiny --threads 1 --json mtp_tiny_cpu.json
 H200 (the `small` preset, ~150 s: gpu_run.sh stage `mtp`; fp32 decoding for the exact-match check, bf16 argmax
 near-ties can differ between a 2-token verify and a 1-token step, so exact_match may be False in bf16; our KDA kernels
 because fla's first backward at this shape autotunes for minutes on a fresh machine):
