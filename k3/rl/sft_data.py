@@ -191,6 +191,29 @@ def pack_rows(chats: Sequence[EncodedChat], seq_len: int, pad_id: int) -> Tuple[
     return rows_i, rows_l, starts, trunc
 
 
+def truncation_loss(chats: Sequence[EncodedChat], seq_len: int) -> Dict[str, int]:
+    """What cutting conversations to `seq_len` tokens (pack_rows) loses: conversations cut, their longest length,
+    the supervised (assistant) targets beyond the cut, and all supervised targets."""
+    cut = [c for c in chats if len(c.ids) > seq_len]
+    return {"cut": len(cut), "total": len(chats), "longest": max((len(c.ids) for c in chats), default=0),
+            "lost_targets": sum(sum(1 for t in c.labels[seq_len - 1:] if t != IGNORE_INDEX) for c in cut),
+            "targets": sum(sum(1 for t in c.labels if t != IGNORE_INDEX) for c in chats)}
+
+
+def warn_truncation(chats: Sequence[EncodedChat], seq_len: int, what: str) -> Dict[str, int]:
+    """Log a warning when conversations are longer than `seq_len`: their assistant tokens past the cut are never
+    trained on (a chat whose answer comes last loses exactly what SFT is for). Returns truncation_loss()."""
+    t = truncation_loss(chats, seq_len)
+    if t["cut"]:
+        import logging
+        logging.getLogger("k3.train").warning(
+            "SFT %s data: %d of %d conversations are longer than the row length %d (longest %d tokens) and are cut; "
+            "%d of their %d assistant tokens (%.1f%% of all) are never trained on: raise --seq-len to at least %d",
+            what, t["cut"], t["total"], seq_len, t["longest"], t["lost_targets"], t["targets"],
+            100.0 * t["lost_targets"] / max(t["targets"], 1), t["longest"])
+    return t
+
+
 def _batch(rows_i, rows_l, starts, seq_len) -> Dict[str, torch.Tensor]:
     ids = np.concatenate(rows_i)
     lab = np.concatenate(rows_l)
@@ -215,6 +238,7 @@ class SFTLoader:
         self.epoch, self.pos = 0, 0
         self._rows = None
         self.num_truncated = 0
+        warn_truncation(self.encoded, self.seq_len, "training")
 
     def _epoch_rows(self):
         if self._rows is None or self._rows[0] != self.epoch:

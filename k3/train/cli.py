@@ -24,7 +24,9 @@ _NEGATED = {"no_progress", "no_tensorboard", "no_samples"}
 _SFT_FIELDS = dict({k: v for k, v in _FIELDS.items() if k not in ("preset", "config", "data", "split_sections",
                                                                    "stages")},
                    ckpt="init_from", data="sft_data", per_task="sft_per_task", tasks="sft_tasks")
-SFT_DEFAULTS = dict(task="sft", steps=100, lr=2e-3, tokens_per_step=4096, stages=[(512, 1.0)], samples=False,
+# rows of 2,048 tokens: every built-in task's conversation fits whole (kv-lookup's are ~1,150 tokens), so no answer
+# is cut off (a cut conversation is warned about, k3.rl.sft_data.warn_truncation)
+SFT_DEFAULTS = dict(task="sft", steps=100, lr=2e-3, tokens_per_step=4096, stages=[(2048, 1.0)], samples=False,
                     out_dir="runs/k3-sft")
 
 
