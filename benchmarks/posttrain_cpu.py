@@ -131,6 +131,8 @@ def main(argv=None) -> int:
     p.add_argument("--rl-warmup", type=int, default=5, help="RL linear LR warmup steps")
     p.add_argument("--train-params", default=None, metavar="REGEX",
                    help="RL: train only the parameters whose name matches (e.g. '^model\\.norm\\.'), freeze the rest")
+    p.add_argument("--rl-param-lr", action="append", default=None, metavar="REGEX=LR",
+                   help="RL: parameters whose name matches REGEX get LR instead of --rl-lr (repeatable)")
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--neg-adv-scale", type=float, default=1.0, help="RL: scale of negative advantages")
     p.add_argument("--keep-uniform-groups", action="store_true",
@@ -218,9 +220,15 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     rl_dir = os.path.join(out, "rl")
+    param_lrs = None
+    if a.rl_param_lr:
+        param_lrs = {}
+        for item in a.rl_param_lr:
+            rx, _, v = item.rpartition("=")
+            param_lrs[rx] = float(v)
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options, out_dir=rl_dir,
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  warmup_steps=a.rl_warmup, train_params=a.train_params, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
+                  warmup_steps=a.rl_warmup, train_params=a.train_params, param_lrs=param_lrs, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
                   temperature=a.temperature, max_turns=3,
                   max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   eval_samples=a.eval_samples,
