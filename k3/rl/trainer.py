@@ -337,19 +337,14 @@ class RLRunner:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> "RLRunner":
-        from k3.train.checkpointing import RunLock
+        from k3.train.checkpointing import open_run_dir
         cfg = self.cfg
         cfg.validate()
+        held = None
         if not cfg.resume and not cfg.overwrite and self.holds_run():
-            raise K3ConfigError(f"{cfg.out_dir} already holds a run: continue it with --resume, replace it with "
-                                f"--overwrite, or choose another --out")
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        self._lock = RunLock(cfg.out_dir).acquire()
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
+            held = (f"{cfg.out_dir} already holds a run: continue it with --resume, replace it with --overwrite, "
+                    f"or choose another --out")
+        self._lock = open_run_dir(cfg.out_dir, self._setup, refuse=held)
         return self
 
     def close(self) -> None:
