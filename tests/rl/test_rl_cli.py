@@ -260,6 +260,19 @@ def test_rl_param_lr_moves_only_its_group(tiny_ckpt, tmp_path, capsys):
     assert {n for n in a if not torch.equal(a[n], b[n])} == {"lm_head.weight"}
     # lm_head decayed by (1 - 0.5e-2 * 0.5) then (1 - 1e-2 * 0.5): warm-up scales the group's LR too
     torch.testing.assert_close(b["lm_head.weight"], a["lm_head.weight"] * (1 - 0.25e-2) * (1 - 0.5e-2))
+    # stopped after step 1 and resumed: the restored optimizer keeps each group's LR (step 2 decays lm_head the
+    # same); a different --param-lr on --resume is refused
+    args = ["rl", "--ckpt", tiny_ckpt, "--steps", "2", "--group-size", "2", "--prompts-per-step", "2",
+            "--max-new-tokens", "6", "--max-turns", "2", "--threads", "1", "--lr", "1e-30", "--param-lr",
+            r"^lm_head\.=1e-2", "--weight-decay", "0.5", "--warmup-steps", "2", "--no-plot"]
+    r2 = str(tmp_path / "g2")
+    assert main([*args, "--out", r2, "--stop-at", "1"]) == 0
+    capsys.readouterr()
+    assert main(["rl", "--out", r2, "--resume", "--param-lr", r"^lm_head\.=1e-3"]) == 2
+    assert "--param-lr" in capsys.readouterr().err
+    assert main(["rl", "--out", r2, "--resume", "--threads", "1"]) == 0
+    c = dict(from_pretrained(os.path.join(r2, "final"), dtype=torch.float32).named_parameters())
+    assert all(torch.equal(b[n], c[n]) for n in b)
     capsys.readouterr()
     with pytest.raises(SystemExit):
         main(["rl", "--ckpt", tiny_ckpt, "--out", str(tmp_path / "h"), "--param-lr", "x=-1"])
