@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     param_lrs = param_lrs or None
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options, out_dir=rl_dir,
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  warmup_steps=a.rl_warmup, train_params=a.train_params, param_lrs=param_lrs, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
+                  warmup_steps=a.rl_warmup, train_params=a.train_params, param_lrs=param_lrs,
+                  neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
                   temperature=a.temperature, max_turns=3,
                   max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   eval_samples=a.eval_samples,

@@ -34,8 +34,9 @@ log = logging.getLogger("k3.train")
 
 __all__ = ["CKPT_PREFIX", "STATE_FILE", "STATE_JSON", "LOCK_NAME", "CorruptStateError", "find_checkpoints",
            "latest_checkpoint", "load_trainer_state", "pick_resume_checkpoint", "save_checkpoint",
-           "restore_checkpoint", "RunLock", "open_run_dir", "atomic_json", "atomic_torch_save", "rng_state", "set_rng_state",
-           "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp", "restore_training_state"]
+           "restore_checkpoint", "RunLock", "open_run_dir", "atomic_json", "atomic_torch_save", "rng_state",
+           "set_rng_state", "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp",
+           "restore_training_state"]
 
 CKPT_PREFIX = "step-"
 STATE_FILE = "trainer_state.pt"
