@@ -1,4 +1,4 @@
-"""Post-training end to end: pre-train -> SFT on the generated calculator set -> GRPO RL on `calculator`.
+r"""Post-training end to end: pre-train -> SFT on the generated calculator set -> GRPO RL on `calculator`.
 
     python benchmarks/posttrain_cpu.py --micro --threads 1 --out /tmp/posttrain --plot benchmarks/posttrain_cpu.png
     python benchmarks/posttrain_cpu.py --preset tiny --out /tmp/posttrain              # the `tiny` preset (slower)
@@ -8,37 +8,42 @@
 The same as the CLI pipeline
     k3 train --steps N --stages 256:1 --out RUN/pt
     k3 sft   --ckpt RUN/pt --tasks calculator --out RUN/sft
-    k3 rl    --ckpt RUN/sft --env calculator --env-option digits=1 --eval-prompts 256 --out RUN/rl
+    k3 rl    --ckpt RUN/sft --env calculator --env-option terms=2 --env-option digits=1 --env-option given_call=true \
+             --steps 60 --prompts-per-step 8 --lr 3e-5 --param-lr '^model\.norm\.=0.1' --warmup-steps 3 \
+             --skip-uniform-groups --max-turns 3 --eval-prompts 256 --eval-samples 4 --out RUN/rl
 driven through the library (so --micro can override the model shape, which `k3 train` has no flag for).
 
-The default task is the easy end of the calculator curriculum (`--calc-terms 2 --calc-digits 1`: "What is 7 * 8?"):
-the calculator tool makes it solvable, the policy only has to call it with the right expression and copy the result.
-`--calc-given-call` is the first curriculum level (the prompt already holds the correct call and its result; the
-policy only answers): its expert conversations are the same tokens, so one SFT run serves both (`--skip-done`).
-RL (AdamW, linear warmup then constant LR, groups without a reward spread skipped) is measured by the greedy reward
-on `--eval-prompts` held-out prompts, the same prompts before and after: the paired difference and its standard
-error (`eval_delta`, `eval_delta_stderr`, `eval_delta_z`) say whether RL moved it; `--eval-samples K` also measures
-the sampled reward (K samples per held-out prompt at --temperature, the same sampler seeds before and after:
-`eval_sampled_delta`, `..._stderr`, `..._z`), the quantity GRPO optimises.
+The task is the calculator at the easy end of its curriculum (`--calc-terms 2 --calc-digits 1`: "What is 7 * 8?").
+By default the prompt already holds the correct call and its result (`--calc-given-call`, the first curriculum
+level: the policy only answers); `--no-calc-given-call` is the full task (the policy writes the call). The expert
+conversations of both are the same tokens, so one SFT run serves both (`--skip-done` reuses it).
+RL (AdamW over every parameter, linear warmup then constant LR, groups without a reward spread skipped) is measured
+on `--eval-prompts` held-out prompts, the same prompts before and after: the greedy reward and (`--eval-samples K`)
+the sampled reward (K samples per prompt at --temperature, the same sampler seeds before and after), the quantity
+GRPO optimises; the paired differences and their standard errors (`eval_delta`, `eval_sampled_delta`, `..._stderr`,
+`..._z`) say whether RL moved them.
 
-The measured micro run (given-call level, SFT reused from --out with --skip-done):
+The default recipe (measured 2026-12-02 on the micro model, SFT reused from --out with --skip-done):
 
-    python benchmarks/posttrain_cpu.py --micro --threads 1 --skip-done --out RUN --calc-given-call \
-        --rl-steps 30 --prompts-per-step 8 --rl-lr 1e-1 --rl-warmup 3 --train-params '^model\.norm\.' \
-        --eval-prompts 256 --eval-samples 4 --plot benchmarks/posttrain_cpu.png
+    python benchmarks/posttrain_cpu.py --micro --threads 1 --skip-done --out RUN --plot benchmarks/posttrain_cpu.png
 
-Why `--train-params '^model\.norm\.'` (only the final RMSNorm's 64 weights) on the micro model: full-model GRPO
-updates lower the reward at every AdamW LR tried (1e-4..1e-3; SGD too). Measured on the SFT checkpoint: the
-GRPO gradient of one 16x8 batch points the right way (cosine 0.81 with the exact gradient of the batch prompts'
-expected reward, 0.52 with that of 64 held-out prompts), but the expected reward rises only for a step of norm
-<= ~0.03 along it (+0.003 held out) and falls beyond (-0.03 at 0.1, -0.24 at 0.3); a sign (Adam-like) step helps
-up to 1e-4 per weight and hurts at 3e-4. The SFT policy's answer token is spread (entropy ~2 nats; greedy reward
-0.73; teacher-forced probability of the correct answer 0.39 at T=1, 0.62 at T=0.5), so the reward-improving direction that survives such noise is
-sharpening: training only the final norm, RL learns a lower-entropy answer distribution and the sampled reward rises
-toward the greedy one; the greedy reward (argmax) does not move, by construction. Measured (2026-12-02, 1 thread,
-2 shared cores; SFT val loss 0.094): held-out sampled reward 0.412 -> 0.675 (paired +0.263 +- 0.017 over 4 x 256),
-greedy 0.734 -> 0.734; RL stage 232 s with the four evals (--rl-lr 3e-2 over 40 steps: 0.412 -> 0.593).
-Training lm_head too (AdamW 3e-3..1e-2) also raises the sampled reward but lowers the greedy one (0.73 -> 0.56..0.61).
+= 60 RL steps x 8 prompts x 8 samples, AdamW on the whole model at --rl-lr 3e-5, the final RMSNorm (64 weights,
+the output's scale) at --rl-norm-lr 0.1 (k3 rl --param-lr '^model\.norm\.=0.1'), warm-up 3 steps. Held-out
+(256 prompts): sampled reward 0.410 -> 0.745 (paired +0.335 +- 0.019, z 17.3), greedy 0.734 -> 0.766 (+0.031 +-
+0.011, z 2.9); RL stage 468 s with its four evals (1 thread, 2 shared cores, load 2-4.6).
+
+Why two learning rates: one LR for everything fails on this SFT'd micro model. The SFT policy's answer token is
+spread (entropy ~2 nats, teacher-forced probability of the correct answer 0.40 at T=1, greedy reward 0.73), and
+the reward-improving move that survives the gradient noise of 8 prompts per step is sharpening it, which needs the
+final norm to move by ~0.1 per step; the body tolerates only tiny steps (a step of norm <= ~0.03 along the GRPO
+gradient raises the held-out expected reward, 0.3 lowers it by 0.24). Measured at 20 steps (sampled, paired):
+AdamW on everything at 1e-5 +0.003 +- 0.004, 3e-5 -0.006 +- 0.006, 1e-4..1e-3 flat or collapsing; successes only
+(--neg-adv-scale 0) at 3e-4 +0.005 +- 0.008, at 1e-3 -0.034 +- 0.011; SGD (step norm <= 0.05) +0.01..0.025 in
+teacher-forced p(correct); Muon (the pre-training optimizer, 1e-3) -0.02. The control, only the final norm trained
+(`--train-params '^model\.norm\.'`, same 60 steps, 257 s): sampled 0.410 -> 0.731 (+0.321 +- 0.019), greedy
+0.734 -> 0.766 (the same): nearly all of the gain is the final norm's; the body at 3e-5 adds +0.014 sampled (within
+noise) and costs the full backward. After ~35 steps many groups are uniform (all right or all wrong): the policy is
+nearly greedy and GRPO's signal fades, so the reward settles near the greedy one.
 
 Prints a JSON summary (greedy reward on held-out prompts before / after RL with standard errors, the per-step
 sampled reward curve, rollout and training tokens per second, wall times, the 1-minute load average) and writes it
@@ -51,6 +56,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -68,7 +74,7 @@ MICRO = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key
 # (no SFT stage: RL starts from the pre-trained checkpoint; the pre-training checkpoints are removed, only final/ is
 # kept, so `small` fits the disk: fp32 RL state of 1.45B parameters is ~23 GB)
 THROUGHPUT = dict(pt_steps=3, sft_steps=0, rl_steps=3, eval_prompts=0, prompts_per_step=8, group_size=8,
-                  keep_uniform_groups=True)
+                  keep_uniform_groups=True, calc_given_call=False)
 
 
 def plot_curve(summary: dict, path: str) -> None:
@@ -103,8 +109,11 @@ def plot_curve(summary: dict, path: str) -> None:
     ax.set_ylim(0, 1)
     argv = summary.get("argv") or []
     tp = argv[argv.index("--train-params") + 1] if "--train-params" in argv[:-1] else None
-    ax.set_title(f"calculator: SFT -> GRPO, {summary['model']} on {summary['device']}"
-                 + (f", training only {tp}" if tp else ""), fontsize=9)
+    rec = summary.get("rl_recipe") or {}
+    how = (f"training only {tp}" if tp else "whole model" + (
+        f", AdamW lr {rec.get('lr'):g}" if rec.get("lr") else "")) + "".join(
+        f", {rx} lr {v:g}" for rx, v in (rec.get("param_lrs") or {}).items())
+    ax.set_title(f"calculator: SFT -> GRPO, {summary['model']} on {summary['device']}\n{how}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right", framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=80)
@@ -119,18 +128,24 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", help="cpu | cuda [cpu]")
     p.add_argument("--throughput", action="store_true",
                    help="only measure tokens/s: " + ", ".join(
-                       f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in THROUGHPUT.items()))
+                       (f"--no-{k.replace('_', '-')}" if v is False else f"--{k.replace('_', '-')}")
+                       + ("" if isinstance(v, bool) else f" {v}") for k, v in THROUGHPUT.items()))
     p.add_argument("--pt-steps", type=int, default=40)
     p.add_argument("--sft-steps", type=int, default=220, help="0: no SFT stage (RL from the pre-trained model)")
     p.add_argument("--sft-per-task", type=int, default=800)
     p.add_argument("--sft-lr", type=float, default=6e-3)
-    p.add_argument("--rl-steps", type=int, default=15)
+    p.add_argument("--rl-steps", type=int, default=60)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
-    p.add_argument("--rl-lr", type=float, default=3e-4, help="RL AdamW learning rate (constant)")
-    p.add_argument("--rl-warmup", type=int, default=5, help="RL linear LR warmup steps")
+    p.add_argument("--rl-lr", type=float, default=3e-5,
+                   help="RL AdamW learning rate of every parameter but the final norm's (constant after warm-up)")
+    p.add_argument("--rl-norm-lr", type=float, default=0.1,
+                   help="RL AdamW learning rate of the final RMSNorm (model.norm.*, the output's scale); 0: --rl-lr")
+    p.add_argument("--rl-warmup", type=int, default=3, help="RL linear LR warmup steps")
     p.add_argument("--train-params", default=None, metavar="REGEX",
                    help="RL: train only the parameters whose name matches (e.g. '^model\\.norm\\.'), freeze the rest")
+    p.add_argument("--rl-param-lr", action="append", default=None, metavar="REGEX=LR",
+                   help="RL: parameters whose name matches REGEX get LR instead of --rl-lr (repeatable)")
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--neg-adv-scale", type=float, default=1.0, help="RL: scale of negative advantages")
     p.add_argument("--keep-uniform-groups", action="store_true",
@@ -138,15 +153,16 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=1, help="RL optimizer steps per batch")
     p.add_argument("--temperature", type=float, default=1.0, help="RL sampling temperature")
     p.add_argument("--eval-prompts", type=int, default=256)
-    p.add_argument("--eval-samples", type=int, default=0,
+    p.add_argument("--eval-samples", type=int, default=4,
                    help="also the sampled reward on the eval prompts: this many samples per prompt at --temperature "
-                        "(the same sampler seeds before and after: a paired difference) [0 = greedy only]")
+                        "(the same sampler seeds before and after: a paired difference); 0 = greedy only")
     p.add_argument("--max-new-tokens", type=int, default=64, help="RL: tokens per assistant turn")
     p.add_argument("--calc-terms", type=int, default=2, help="calculator env: operands per expression (2..N)")
     p.add_argument("--calc-digits", type=int, default=1, help="calculator env: digits per operand")
-    p.add_argument("--calc-given-call", action="store_true",
+    p.add_argument("--calc-given-call", action=argparse.BooleanOptionalAction, default=True,
                    help="calculator env, first curriculum level: the prompt holds the correct call and its result, "
-                        "the policy only answers (the SFT conversations are the same tokens)")
+                        "the policy only answers (the SFT conversations are the same tokens); --no-calc-given-call: "
+                        "the full task (the policy writes the call)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plot", default=None, help="also write the reward curve PNG here")
     p.add_argument("--skip-done", action="store_true", help="reuse finished stages found in --out")
@@ -154,7 +170,7 @@ def main(argv=None) -> int:
     if a.throughput:
         given = {x.split("=")[0] for x in (argv if argv is not None else sys.argv[1:])}
         for k, v in THROUGHPUT.items():
-            if f"--{k.replace('_', '-')}" not in given:
+            if not {f"--{k.replace('_', '-')}", f"--no-{k.replace('_', '-')}"} & given:
                 setattr(a, k, v)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("k3.checkpoint").setLevel(logging.WARNING)
@@ -218,14 +234,25 @@ def main(argv=None) -> int:
 
     t0 = time.time()
     rl_dir = os.path.join(out, "rl")
+    param_lrs = {}
+    for item in a.rl_param_lr or []:                         # the first matching regex wins: these first
+        rx, _, v = item.rpartition("=")
+        param_lrs[rx] = float(v)
+    if a.rl_norm_lr > 0 and (a.train_params is None or re.search(a.train_params, "model.norm.weight")):
+        param_lrs.setdefault(r"^model\.norm\.", a.rl_norm_lr)
+    param_lrs = param_lrs or None
     rc = RLConfig(ckpt=os.path.join(sft, "final"), env="calculator", env_options=env_options, out_dir=rl_dir,
                   steps=a.rl_steps, group_size=a.group_size, prompts_per_step=a.prompts_per_step, lr=a.rl_lr,
-                  warmup_steps=a.rl_warmup, train_params=a.train_params, neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
+                  warmup_steps=a.rl_warmup, train_params=a.train_params, param_lrs=param_lrs,
+                  neg_adv_scale=a.neg_adv_scale, kl_coef=a.kl_coef, epochs=a.epochs,
                   temperature=a.temperature, max_turns=3,
                   max_new_tokens_per_turn=a.max_new_tokens, max_tokens=1024, eval_prompts=a.eval_prompts,
                   eval_samples=a.eval_samples,
                   skip_uniform_groups=not a.keep_uniform_groups, device=a.device, threads=a.threads,
                   overwrite=True)
+    res["rl_recipe"] = {"lr": a.rl_lr, "param_lrs": param_lrs, "warmup": a.rl_warmup, "steps": a.rl_steps,
+                        "prompts_per_step": a.prompts_per_step, "group_size": a.group_size,
+                        "train_params": a.train_params}
     s = RLRunner(rc).run()
     res["rl_s"] = time.time() - t0
     res["rl"] = {k: s.get(k) for k in ("eval_reward_start", "eval_reward_end", "eval_stderr_start",

@@ -37,6 +37,17 @@ def _env_option(text: str):
         return key, val
 
 
+def _param_lr(text: str):
+    rx, sep, val = text.rpartition("=")
+    if not sep or not rx:
+        raise argparse.ArgumentTypeError(f"expected REGEX=LR, got {text!r}")
+    try:
+        lr = finite_float(0, lo_open=True)(val)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return rx, lr
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     d = RLConfig()
     s = subparsers.add_parser(
@@ -62,6 +73,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--weight-decay", type=finite_float(0), default=None, help=f"[{d.weight_decay}]")
     a("--train-params", default=None, metavar="REGEX",
       help="train only the parameters whose name matches REGEX (re.search), freeze the rest [all]")
+    a("--param-lr", dest="param_lrs", action="append", type=_param_lr, default=None, metavar="REGEX=LR",
+      help="parameters whose name matches REGEX (re.search; the first --param-lr that matches) get this LR "
+           "instead of --lr, e.g. '^model\\.norm\\.=0.1'; repeatable")
     a("--grad-clip", type=finite_float(0), default=None, help=f"gradient-norm clip, 0 = off [{d.max_grad_norm}]")
     a("--epochs", type=int_at_least(1), default=None, help=f"optimizer steps per batch [{d.epochs}]")
     a("--kl-coef", type=finite_float(0), default=None, help=f"KL to the --ckpt model, 0 = off [{d.kl_coef}]")
@@ -119,6 +133,8 @@ def build_rl_config(args) -> RLConfig:
         ov[fld] = (not v) if dest in _NEGATED else v
     if getattr(args, "env_options", None):
         ov["env_options"] = dict(args.env_options)
+    if getattr(args, "param_lrs", None):
+        ov["param_lrs"] = dict(args.param_lrs)
     if args.resume and ov.get("overwrite"):
         raise K3ConfigError("--resume and --overwrite exclude each other (continue the run, or replace it)")
     out_dir = ov.pop("out_dir", RLConfig().out_dir)

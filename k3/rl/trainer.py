@@ -48,7 +48,7 @@ CONFIG_NAME = "rl_config.json"
 
 # what the continued run's numbers depend on: a resumed run keeps them (a different value is refused)
 RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr", "warmup_steps", "weight_decay",
-            "train_params",
+            "train_params", "param_lrs",
             "kl_coef", "neg_adv_scale", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature",
             "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
@@ -61,6 +61,7 @@ FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompt
          "filter_rules": "--filter-rules", "iteration_budget": "--iteration-budget", "max_tokens": "--max-tokens",
          "max_new_tokens_per_turn": "--max-new-tokens", "max_turns": "--max-turns", "temperature": "--temperature",
          "seed": "--seed", "epochs": "--epochs", "weight_decay": "--weight-decay", "train_params": "--train-params",
+         "param_lrs": "--param-lr",
          "max_grad_norm": "--grad-clip", "save_every": "--save-every", "keep": "--keep",
          "eval_prompts": "--eval-prompts", "eval_samples": "--eval-samples", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
          "env_options": "--env-option", "thinking": "--thinking", "replay": "--no-replay",
@@ -89,6 +90,11 @@ class RLConfig:
     train_params: Optional[str] = None       # regex (re.search on parameter names): train only the matching
     #                                          parameters, freeze the rest (e.g. "lm_head|^model\\.norm" for a tiny
     #                                          model whose full-model updates are too noisy); None = all
+    param_lrs: Optional[Dict[str, float]] = None   # {regex: lr}: parameters whose name matches a regex
+    #                                          (re.search, the first match in order) get that LR, the rest `lr`
+    #                                          (warm-up scales every group alike). E.g. {"^model\\.norm\\.": 0.1}
+    #                                          with lr 1e-5: the final norm (the output's scale) moves fast, the
+    #                                          rest of the fine-tuned policy by tiny steps
     max_grad_norm: float = 1.0               # 0 = off
     epochs: int = 1                          # optimizer steps per batch (the first one is on-policy: ratio 1)
     # GRPO
@@ -172,6 +178,16 @@ class RLConfig:
             except (re.error, TypeError) as e:
                 raise K3ConfigError(f"--train-params must be a regular expression, got {self.train_params!r}: "
                                     f"{e}") from None
+        if self.param_lrs is not None:
+            if not isinstance(self.param_lrs, dict):
+                raise K3ConfigError(f"--param-lr must be a mapping {{regex: lr}}, got {self.param_lrs!r}")
+            for rx, v in self.param_lrs.items():
+                try:
+                    re.compile(rx)
+                except (re.error, TypeError) as e:
+                    raise K3ConfigError(f"--param-lr {rx!r}: not a regular expression: {e}") from None
+                if not (is_num(v) and v > 0):
+                    raise K3ConfigError(f"--param-lr {rx!r}: the LR must be a finite number > 0, got {v!r}")
         if self.group_size < 2:
             log.warning("--group-size 1: every group-normalised advantage is 0 (nothing is learned)")
         from k3.rl.env import list_envs
@@ -224,6 +240,32 @@ def select_trainable(model, pattern: Optional[str]) -> List[torch.nn.Parameter]:
     log.info("--train-params %r: training %d of %d parameters", pattern, sum(p.numel() for p in out),
              sum(p.numel() for p in model.parameters()))
     return out
+
+
+def param_groups(model, params: List[torch.nn.Parameter], lr: float,
+                 param_lrs: Optional[Dict[str, float]] = None) -> List[dict]:
+    """Optimizer groups over `params` (trainable parameters of `model`): with `param_lrs` {regex: lr}, each
+    parameter goes to the group of the first regex that matches its name (re.search), the rest to one group at
+    `lr`; every group carries "base_lr" (the LR after warm-up) and "group_name". A regex that matches no trainable
+    parameter -> K3ConfigError naming it. Empty groups are left out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    rules = [(rx, re.compile(rx), float(v)) for rx, v in (param_lrs or {}).items()]
+    buckets: Dict[Optional[str], List[torch.nn.Parameter]] = {rx: [] for rx, _, _ in rules}
+    buckets[None] = []
+    for p in params:
+        n = names.get(id(p), "")
+        hit = next((rx for rx, c, _ in rules if c.search(n)), None)
+        buckets[hit].append(p)
+    for rx, _, _ in rules:
+        if not buckets[rx]:
+            raise K3ConfigError(f"--param-lr {rx!r} matches no trained parameter")
+    groups = [{"params": buckets[rx], "lr": v, "base_lr": v, "group_name": rx} for rx, _, v in rules]
+    if buckets[None]:
+        groups.append({"params": buckets[None], "lr": lr, "base_lr": lr, "group_name": "default"})
+    for g in groups[:-1] if buckets[None] else groups:
+        log.info("--param-lr %r: %d parameters at lr %g", g["group_name"], sum(p.numel() for p in g["params"]),
+                 g["lr"])
+    return groups
 
 
 def stored_config(out_dir: str) -> Optional[dict]:
@@ -295,19 +337,14 @@ class RLRunner:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> "RLRunner":
-        from k3.train.checkpointing import RunLock
+        from k3.train.checkpointing import open_run_dir
         cfg = self.cfg
         cfg.validate()
+        held = None
         if not cfg.resume and not cfg.overwrite and self.holds_run():
-            raise K3ConfigError(f"{cfg.out_dir} already holds a run: continue it with --resume, replace it with "
-                                f"--overwrite, or choose another --out")
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        self._lock = RunLock(cfg.out_dir).acquire()
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            raise
+            held = (f"{cfg.out_dir} already holds a run: continue it with --resume, replace it with --overwrite, "
+                    f"or choose another --out")
+        self._lock = open_run_dir(cfg.out_dir, self._setup, refuse=held)
         return self
 
     def close(self) -> None:
@@ -348,7 +385,8 @@ class RLRunner:
                 self.ref_model = copy.deepcopy(self.model)
             self.ref_model.eval().requires_grad_(False)
         params = select_trainable(self.model, cfg.train_params)
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, params, cfg.lr, cfg.param_lrs), lr=cfg.lr,
+                                           weight_decay=cfg.weight_decay)
         self.engine = RolloutEngine(self.model, self.tokenizer, cfg.env, cfg.rollout_config(),
                                     env_options=cfg.env_options)
         self.grpo = cfg.grpo_config()
@@ -400,10 +438,11 @@ class RLRunner:
         log.info("resumed from %s (step %d)", path, self.step)
 
     # ------------------------------------------------------------------ one step
-    def lr_at(self, step: int) -> float:
-        """The LR of RL step `step` (1-based): linear warmup over warmup_steps, then constant."""
+    def lr_at(self, step: int, base: Optional[float] = None) -> float:
+        """The LR of RL step `step` (1-based) for a group whose LR is `base` (default: --lr): linear warmup over
+        warmup_steps, then constant."""
         w = self.cfg.warmup_steps
-        return self.cfg.lr * (min(1.0, step / w) if w else 1.0)
+        return (self.cfg.lr if base is None else base) * (min(1.0, step / w) if w else 1.0)
 
     def rl_step(self) -> dict:
         from k3.rl.loop import flatten_groups, grpo_update, metrics_row
@@ -428,7 +467,7 @@ class RLRunner:
         if train_groups and decision != "rejected":
             ttrajs, adv = flatten_groups(train_groups, self.grpo)
             for g in self.optimizer.param_groups:
-                g["lr"] = self.lr_at(step)
+                g["lr"] = self.lr_at(step, g.get("base_lr"))
             self.model.train()
             upd = grpo_update(self.model, self.optimizer, ttrajs, adv, self.grpo, ref_model=self.ref_model,
                               replay=cfg.replay, epochs=cfg.epochs, temperature=cfg.temperature,
@@ -436,7 +475,7 @@ class RLRunner:
             self.model.eval()
         train_s = time.perf_counter() - t1 if upd else 0.0
         row = metrics_row(step, trajs, upd, rollout_s, train_s)
-        row.update({"review": decision, "lr": self.optimizer.param_groups[0]["lr"],
+        row.update({"review": decision, "lr": self.optimizer.param_groups[-1]["lr"],
                     "groups_trained": len(train_groups) if upd else 0,
                     "rollout_s": rollout_s, "train_s": train_s, "pending_groups": len(self.engine.pending)})
         for k in ("grad_norm", "ratio_mean", "ratio_min", "ratio_max", "tis_weight_mean", "tis_capped_frac",

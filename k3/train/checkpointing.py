@@ -34,8 +34,9 @@ log = logging.getLogger("k3.train")
 
 __all__ = ["CKPT_PREFIX", "STATE_FILE", "STATE_JSON", "LOCK_NAME", "CorruptStateError", "find_checkpoints",
            "latest_checkpoint", "load_trainer_state", "pick_resume_checkpoint", "save_checkpoint",
-           "restore_checkpoint", "RunLock", "atomic_json", "atomic_torch_save", "rng_state", "set_rng_state",
-           "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp", "restore_training_state"]
+           "restore_checkpoint", "RunLock", "open_run_dir", "atomic_json", "atomic_torch_save", "rng_state",
+           "set_rng_state", "seed_everything", "apply_umask_modes", "clear_run_outputs", "cleanup_tmp",
+           "restore_training_state"]
 
 CKPT_PREFIX = "step-"
 STATE_FILE = "trainer_state.pt"
@@ -378,3 +379,27 @@ class RunLock:
                 os.remove(self.path)
             except FileNotFoundError:  # pragma: no cover
                 pass
+
+
+def open_run_dir(out_dir: str, setup, *, refuse: Optional[str] = None, remove_created: bool = False) -> RunLock:
+    """The set-up shared by `k3 train` / `k3 sft` (Trainer) and `k3 rl` (RLRunner): refuse a run directory that
+    holds a run (`refuse`: the K3ConfigError message, given when the caller found a run there and neither --resume
+    nor --overwrite), create the directory, take its lock (RunLock), then call `setup()`. When setup raises, the
+    lock is released (and with `remove_created` the directory this call created is removed again if empty) and the
+    error propagates. -> the held lock (release it when the run ends)."""
+    if refuse is not None:
+        raise K3ConfigError(refuse)
+    created = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    lock = RunLock(out_dir).acquire()
+    try:
+        setup()
+    except BaseException:
+        lock.release()
+        if created and remove_created:
+            try:
+                os.rmdir(out_dir)  # a rejected run leaves no empty directory behind
+            except OSError:
+                pass
+        raise
+    return lock

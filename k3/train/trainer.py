@@ -55,7 +55,7 @@ from k3.train import checkpointing as ckpt_io
 from k3.train import report
 from k3.train.report import MTPSums, balancer_record
 from k3.train.checkpointing import (CKPT_PREFIX, STATE_FILE, STATE_JSON, RunLock, find_checkpoints,  # noqa: F401
-                                    latest_checkpoint)
+                                    latest_checkpoint, open_run_dir)
 from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig,  # noqa: F401
                              auto_threads, check_resume_settings, format_stages, parse_stages, resolve_compile,
                              resolve_device, resolve_param_dtype, resume_config, stored_train_config)
@@ -134,23 +134,11 @@ class Trainer:
             return self
         cfg = self.cfg
         cfg.validate()
+        held = None
         if not cfg.resume and not cfg.overwrite and self.holds_run():
-            raise K3ConfigError(
-                f"{cfg.out_dir} already holds a training run ({len(find_checkpoints(cfg.out_dir))} checkpoint(s)): "
-                f"continue it with --resume, replace it with --overwrite, or choose another --out")
-        created = not os.path.exists(cfg.out_dir)
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        self._lock = RunLock(cfg.out_dir).acquire()
-        try:
-            self._setup()
-        except BaseException:
-            self.close()
-            if created:
-                try:
-                    os.rmdir(cfg.out_dir)  # a rejected run leaves no empty directory behind
-                except OSError:
-                    pass
-            raise
+            held = (f"{cfg.out_dir} already holds a training run ({len(find_checkpoints(cfg.out_dir))} "
+                    f"checkpoint(s)): continue it with --resume, replace it with --overwrite, or choose another --out")
+        self._lock = open_run_dir(cfg.out_dir, self._setup, refuse=held, remove_created=True)
         self._setup_done = True
         return self
 

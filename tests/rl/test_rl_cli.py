@@ -218,3 +218,64 @@ def test_rl_train_params_errors(tiny_ckpt, tmp_path, capsys):
                           threads=1)).setup()
     assert main(["rl", "--ckpt", tiny_ckpt, "--out", str(tmp_path / "f"), "--train-params", "nothing"]) == 2
     assert "--train-params" in capsys.readouterr().err
+
+
+def test_param_groups_first_match_and_errors(make_tiny_model):
+    """param_groups: each parameter goes to the group of the first regex that matches its name, the rest to the
+    default group at --lr; every group carries its base LR; a regex that matches nothing is refused."""
+    from k3.errors import K3ConfigError
+    from k3.rl.trainer import RLConfig, param_groups
+    m = make_tiny_model(64, 1, 0, 2)
+    params = list(m.parameters())
+    gs = param_groups(m, params, 1e-5, {r"^model\.norm\.": 0.1, r"norm": 1e-3})
+    names = {id(p): n for n, p in m.named_parameters()}
+    by = {g["group_name"]: {names[id(p)] for p in g["params"]} for g in gs}
+    assert by[r"^model\.norm\."] == {"model.norm.weight"}
+    assert by["norm"] and all("norm" in n and n != "model.norm.weight" for n in by["norm"])
+    assert by["default"] == {n for n, _ in m.named_parameters()} - by["norm"] - by[r"^model\.norm\."]
+    assert [(g["lr"], g["base_lr"]) for g in gs] == [(0.1, 0.1), (1e-3, 1e-3), (1e-5, 1e-5)]
+    assert sum(len(g["params"]) for g in gs) == len(params)
+    with pytest.raises(K3ConfigError, match="--param-lr 'nothing' matches no trained parameter"):
+        param_groups(m, params, 1e-5, {"nothing": 0.1})
+    with pytest.raises(K3ConfigError, match="--param-lr"):
+        RLConfig(ckpt=None, param_lrs={"x": -1.0}).validate()
+
+
+def test_rl_param_lr_moves_only_its_group(tiny_ckpt, tmp_path, capsys):
+    """--param-lr REGEX=LR: the matching parameters step at that LR (warm-up scaling it like --lr), the rest at
+    --lr: with --lr 1e-30 and weight decay, only lm_head (LR 1e-2) changes; the metrics row's lr is --lr's."""
+    import torch
+    from k3.checkpoint import from_pretrained
+    run = str(tmp_path / "g")
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", run, "--steps", "2", "--group-size", "2",
+                 "--prompts-per-step", "2", "--max-new-tokens", "6", "--max-turns", "2", "--threads", "1",
+                 "--lr", "1e-30", "--param-lr", r"^lm_head\.=1e-2", "--weight-decay", "0.5", "--warmup-steps", "2",
+                 "--no-plot"]) == 0
+    with open(os.path.join(run, "rl_config.json")) as f:
+        assert json.load(f)["param_lrs"] == {r"^lm_head\.": 1e-2}
+    rows = _rows(os.path.join(run, "metrics.jsonl"))
+    assert [r["lr"] for r in rows] == [0.5e-30, 1e-30]
+    a = dict(from_pretrained(tiny_ckpt, dtype=torch.float32).named_parameters())
+    b = dict(from_pretrained(os.path.join(run, "final"), dtype=torch.float32).named_parameters())
+    assert {n for n in a if not torch.equal(a[n], b[n])} == {"lm_head.weight"}
+    # lm_head decayed by (1 - 0.5e-2 * 0.5) then (1 - 1e-2 * 0.5): warm-up scales the group's LR too
+    torch.testing.assert_close(b["lm_head.weight"], a["lm_head.weight"] * (1 - 0.25e-2) * (1 - 0.5e-2))
+    # stopped after step 1 and resumed: the restored optimizer keeps each group's LR (step 2 decays lm_head the
+    # same); a different --param-lr on --resume is refused
+    args = ["rl", "--ckpt", tiny_ckpt, "--steps", "2", "--group-size", "2", "--prompts-per-step", "2",
+            "--max-new-tokens", "6", "--max-turns", "2", "--threads", "1", "--lr", "1e-30", "--param-lr",
+            r"^lm_head\.=1e-2", "--weight-decay", "0.5", "--warmup-steps", "2", "--no-plot"]
+    r2 = str(tmp_path / "g2")
+    assert main([*args, "--out", r2, "--stop-at", "1"]) == 0
+    capsys.readouterr()
+    assert main(["rl", "--out", r2, "--resume", "--param-lr", r"^lm_head\.=1e-3"]) == 2
+    assert "--param-lr" in capsys.readouterr().err
+    assert main(["rl", "--out", r2, "--resume", "--threads", "1"]) == 0
+    c = dict(from_pretrained(os.path.join(r2, "final"), dtype=torch.float32).named_parameters())
+    assert all(torch.equal(b[n], c[n]) for n in b)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["rl", "--ckpt", tiny_ckpt, "--out", str(tmp_path / "h"), "--param-lr", "x=-1"])
+    assert "--param-lr: 'x=-1': must be > 0" in capsys.readouterr().err
+    assert main(["rl", "--ckpt", tiny_ckpt, "--out", str(tmp_path / "h"), "--param-lr", "nothing=0.1"]) == 2
+    assert "--param-lr 'nothing' matches no trained parameter" in capsys.readouterr().err
