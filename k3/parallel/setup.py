@@ -10,8 +10,9 @@ from typing import Optional
 
 import torch
 
+from k3.errors import K3ConfigError
 
-__all__ = ["EXACT_INIT_MAX_PARAMS", "build_run_data", "build_parallel_model"]
+__all__ = ["EXACT_INIT_MAX_PARAMS", "build_run_data", "build_parallel_model", "refuse_cp_unsupported"]
 
 # models up to this size are initialised as one full CPU copy per rank (then sharded): the same weights as the
 # single-process run, whatever the mesh
@@ -47,6 +48,22 @@ def build_run_data(trainer, mcfg, tok_path: Optional[str]):
     return data, time.time() - t0
 
 
+def refuse_cp_unsupported(dims, mcfg) -> None:
+    """Context parallelism splits each sequence over ranks; two model parts cannot run on such slices: the vision
+    tower (images) and multi-token prediction (its shifted inputs and targets would stop at each slice's end)."""
+    if not dims.cp_enabled:
+        return
+    from k3.multimodal import is_multimodal_config
+    if is_multimodal_config(mcfg):
+        raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
+                            f"model); use --cp 1 and data parallelism (--dp-shard / --dp-replicate)")
+    n_mtp = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
+    if n_mtp > 0:
+        raise K3ConfigError(f"--cp {dims.cp}: multi-token prediction (num_nextn_predict_layers={n_mtp}) is not "
+                            f"supported with context parallelism (each rank's slice would lose the next slice's "
+                            f"tokens at its end); use --cp 1, or num_nextn_predict_layers=0")
+
+
 def build_parallel_model(trainer, mcfg, pmesh, *, fresh: bool, init: Optional[str]):
     """The model on `pmesh` (`parallelize_model`: EP -> CP -> AC -> compile -> FSDP2; multimodal:
     `parallelize_multimodal`), materialised on `trainer.device`. `fresh` (no checkpoint to resume): up to
@@ -60,7 +77,6 @@ def build_parallel_model(trainer, mcfg, pmesh, *, fresh: bool, init: Optional[st
     from k3.train.config import resolve_compile, resolve_param_dtype
     cfg, device = trainer.cfg, trainer.device
     multimodal = is_multimodal_config(mcfg)
-    from k3.parallel.training import refuse_cp_unsupported
     refuse_cp_unsupported(trainer.dims, mcfg)   # also for a model config read from --init / a resumed run
     trainer.param_dtype = resolve_param_dtype(cfg.param_dtype, device)
     trainer.compile_mode = resolve_compile(cfg.compile, device)

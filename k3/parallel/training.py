@@ -46,7 +46,7 @@ from k3.errors import CheckpointError, K3ConfigError
 from k3.parallel.batching import local_batch, target_count
 from k3.parallel.flags import MeshFlags, check_batch_shape, mesh_dims
 from k3.parallel.mesh import ParallelDims
-from k3.parallel.setup import EXACT_INIT_MAX_PARAMS
+from k3.parallel.setup import EXACT_INIT_MAX_PARAMS, refuse_cp_unsupported
 from k3.train.report import MTPSums
 from k3.train.trainer import Trainer
 
@@ -101,22 +101,6 @@ def make_trainer(cfg, flags: Optional[MeshFlags] = None, **kw) -> Trainer:
     refuse_cp_unsupported(dims, mcfg)
     check_batch_shape(cfg, dims)
     return DistTrainer(cfg, dims, local_rank=local, **kw)
-
-
-def refuse_cp_unsupported(dims, mcfg) -> None:
-    """Context parallelism splits each sequence over ranks; two model parts cannot run on such slices: the vision
-    tower (images) and multi-token prediction (its shifted inputs and targets would stop at each slice's end)."""
-    if not dims.cp_enabled:
-        return
-    from k3.multimodal import is_multimodal_config
-    if is_multimodal_config(mcfg):
-        raise K3ConfigError(f"--cp {dims.cp}: context parallelism is not supported with images (a multimodal "
-                            f"model); use --cp 1 and data parallelism (--dp-shard / --dp-replicate)")
-    n_mtp = int(getattr(mcfg, "num_nextn_predict_layers", 0) or 0)
-    if n_mtp > 0:
-        raise K3ConfigError(f"--cp {dims.cp}: multi-token prediction (num_nextn_predict_layers={n_mtp}) is not "
-                            f"supported with context parallelism (each rank's slice would lose the next slice's "
-                            f"tokens at its end); use --cp 1, or num_nextn_predict_layers=0")
 
 
 def _refuse_dcp_resume_without_torchrun(cfg) -> None:

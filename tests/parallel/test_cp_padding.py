@@ -57,7 +57,7 @@ def test_cp_refuses_mtp_before_any_work(tmp_path, monkeypatch):
     # the same model without CP passes the check
     from k3.config import K3Config
     from k3.parallel.mesh import ParallelDims
-    from k3.parallel.training import refuse_cp_unsupported
+    from k3.parallel.setup import refuse_cp_unsupported
     mtp_model = K3Config.from_preset("tiny").replace(num_nextn_predict_layers=1)
     refuse_cp_unsupported(ParallelDims(dp_shard=2, world_size=2), mtp_model)
     with pytest.raises(K3ConfigError, match="multi-token prediction"):
