@@ -172,6 +172,14 @@ def plt():
     return plt
 
 
+def save_plot(fig, path: str) -> str:
+    """Lay out, write (110 dpi) and close a figure; returns `path`."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt().close(fig)
+    return path
+
+
 def plot_by_layer(rows, variants, key: str, xlabel: str, ylabel: str, path: str, logy: bool = False) -> str:
     """Per variant, the mean over seeds of a per-layer list metric (`key`), against the layer index."""
     p = plt()
@@ -188,10 +196,7 @@ def plot_by_layer(rows, variants, key: str, xlabel: str, ylabel: str, path: str,
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    p.close(fig)
-    return path
+    return save_plot(fig, path)
 
 
 def plot_curves(rows, variants, key: str, ylabel: str, path: str, title: str = "", logy: bool = False,
@@ -209,10 +214,7 @@ def plot_curves(rows, variants, key: str, ylabel: str, path: str, title: str = "
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    p.close(fig)
-    return path
+    return save_plot(fig, path)
 
 
 def plot_bars(groups, metric: str, ylabel: str, path: str, title: str = "") -> str:
@@ -231,10 +233,7 @@ def plot_bars(groups, metric: str, ylabel: str, path: str, title: str = "") -> s
         ax.set_ylim(max(0.0, lo - (hi - lo) * 2 - 0.02 * abs(lo)), hi + (hi - lo) * 0.5 + max(es + [0]) + 1e-6)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    p.close(fig)
-    return path
+    return save_plot(fig, path)
 
 
 def report(out: str, name: str, title: str, claim: str, groups, cols, rows, extra: Optional[dict] = None,

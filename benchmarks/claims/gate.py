@@ -163,10 +163,7 @@ def plot_kernel(kt: list, shape: list, backends: list, path: str) -> str:
     ax.set_ylabel("chunk_kda fwd+bwd, median ms")
     ax.set_title(f"shape B,T,H,K={shape}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return common.save_plot(fig, path)
 
 
 if __name__ == "__main__":
