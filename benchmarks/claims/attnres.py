@@ -28,7 +28,7 @@ def main(argv=None):
         return claim_probes.ActivationNorms(seq_len=args.seq_len, rows=2)
     variants = [] if args.no_standard else [("standard", ["attn_res_mode=none"], [norms])]
     variants += [(f"block={b}" + (" (full)" if b == 1 else ""), [f"attn_res_block_size={b}"], [norms]) for b in sizes]
-    rows = common.run_variants(args.out, variants, args.seeds, base)
+    rows = common.run_variants(args.out, variants, common.seeds(args), base)
     metrics = ["val_loss", "train_loss", "tokens_per_s", "peak_mem_mb", "act_rms_growth", "num_params"]
     groups = common.aggregate(rows, metrics)
     ref = next((g for g in groups if g["variant"] == "standard"), None)

@@ -28,7 +28,7 @@ def main(argv=None):
     p.add_argument("--threshold", type=float, default=0.5, help="MaxVio threshold for 'balanced' [0.5]")
     args = p.parse_args(argv)
     base = common.base_from_args(args)
-    rows = common.run_sweep(os.path.join(args.out, "sweep"), [f"train.balancer={args.balancers}"], args.seeds, base)
+    rows = common.run_sweep(os.path.join(args.out, "sweep"), [f"train.balancer={args.balancers}"], common.seeds(args), base)
     for r in rows:
         r["variant"] = r["train.balancer"]
         train, _ = common.read_metrics(r["_run_dir"])

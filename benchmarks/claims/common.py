@@ -39,6 +39,11 @@ def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_toke
     a("--preset", default="tiny", help="model preset [tiny]")
     a("--steps", type=int, default=steps, help=f"optimizer steps per run [{steps}]")
     a("--seeds", type=int, default=3, help="seeds per variant [3]")
+    a("--first-seed", type=int, default=0, help="the seeds are FIRST .. FIRST+SEEDS-1, to split one claim's seeds "
+      "over jobs [0]")
+    a("--merge", nargs="+", default=[], metavar="DIR",
+      help="before running, take the finished runs of these output directories (other jobs of this claim: other "
+           "seeds or variants) into --out; with them in place the script trains only what is missing and reports all")
     a("--seq-len", type=int, default=seq_len, help=f"training sequence length (one stage) [{seq_len}]")
     a("--batch-tokens", type=int, default=batch_tokens, help=f"tokens per step [{batch_tokens}]")
     a("--lr", type=float, default=None, help="peak learning rate [k3 train's]")
@@ -53,8 +58,51 @@ def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_toke
     return p
 
 
+def seeds(args) -> range:
+    return range(args.first_seed, args.first_seed + args.seeds)
+
+
+def merge_runs(out: str, srcs: Sequence[str]) -> int:
+    """Copy the finished runs of every sweep under each SRC (a directory with results.json, at any depth) into the
+    same relative place under OUT, adding their rows to OUT's results.json (a row of the same point and seed is
+    replaced). Returns the number of rows taken."""
+    import shutil
+    taken = 0
+    for src in srcs:
+        if not os.path.isdir(src):
+            raise SystemExit(f"--merge: {src} is not a directory")
+        for d, _, files in os.walk(src):
+            if "results.json" not in files or "sweep.json" not in files:
+                continue
+            dst = os.path.join(out, os.path.relpath(d, src))
+            with open(os.path.join(d, "results.json")) as f:
+                new = json.load(f)
+            dst_json = os.path.join(dst, "results.json")
+            old = {"axes": new.get("axes", []), "rows": []}
+            if os.path.isfile(dst_json):
+                with open(dst_json) as f:
+                    old = json.load(f)
+            else:
+                os.makedirs(dst, exist_ok=True)
+                shutil.copy(os.path.join(d, "sweep.json"), os.path.join(dst, "sweep.json"))
+            rows = old["rows"]
+            for r in new.get("rows", []):
+                if r.get("status") not in ("completed", "failed"):
+                    continue
+                shutil.copytree(os.path.join(d, r["run_dir"]), os.path.join(dst, r["run_dir"]), dirs_exist_ok=True)
+                rows = [x for x in rows if (x.get("point"), x.get("seed")) != (r.get("point"), r.get("seed"))] + [r]
+                taken += 1
+            tmp = dst_json + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"axes": old.get("axes", []), "rows": rows}, f, indent=2)
+            os.replace(tmp, dst_json)
+    return taken
+
+
 def base_from_args(args, **extra) -> dict:
-    """TrainConfig fields shared by every variant."""
+    """TrainConfig fields shared by every variant (and, first, --merge's runs taken into --out)."""
+    if getattr(args, "merge", None):
+        print(f"--merge: took {merge_runs(args.out, args.merge)} finished run(s) into {args.out}", file=sys.stderr)
     b = dict(preset=args.preset, steps=args.steps, tokens_per_step=args.batch_tokens,
              stages=[(args.seq_len, 1.0)], device=args.device, val_tokens=args.val_tokens, plot=False,
              eval_every=0)
@@ -69,9 +117,11 @@ def base_from_args(args, **extra) -> dict:
     return b
 
 
-def run_sweep(out: str, sets: Sequence[str], seeds: int, base: dict, callbacks=()) -> list[dict]:
-    """One k3.sweep over `sets` (KEY=V1,V2 strings); each row gets `variant` = its point label."""
-    s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=range(seeds), base=base, callbacks=callbacks)
+def run_sweep(out: str, sets: Sequence[str], seeds, base: dict, callbacks=()) -> list[dict]:
+    """One k3.sweep over `sets` (KEY=V1,V2 strings) and `seeds` (a count or the seeds); each row gets `variant` =
+    its point label."""
+    seeds = range(seeds) if isinstance(seeds, int) else seeds
+    s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=seeds, base=base, callbacks=callbacks)
     rows = s.run()
     for r in rows:
         r["variant"] = r.get("label")
@@ -79,7 +129,7 @@ def run_sweep(out: str, sets: Sequence[str], seeds: int, base: dict, callbacks=(
     return rows
 
 
-def run_variants(out: str, variants: Sequence[tuple], seeds: int, base: dict) -> list[dict]:
+def run_variants(out: str, variants: Sequence[tuple], seeds, base: dict) -> list[dict]:
     """variants: (name, [KEY=V sets, one value each], [callback factories]); one Sweep per variant in OUT/name."""
     rows = []
     for name, sets, cbs in variants:

@@ -120,7 +120,7 @@ def main(argv=None):
     if not args.no_train:
         base = common.base_from_args(args)
         rows = common.run_sweep(os.path.join(args.out, "sweep"),
-                                [f"linear_attn_config.gate_lower_bound={args.lower_bound},null"], args.seeds, base)
+                                [f"linear_attn_config.gate_lower_bound={args.lower_bound},null"], common.seeds(args), base)
         for r in rows:
             r["variant"] = "softplus" if r["linear_attn_config.gate_lower_bound"] is None else "bounded"
             train, _ = common.read_metrics(r["_run_dir"])

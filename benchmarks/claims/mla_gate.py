@@ -24,7 +24,7 @@ def main(argv=None):
 
     def probe():
         return claim_probes.FirstTokenMass(seq_len=T, rows=4)
-    rows = common.run_sweep(os.path.join(args.out, "sweep"), ["mla_use_output_gate=true,false"], args.seeds, base,
+    rows = common.run_sweep(os.path.join(args.out, "sweep"), ["mla_use_output_gate=true,false"], common.seeds(args), base,
                             callbacks=[probe])
     for r in rows:
         r["variant"] = "gate" if r["mla_use_output_gate"] else "no gate"

@@ -6,6 +6,9 @@
 #   CLAIMS_PAR="gate:--no-kernel;stages;attnres:--block-sizes 1;attnres:--block-sizes 2,4 --no-standard" \
 #     bash benchmarks/claims/run_gpu.sh                 these jobs side by side ("claim[:flags]"; jobs of one claim
 #                                                       share its output directory, one variant set each)
+#   A claim whose one sweep is too long for a job splits its seeds: "mla_gate:--seeds 1 --first-seed 1 --out
+#   /tmp/claims/mla_gate.1" (a job's --out wins; keep it under CLAIMS_WORK); afterwards, anywhere,
+#   `python benchmarks/claims/mla_gate.py --out DIR --merge DIR.1 DIR.2` takes those runs in and reports all seeds.
 # Side by side, each job gets 2 CPU threads: a launch-bound `tiny` step leaves the GPU idle between kernels, but
 # jobs with the default threads oversubscribe the CPU (9 jobs x 16 threads: 276 s per run, docs/LOG.md).
 # The sweeps resume: a point finished in an earlier call is not re-run when its results are put back under
@@ -32,7 +35,7 @@ if [ -n "${CLAIMS_PAR:-}" ]; then
   for j in "${jobs[@]}"; do
     c=${j%%:*}; extra=""; [[ $j == *:* ]] && extra=${j#*:}
     OMP_NUM_THREADS=2 timeout -k 5 ${CLAIM_TIMEOUT:-3000} python3 benchmarks/claims/$c.py --device cuda \
-      --compile none --threads 2 ${CLAIM_ARGS:-} $extra --out "$W/$c" > "$OUT/claims/$c.$i.log" 2>&1 &
+      --compile none --threads 2 ${CLAIM_ARGS:-} --out "$W/$c" $extra > "$OUT/claims/$c.$i.log" 2>&1 &
     i=$((i + 1))
   done
   wait

@@ -22,7 +22,7 @@ def main(argv=None):
     p.set_defaults(param_dtype="bf16", lr=2e-2)
     args = p.parse_args(argv)
     base = common.base_from_args(args, compile="none", max_bad_steps=10 ** 6)
-    rows = common.run_sweep(os.path.join(args.out, "sweep"), ["hidden_act=situ,silu"], args.seeds, base,
+    rows = common.run_sweep(os.path.join(args.out, "sweep"), ["hidden_act=situ,silu"], common.seeds(args), base,
                             callbacks=[claim_probes.GLUMaxAct])
     for r in rows:
         r["variant"] = {"situ": "SiTU-GLU", "silu": "SwiGLU"}[r["hidden_act"]]

@@ -26,7 +26,7 @@ def main(argv=None):
     base = common.base_from_args(args, val_seq_len=args.long)
     staged = f"{args.short}:{args.short_share:g},{args.long}:{1 - args.short_share:g}"
     direct = f"{args.long}:1"
-    rows = common.run_sweep(os.path.join(args.out, "sweep"), [f"train.stages={staged};{direct}"], args.seeds, base)
+    rows = common.run_sweep(os.path.join(args.out, "sweep"), [f"train.stages={staged};{direct}"], common.seeds(args), base)
     for r in rows:
         r["variant"] = "staged" if len(r["train.stages"]) > 1 else "direct"
     if args.equal_time:
@@ -34,7 +34,7 @@ def main(argv=None):
         t_staged = next(g["train_time_s"][0] for g in g0 if g["variant"] == "staged")
         t_direct = next(g["train_time_s"][0] for g in g0 if g["variant"] == "direct")
         steps = max(1, int(args.steps * t_staged / max(t_direct, 1e-9)))
-        more = common.run_sweep(os.path.join(args.out, "equal_time"), [f"train.stages={direct}"], args.seeds,
+        more = common.run_sweep(os.path.join(args.out, "equal_time"), [f"train.stages={direct}"], common.seeds(args),
                                 dict(base, steps=steps))
         for r in more:
             r["variant"] = f"direct (equal time, {steps} steps)"
