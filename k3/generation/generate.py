@@ -320,13 +320,14 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
             seen[i, torch.tensor(p, device=dev)] = True
     stop_set = set(stop_ids)
     cache = dec = None
+    rec = state.get("routing_recorder")     # generate(record_routing=True): the static step's picks go to it
     with torch.inference_mode():
         if use_cache:
             cache = K3Cache.for_model(model, B, max_length=max(len(p) for p in prompts) + max_new_tokens)
             logits = prefill(model, cache, prompts, prefill_chunk_size, cancel, prompt_embeds)
             if static and logits is not None:
                 from k3.generation.static import StaticDecoder
-                dec = StaticDecoder(model, cache, B, cuda_graph=cuda_graph)
+                dec = StaticDecoder(model, cache, B, cuda_graph=cuda_graph, record_routing=rec is not None)
         else:
             logits = None if _cancelled(cancel) else _full_logits(model, prompts, list(range(B)), prompt_embeds)
     for step in range(max_new_tokens):
@@ -369,6 +370,8 @@ def _events(model, prompts, max_new_tokens, use_cache, params: SamplingParams, s
                 feed = torch.tensor([[gen[i][-1]] for i in range(B)], dtype=torch.long, device=dev)
                 if dec is not None:   # static buffer: consumed by select_next before the next step
                     logits = dec.step(feed)
+                    if rec is not None:
+                        rec.add_step(dec.picks)
                 else:
                     logits = model(feed, cache=cache, logits_to_keep=1).logits[:, -1].float()
                     cache.advance(1)
@@ -553,8 +556,8 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
     once per step; without the flag the step is unchanged.
     record_routing=True: `out.routing[i]` = {router name: LongTensor [prompt + new, k]} of the experts the
     sampler's routers picked per position (k3.rl.routing.GenerateRoutingRecorder; -1 where unknown), or
-    `out.routing` None when the calls could not be mapped (a warning says why). Needs use_cache=True and the
-    module-level decode (static/cuda_graph off: they are turned off, and refused if asked for).
+    `out.routing` None when the calls could not be mapped (a warning says why). Needs use_cache=True; works with
+    the module-level decode and with the static / CUDA-graph step (which writes its picks into static buffers).
     speculative="mtp": greedy decoding of one prompt drafted by the model's MTP blocks and verified by the model
     (k3.generation.speculative): the same tokens as greedy decoding; `out.speculative` holds acceptance stats."""
     if speculative is not None:
@@ -566,17 +569,18 @@ def generate(model, input_ids, max_new_tokens: int = 64, use_cache: bool = True,
                                     cuda_graph=cuda_graph, return_logprobs=return_logprobs,
                                     record_routing=record_routing, prompt_embeds=prompt_embeds, seed=seed,
                                     generator=generator, **sampling_kw)
-    if record_routing:
-        if not use_cache or static or cuda_graph:
-            raise RequestError("record_routing=True needs use_cache=True and static=False, cuda_graph=False "
-                               "(the fused static decode step bypasses the router hooks)")
-        static, cuda_graph = False, False
     return_dict = return_dict or return_logprobs or record_routing
     state: dict = {}
     rec = None
     if record_routing:
+        if not use_cache:
+            raise RequestError("record_routing=True needs use_cache=True (the recording follows the cached "
+                               "prefill + decode calls)")
+        # resolved here, so that the static step's one-time self-check runs before the router hooks are set
+        static, cuda_graph = _use_static(model, use_cache, static, cuda_graph)
         from k3.rl.routing import GenerateRoutingRecorder   # lazy: k3.rl imports k3.generation
         rec = GenerateRoutingRecorder(model)
+        state["routing_recorder"] = rec
     with (rec if rec is not None else contextlib.nullcontext()):
         for _ in stream_generate(model, input_ids, max_new_tokens, use_cache, tokenizer=tokenizer,
                                  stop_token_ids=stop_token_ids, stop_strings=stop_strings, seed=seed,

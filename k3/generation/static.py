@@ -36,7 +36,7 @@ buffer address changes.
 from __future__ import annotations
 
 import weakref
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -64,10 +64,14 @@ class StaticDecoder:
     "triton" (split-K flash-decoding kernel, k3.ops.mla_decode_triton: reads each row's visible latent once;
     falls back to "torch", with a warning, where it cannot run). Default: $K3_MLA_DECODE, else "triton" on CUDA
     (measured on the H200, `small` at 1M context: all-MLA step 9.13 vs 26.65 ms, hybrid 6.94 vs 11.50 ms) and
-    "torch" elsewhere."""
+    "torch" elsewhere.
+    record_routing: every step also writes each MoE layer's selected experts into `picks` {router module name:
+    LongTensor [B, top_k]} (static buffers, overwritten by the next step: clone them), for routing replay in RL
+    (k3.rl.routing); the step is otherwise unchanged."""
 
     def __init__(self, model, cache: K3Cache, batch_size: Optional[int] = None, max_length: Optional[int] = None,
-                 cuda_graph: Optional[bool] = None, compile: bool = False, mla_kernel: Optional[str] = None):
+                 cuda_graph: Optional[bool] = None, compile: bool = False, mla_kernel: Optional[str] = None,
+                 record_routing: bool = False):
         B = cache.batch_size if batch_size is None else int(batch_size)
         if B != cache.batch_size:
             raise ValueError(f"StaticDecoder: batch_size {B} != cache batch size {cache.batch_size}")
@@ -101,6 +105,7 @@ class StaticDecoder:
         if mla_kernel not in ("torch", "triton"):
             raise ValueError(f"StaticDecoder: mla_kernel {mla_kernel!r} (expected 'torch' or 'triton')")
         self.mla_kernel = mla_kernel
+        self.record_routing = bool(record_routing)
         self.refresh_weights()
 
     # -------------------------------------------------------------- weights
@@ -109,11 +114,25 @@ class StaticDecoder:
         """(Re)build the fused weights from the model's parameters (after loading/changing weights); drops any
         captured graph."""
         self.state = self.model.prepare_decode(self.cache, self.window, self.lens, self.rows, self.mla_kernel)
+        self.picks = self._routing_buffers() if self.record_routing else {}
         self._ptrs = [lc.buf.data_ptr() for lc in self._mla_caches]
         self.graph = None
         self.logits = None
         # a fresh compiled callable per weight set (the fused weights are closed-over constants of the graph)
         self._step_fn = torch.compile(self._forward, dynamic=False) if self.compile else self._forward
+
+    def _routing_buffers(self) -> Dict[str, torch.Tensor]:
+        """record_routing: per MoE layer a static LongTensor [B, top_k] the step writes its picks into, keyed by
+        the router's module name (as k3.rl.routing names them)."""
+        from k3.nn.moe import K3Router, MoEDecodeState
+        names = {id(m): n for n, m in self.model.named_modules() if isinstance(m, K3Router)}
+        out = {}
+        for layer, L in zip(self.model.model.layers, self.state.layers):
+            if isinstance(L.ffn, MoEDecodeState):
+                g = layer.ffn.gate
+                L.ffn.picks = torch.full((self.B, g.top_k), -1, dtype=torch.long, device=self.device)
+                out[names[id(g)]] = L.ffn.picks
+        return out
 
     @property
     def mla_kernels(self) -> List[str]:

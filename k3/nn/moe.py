@@ -96,8 +96,9 @@ def pack_experts_(model: nn.Module) -> nn.Module:
 
 
 class MoEDecodeState:
-    """Fused weights of a LatentMoE for `LatentMoE.decode_step` (built by `prepare_decode`)."""
-    __slots__ = ("W_r", "bias", "W_in", "l", "gate_up", "down", "norm", "W_up", "shared")
+    """Fused weights of a LatentMoE for `LatentMoE.decode_step` (built by `prepare_decode`). `picks`: None, or a
+    LongTensor [N, top_k] the step writes its selected experts into (routing replay's record of a static decode)."""
+    __slots__ = ("W_r", "bias", "W_in", "l", "gate_up", "down", "norm", "W_up", "shared", "picks")
 
     def __init__(self, **kw):
         for k in self.__slots__:
@@ -167,6 +168,8 @@ class LatentMoE(nn.Module):
         N, k, E = x_Nd.shape[0], g.top_k, g.num_experts
         scores = torch.sigmoid(f32(x_Nd) @ st.W_r)                                  # [N, E]
         idx, w = select_experts(scores, st.bias, k, g.renormalize, g.scaling, g.num_expert_group, g.topk_group)
+        if st.picks is not None:
+            st.picks.copy_(idx)
         proj = x_Nd @ st.W_in
         x_l = proj[:, :st.l]
         if st.gate_up is None:  # packed MXFP4 experts (host-side loop over the selected experts: not graph-safe)

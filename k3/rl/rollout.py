@@ -211,7 +211,7 @@ class RolloutEngine:
             kw = dict(do_sample=c.do_sample, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k) \
                 if c.do_sample else {}
             if c.record_routing:
-                kw.update(record_routing=True, static=False, cuda_graph=False)
+                kw["record_routing"] = True
             if self._from_generate:
                 kw["return_logprobs"] = True
             t0 = time.perf_counter()

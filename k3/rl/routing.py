@@ -6,9 +6,10 @@ recomputed from the training run's own fp32 scores at the replayed experts, as `
 to (row, position) from the structure of that call: the prefill (equal-length prompts as one batch, ragged ones row
 by row, in chunks of `prefill_chunk_size`), then one decode forward per step for the whole batch (a row's generated
 token s is fed at decode step s). The per-call sizes are checked against that structure; on a mismatch (e.g. a
-generate that batches differently, or a static/CUDA-graph decode, which bypasses module hooks) the recording is
-dropped with a warning and trajectories carry no routing. The last generated token of a call is never fed in that
-call: its picks come from the next turn's prefill, or stay unknown (-1: routed live in replay).
+generate that batches differently) the recording is dropped with a warning and trajectories carry no routing. The
+static / CUDA-graph decode step bypasses module hooks: it writes each step's picks into static buffers, which
+`generate` hands to `add_step`. The last generated token of a call is never fed in that call: its picks come from
+the next turn's prefill, or stay unknown (-1: routed live in replay).
 
 `replay_routing(model, picks)` replays per-token picks {router name: LongTensor [N, k]} on every call of each
 router whose token count is N (the packed training forward; gradient-checkpoint recomputation calls it again with
@@ -64,6 +65,12 @@ class GenerateRoutingRecorder:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def add_step(self, picks: Dict[str, torch.Tensor]) -> None:
+        """One decode step of the static / CUDA-graph decoder (k3.generation.static.StaticDecoder(record_routing=
+        True)): its picks {router name: [B, k]} (static buffers: copied here, on the device, no host sync)."""
+        for name, idx in picks.items():
+            self.calls.setdefault(name, []).append(idx.clone())
 
     def assign(self, prompts: Sequence[Sequence[int]], new_tokens: Sequence[Sequence[int]],
                prefill_chunk_size: Optional[int]) -> Optional[List[Dict[str, torch.Tensor]]]:

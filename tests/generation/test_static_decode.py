@@ -163,6 +163,22 @@ def test_cuda_graph_capture_matches_cached(dtype):
         assert a.new_tokens == b.new_tokens
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_records_routing():
+    """RL's record_routing on the CUDA-graph step: the captured step writes its picks into static buffers on every
+    replay; the same routing as the module-level decode's router hooks (fp32, TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build(micro_config(), torch.float32).to("cuda")
+    ids = [[1, 2, 3, 9], [4, 5], [7, 8, 6]]
+    a = generate(model, ids, 10, static=False, record_routing=True, stop_token_ids=[])
+    b = generate(model, ids, 10, cuda_graph=True, record_routing=True, stop_token_ids=[])
+    assert a.new_tokens == b.new_tokens and a.routing is not None and b.routing is not None
+    for ra, rb in zip(a.routing, b.routing):
+        assert list(ra) == list(rb)
+        for name in ra:
+            assert (rb[name][:-1] >= 0).all() and torch.equal(ra[name], rb[name]), name
+
+
 @pytest.mark.slow
 def test_static_compiled_equals_cached(model32):
     """compile=True (torch.compile of the step) decodes the same tokens with the same logits (fp32 rounding)."""

@@ -50,4 +50,27 @@ def test_record_routing(toy_tok, toy_model):
         assert r and all(v.shape == (4 + 3, k) for v in r.values())
         assert all((v[:-1] >= 0).all() and (v[-1] == -1).all() for v in r.values())
     with pytest.raises(RequestError, match="record_routing"):
-        generate(toy_model, [[5, 6]], 2, record_routing=True, static=True)
+        generate(toy_model, [[5, 6]], 2, record_routing=True, use_cache=False)
+
+
+@pytest.mark.parametrize("rows", [2, 3])   # the static step's gathered (rows x k <= experts) and dense expert paths
+def test_record_routing_through_the_static_step(toy_tok, make_tiny_model, monkeypatch, rows):
+    """The static (CUDA-graph on CUDA) decode step writes its picks into static buffers: the same routing, per row
+    and position, as the module-level decode's router hooks (fp64: no near-ties), and the same tokens."""
+    from k3.generation.static import StaticDecoder
+    m = make_tiny_model(toy_tok.vocab_size, toy_tok.eos_id, toy_tok.pad_id, toy_tok.bos_id, seed=1,
+                        dtype=torch.float64)
+    prompts = [[5, 6, 7, 8, 9], [9, 10, 11], [13, 14, 15, 16]][:rows]       # ragged
+    kw = dict(seed=2, do_sample=True, record_routing=True, stop_token_ids=[], prefill_chunk_size=2)
+    ref = generate(m, prompts, 6, static=False, **kw)
+    steps = []
+    step = StaticDecoder.step
+    monkeypatch.setattr(StaticDecoder, "step", lambda self, ids: steps.append(1) or step(self, ids))
+    out = generate(m, prompts, 6, static=True, cuda_graph=False, **kw)
+    assert len(steps) == 5 and out.new_tokens == ref.new_tokens
+    assert out.routing is not None and ref.routing is not None
+    for i, (a, b) in enumerate(zip(ref.routing, out.routing)):
+        assert list(a) == list(b) and len(a) == 3                         # the 3 MoE layers of the toy model
+        for name in a:
+            assert (b[name][:-1] >= 0).all(), (i, name)
+            assert torch.equal(a[name], b[name]), (i, name)
