@@ -160,6 +160,19 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # RL rollout and training tokens/s, `small` (untrained policy; no eval)
   rl) step rl 400 env K3_BACKEND=kda:triton,attnres:torch python3 benchmarks/posttrain_cpu.py --device cuda --preset small --throughput --out /tmp/pt_gpu \
       ${RL_ARGS:-} ;;
+  # the full calculator task (the policy writes the call) on `tiny`: pre-training + 300 SFT steps once, then two RL
+  # recipes side by side from that SFT checkpoint (the micro recipe; the body at 1e-4 without the final-norm LR)
+  rlfull) R=/tmp/rlfull; C="--device cuda --preset tiny --no-calc-given-call --pt-steps 40 --sft-steps 300 --skip-done"
+    export K3_BACKEND=kda:triton,attnres:torch
+    step rlfull-sft 240 python3 benchmarks/posttrain_cpu.py $C --rl-steps 0 --out $R/base
+    for v in a b; do mkdir -p $R/$v; ln -sfn $R/base/pt $R/$v/pt; ln -sfn $R/base/sft $R/$v/sft; done
+    E="--rl-steps ${RL_STEPS:-60} --eval-prompts 128 --eval-samples 4"
+    step rlfull-a ${RLFULL_BUDGET:-330} python3 benchmarks/posttrain_cpu.py $C $E --out $R/a --plot $R/a/curve.png &
+    step rlfull-b ${RLFULL_BUDGET:-330} python3 benchmarks/posttrain_cpu.py $C $E --rl-lr 1e-4 --rl-norm-lr 0 --out $R/b \
+      --plot $R/b/curve.png
+    wait
+    (cd /tmp && tar czf "$OUT/rlfull.tgz" --exclude='checkpoints' --exclude='final' --exclude='*.safetensors' rlfull)
+    unset K3_BACKEND ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--sft-steps", type=int, default=220, help="0: no SFT stage (RL from the pre-trained model)")
     p.add_argument("--sft-per-task", type=int, default=800)
     p.add_argument("--sft-lr", type=float, default=6e-3)
-    p.add_argument("--rl-steps", type=int, default=60)
+    p.add_argument("--rl-steps", type=int, default=60, help="0: stop after SFT [60]")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompts-per-step", type=int, default=8)
     p.add_argument("--rl-lr", type=float, default=3e-5,
@@ -231,6 +231,11 @@ def main(argv=None) -> int:
         s = Trainer(cfg, data=calculator_sft).train()
         res["sft"] = {k: s.get(k) for k in ("val_loss_before", "val_loss_after", "tokens_per_s", "step")}
     res["sft_s"] = time.time() - t0
+    if a.rl_steps <= 0:   # pre-training + SFT only: a shared start for RL variants (their --out holds links to it)
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(res, f, indent=2)
+        print(json.dumps(res, indent=2))
+        return 0
 
     t0 = time.time()
     rl_dir = os.path.join(out, "rl")
