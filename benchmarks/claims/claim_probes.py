@@ -101,7 +101,7 @@ class GLUMaxAct(Callback):
                 m.glu = self._wrap(m.glu)
                 m.glu_packed = self._wrap(m.glu_packed)
 
-    def on_step_end(self, trainer, record):
+    def on_step_record(self, trainer, record):  # before the record is logged: the per-step curve of situ.py
         if self.step_max is not None:
             v = float(self.step_max)
             record["glu_max_abs"] = v

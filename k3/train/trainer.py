@@ -79,11 +79,15 @@ class _Abort(KeyboardInterrupt):
 
 
 class Callback:
-    """Hooks for tests and tools. Any method may raise KeyboardInterrupt (handled like Ctrl-C)."""
+    """Hooks for tests and tools. Any method but `on_step_record` may raise KeyboardInterrupt (handled like
+    Ctrl-C)."""
 
     def on_train_start(self, trainer: "Trainer") -> None: ...
     def on_loss(self, trainer: "Trainer", loss: torch.Tensor) -> torch.Tensor:  # per micro-batch, may replace
         return loss
+    def on_step_record(self, trainer: "Trainer", record: dict) -> None:
+        """Add fields to the step record before it is logged (metrics.jsonl, TensorBoard, history); must not
+        raise. on_step_end runs after the record is written, so fields it adds are not logged."""
     def on_step_end(self, trainer: "Trainer", record: dict) -> None: ...
     def on_eval(self, trainer: "Trainer", metrics: dict) -> None: ...
     def on_save(self, trainer: "Trainer", path: str) -> None: ...
@@ -540,6 +544,8 @@ class Trainer:
                 if rec["skipped"]:
                     log.warning("step %d: non-finite loss/gradient (loss %s, grad norm %s): step skipped "
                                 "(%d in a row)", rec["step"], rec["loss"], rec["grad_norm"], self.bad_streak)
+                for cb in self.callbacks:
+                    cb.on_step_record(self, rec)
                 self.history.append(rec)
                 self._log(rec)
                 if pbar is not None:

@@ -169,6 +169,25 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path):
         Trainer(make_cfg(corpus, out2, steps=8, max_bad_steps=2), callbacks=[NaNAt(range(3, 99))]).train()
 
 
+def test_on_step_record_fields_are_logged(corpus, tmp_path):
+    """Fields a callback adds in on_step_record reach every train row of metrics.jsonl (and the history);
+    on_step_end runs after the row is written."""
+    out = tmp_path / "run"
+
+    class Tag(Callback):
+        def on_step_record(self, trainer, rec):
+            rec["probe"] = 10.0 * rec["step"]
+
+        def on_step_end(self, trainer, rec):
+            assert rec["probe"] == 10.0 * trainer.step
+    trainer = Trainer(make_cfg(corpus, out, steps=3), callbacks=[Tag()])
+    trainer.train()
+    tr = [r for r in metrics(out) if r["type"] == "train"]
+    assert [r["step"] for r in tr] == [1, 2, 3]
+    assert [r.get("probe") for r in tr] == [10.0, 20.0, 30.0]
+    assert [r["probe"] for r in trainer.history] == [10.0, 20.0, 30.0]
+
+
 def test_ctrl_c_saves_and_resumes(corpus, tmp_path, capsys):
     """Ctrl-C (KeyboardInterrupt) after a step or in the middle of one: a checkpoint of the last completed step,
     from which the run continues exactly."""
