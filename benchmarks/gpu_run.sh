@@ -162,7 +162,7 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
       ${RL_ARGS:-} ;;
   # the full calculator task (the policy writes the call) on `tiny`: pre-training + 300 SFT steps once, then two RL
   # recipes side by side from that SFT checkpoint (the micro recipe; the body at 1e-4 without the final-norm LR)
-  rlfull) R=/tmp/rlfull; C="--device cuda --preset tiny --no-calc-given-call --pt-steps 40 --sft-steps 300 --skip-done"
+  rlfull) R=/tmp/rlfull; C="--device cuda --preset tiny --no-calc-given-call --pt-steps 40 --sft-steps 300 --skip-done ${RLFULL_ARGS:-}"
     export K3_BACKEND=kda:triton,attnres:torch
     step rlfull-sft 240 python3 benchmarks/posttrain_cpu.py $C --rl-steps 0 --out $R/base
     for v in a b; do mkdir -p $R/$v; ln -sfn $R/base/pt $R/$v/pt; ln -sfn $R/base/sft $R/$v/sft; done
