@@ -15,7 +15,7 @@ _FIELDS = {
     "weight_decay": "weight_decay", "train_params": "train_params", "eval_samples": "eval_samples",
     "grad_clip": "max_grad_norm",
     "epochs": "epochs", "kl_coef": "kl_coef", "neg_adv_scale": "neg_adv_scale", "clip_low": "clip_low",
-    "clip_high": "clip_high", "tis_cap": "tis_cap",
+    "clip_high": "clip_high", "tis_cap": "tis_cap", "train_dtype": "train_dtype",
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_turns": "max_turns",
     "max_tokens": "max_tokens", "max_new_tokens": "max_new_tokens_per_turn", "iteration_budget": "iteration_budget",
     "thinking": "thinking", "no_replay": "replay", "no_std_norm": "normalize_std", "seed": "seed",
@@ -78,6 +78,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
            "instead of --lr, e.g. '^model\\.norm\\.=0.1'; repeatable")
     a("--grad-clip", type=finite_float(0), default=None, help=f"gradient-norm clip, 0 = off [{d.max_grad_norm}]")
     a("--epochs", type=int_at_least(1), default=None, help=f"optimizer steps per batch [{d.epochs}]")
+    a("--train-dtype", choices=["auto", "fp32", "bf16"], default=None,
+      help="training forwards under bf16 autocast (fp32 weights, optimizer and log-probs) or fp32; auto: bf16 on "
+           f"CUDA, fp32 elsewhere [{d.train_dtype}]")
     a("--kl-coef", type=finite_float(0), default=None, help=f"KL to the --ckpt model, 0 = off [{d.kl_coef}]")
     a("--neg-adv-scale", type=finite_float(0, 1), default=None,
       help=f"multiply negative advantages by this; 0 learns from successes only [{d.neg_adv_scale}]")

@@ -42,10 +42,12 @@ def flatten_groups(groups: Sequence[Sequence[Trajectory]], cfg: GRPOConfig) -> T
 
 def grpo_update(model, optimizer, trajs: Sequence[Trajectory], advantages: Sequence[float],
                 cfg: Optional[GRPOConfig] = None, *, ref_model=None, replay: bool = True, epochs: int = 1,
-                chunk: int = 1024, temperature: float = 1.0, max_grad_norm: Optional[float] = 1.0
-                ) -> Dict[str, Any]:
+                chunk: int = 1024, temperature: float = 1.0, max_grad_norm: Optional[float] = 1.0,
+                autocast_dtype: Optional[torch.dtype] = None) -> Dict[str, Any]:
     """Optimizer steps on the GRPO loss of `trajs` (module doc). Returns the metrics of the first epoch plus
-    `grad_norm` and `tokens` (the packed length)."""
+    `grad_norm` and `tokens` (the packed length). autocast_dtype (e.g. torch.bfloat16): every training-side
+    forward (old, reference and new log-probs) runs under torch.autocast on the model's device; weights,
+    gradients, the optimizer and the log-probs stay fp32."""
     cfg = cfg or GRPOConfig()
     cfg.validate()
     dev = model.device
@@ -54,7 +56,12 @@ def grpo_update(model, optimizer, trajs: Sequence[Trajectory], advantages: Seque
     picks = b["routing"] if replay else {}
 
     def ctx(m):
-        return replay_routing(m, picks) if picks else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if autocast_dtype is not None:
+            stack.enter_context(torch.autocast(dev.type, dtype=autocast_dtype))
+        if picks:
+            stack.enter_context(replay_routing(m, picks))
+        return stack
 
     with torch.no_grad(), ctx(model):
         old = token_logprobs(model, ids, mask, cu, chunk=chunk, temperature=temperature)

@@ -52,7 +52,7 @@ RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr"
             "kl_coef", "neg_adv_scale", "clip_low", "clip_high", "tis_cap", "epochs", "max_grad_norm", "temperature",
             "top_p", "top_k",
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
-            "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups")
+            "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups", "train_dtype")
 SESSION_ONLY = ("resume", "overwrite", "stop_at")
 FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
          "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "kl_coef": "--kl-coef",
@@ -66,7 +66,8 @@ FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompt
          "eval_prompts": "--eval-prompts", "eval_samples": "--eval-samples", "out_dir": "--out", "top_p": "--top-p", "top_k": "--top-k",
          "env_options": "--env-option", "thinking": "--thinking", "replay": "--no-replay",
          "seed_offset": "--seed-offset", "normalize_std": "--no-std-norm",
-         "skip_uniform_groups": "--skip-uniform-groups", "review_timeout": "--review-timeout"}
+         "skip_uniform_groups": "--skip-uniform-groups", "review_timeout": "--review-timeout",
+         "train_dtype": "--train-dtype"}
 
 
 def _flag(name: str) -> str:
@@ -97,6 +98,10 @@ class RLConfig:
     #                                          rest of the fine-tuned policy by tiny steps
     max_grad_norm: float = 1.0               # 0 = off
     epochs: int = 1                          # optimizer steps per batch (the first one is on-policy: ratio 1)
+    train_dtype: str = "auto"                # the training forwards: "bf16" autocast (fp32 weights, optimizer and
+    #                                          log-probs), "fp32", or "auto" = bf16 on CUDA, fp32 elsewhere. The
+    #                                          old and new log-probs share it (first ratio still 1); the sampler's
+    #                                          fp32 log-probs differ by bf16 noise, which TIS corrects
     # GRPO
     kl_coef: float = 0.0                     # > 0: k3 KL to the --ckpt model (kept frozen)
     clip_low: float = 0.2
@@ -162,6 +167,7 @@ class RLConfig:
                   "warmup_steps"):
             need(is_int(getattr(self, n)) and getattr(self, n) >= 0, n, "an integer >= 0")
         need(is_int(self.seed), "seed", "an integer")
+        need(self.train_dtype in ("auto", "fp32", "bf16"), "train_dtype", "one of auto, fp32, bf16")
         for n in ("iteration_budget", "threads", "stop_at"):
             v = getattr(self, n)
             need(v is None or (is_int(v) and v >= 1), n, "an integer >= 1")
@@ -376,6 +382,8 @@ class RLRunner:
         self.tokenizer = load_tokenizer(src)
         self.model = from_pretrained(src, device=self.device, dtype=torch.float32)
         self.model_config = self.model.config
+        bf16 = cfg.train_dtype == "bf16" or (cfg.train_dtype == "auto" and self.device.type == "cuda")
+        self.autocast_dtype = torch.bfloat16 if bf16 else None
         self.model.eval()
         self.ref_model = None
         if cfg.kl_coef > 0:
@@ -471,7 +479,7 @@ class RLRunner:
             self.model.train()
             upd = grpo_update(self.model, self.optimizer, ttrajs, adv, self.grpo, ref_model=self.ref_model,
                               replay=cfg.replay, epochs=cfg.epochs, temperature=cfg.temperature,
-                              max_grad_norm=cfg.max_grad_norm or None)
+                              max_grad_norm=cfg.max_grad_norm or None, autocast_dtype=self.autocast_dtype)
             self.model.eval()
         train_s = time.perf_counter() - t1 if upd else 0.0
         row = metrics_row(step, trajs, upd, rollout_s, train_s)

@@ -138,6 +138,8 @@ def test_rl_lr_warmup():
     assert RLRunner(RLConfig(lr=1e-3)).lr_at(1) == 1e-3
     with pytest.raises(K3ConfigError, match="--warmup-steps"):
         RLConfig(ckpt="x", warmup_steps=-1).validate()
+    with pytest.raises(K3ConfigError, match="--train-dtype"):
+        RLConfig(ckpt="x", train_dtype="fp16").validate()
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -146,6 +148,7 @@ def test_rl_lr_warmup():
     (["rl", "--tis-cap", "-1"], "--tis-cap"),
     (["rl", "--clip-low", "2"], "--clip-low"),
     (["rl", "--review-every", "x"], "--review-every"),
+    (["rl", "--train-dtype", "fp16"], "--train-dtype"),
     (["sft", "--steps", "0"], "--steps"),
     (["sft", "--seq-len", "1"], "--seq-len"),
 ])
@@ -279,3 +282,22 @@ def test_rl_param_lr_moves_only_its_group(tiny_ckpt, tmp_path, capsys):
     assert "--param-lr: 'x=-1': must be > 0" in capsys.readouterr().err
     assert main(["rl", "--ckpt", tiny_ckpt, "--out", str(tmp_path / "h"), "--param-lr", "nothing=0.1"]) == 2
     assert "--param-lr 'nothing' matches no trained parameter" in capsys.readouterr().err
+
+
+def test_rl_train_dtype(tiny_ckpt, tmp_path):
+    """--train-dtype bf16 runs the training forwards under autocast (here on CPU) with fp32 weights; auto is fp32 on
+    CPU; the choice is stored and a resume with another one is refused."""
+    import torch
+    from k3.errors import K3ConfigError
+    from k3.rl.trainer import RLConfig, RLRunner, resume_rl_config
+    run = str(tmp_path / "d")
+    r = RLRunner(RLConfig(ckpt=tiny_ckpt, env="calculator", out_dir=run, steps=1, group_size=2, prompts_per_step=1,
+                          max_new_tokens_per_turn=4, max_turns=1, threads=1, plot=False, train_dtype="bf16"))
+    r.run()
+    assert r.autocast_dtype == torch.bfloat16 and all(p.dtype == torch.float32 for p in r.model.parameters())
+    row = _rows(os.path.join(run, "metrics.jsonl"))[0]
+    assert row["groups_trained"] == 1 and row["ratio_min"] == 1.0 == row["ratio_max"]
+    with pytest.raises(K3ConfigError, match="--train-dtype"):
+        resume_rl_config(run, {"train_dtype": "fp32"})
+    auto = RLRunner(RLConfig(ckpt=tiny_ckpt, out_dir=str(tmp_path / "e"), steps=1, threads=1, plot=False)).setup()
+    assert auto.autocast_dtype is None                                      # auto on CPU: fp32
