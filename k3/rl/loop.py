@@ -6,8 +6,9 @@
     m = grpo_update(model, optimizer, trajs, adv, grpo_cfg, ref_model=ref)
     row = metrics_row(step, trajs, m, rollout_s, train_s)
 
-`grpo_update` packs the trajectories into one `cu_seqlens` row, recomputes the old (trainer) log-probs under
-no_grad, then runs `epochs` optimizer steps of `grpo_loss` (the first one is exactly on-policy: ratio 1). With
+`grpo_update` packs the trajectories into one `cu_seqlens` row and runs `epochs` optimizer steps of `grpo_loss`;
+the old (trainer) log-probs are the first epoch's own, detached (that step is exactly on-policy: ratio 1, and no
+separate no-grad forward is spent on them). With
 `replay=True` and recorded routing, every forward replays the rollout's expert choices (k3/rl/routing.py).
 """
 from __future__ import annotations
@@ -63,8 +64,7 @@ def grpo_update(model, optimizer, trajs: Sequence[Trajectory], advantages: Seque
             stack.enter_context(replay_routing(m, picks))
         return stack
 
-    with torch.no_grad(), ctx(model):
-        old = token_logprobs(model, ids, mask, cu, chunk=chunk, temperature=temperature)
+    old = None     # the policy before the update: the first epoch's own log-probs (detached), no extra forward
     ref = None
     if ref_model is not None and cfg.kl_coef > 0:
         with torch.no_grad(), ctx(ref_model):
@@ -75,6 +75,8 @@ def grpo_update(model, optimizer, trajs: Sequence[Trajectory], advantages: Seque
         optimizer.zero_grad(set_to_none=True)
         with ctx(model):
             lp, ent = token_logprobs(model, ids, mask, cu, chunk=chunk, return_entropy=True, temperature=temperature)
+        if old is None:
+            old = lp.detach()
         loss, m = grpo_loss(lp, old, b["advantages"], mask, cfg, ref_logp=ref, sampler_logp=sampler, entropy=ent)
         loss.backward()
         gn = None

@@ -69,3 +69,42 @@ def test_grpo_update_under_bf16_autocast(toy_tok, make_tiny_model):
     assert g32.shape == g16.shape and float(g32.norm()) > 0
     cos = float(torch.nn.functional.cosine_similarity(g32, g16, dim=0))
     assert 0.99 < cos < 1.0, cos
+
+
+def test_grpo_update_spends_one_forward_per_epoch(toy_tok, make_tiny_model):
+    """The old log-probs are the first epoch's own (detached): one model forward per epoch, and the same parameters
+    as the textbook step (old log-probs from a separate no-grad forward, then per epoch the clipped loss, backward,
+    SGD), for 1 and 2 epochs (the second epoch is off-policy: its ratios differ from 1)."""
+    import copy
+    from k3.rl.grpo import grpo_loss
+    model = make_tiny_model(toy_tok.vocab_size, toy_tok.eos_id, toy_tok.pad_id, toy_tok.bos_id, seed=7)
+    eng = RolloutEngine(model, toy_tok, "calculator", RolloutConfig(group_size=2, max_new_tokens_per_turn=6,
+                                                                    max_turns=1, seed=4))
+    cfg = GRPOConfig(group_size=2, tis_cap=2.0)
+    trajs, _ = flatten_groups(eng.collect([23]), cfg)
+    adv = [1.0, -1.0]
+    for epochs in (1, 2):
+        a, b = copy.deepcopy(model).train(), copy.deepcopy(model).train()
+        calls = []
+        h = a.model.embed_tokens.register_forward_pre_hook(lambda *_: calls.append(1))
+        grpo_update(a, torch.optim.SGD(a.parameters(), lr=0.2), trajs, adv, cfg, epochs=epochs, max_grad_norm=None)
+        h.remove()
+        assert len(calls) == epochs
+        pk = pack_trajectories(trajs, adv)
+        ids, cu, mask = pk["input_ids"], pk["cu_seqlens"], pk["mask"]
+        with torch.no_grad(), replay_routing(b, pk["routing"]):
+            old = token_logprobs(b, ids, mask, cu)
+        opt = torch.optim.SGD(b.parameters(), lr=0.2)
+        for _ in range(epochs):
+            opt.zero_grad(set_to_none=True)
+            with replay_routing(b, pk["routing"]):
+                lp, ent = token_logprobs(b, ids, mask, cu, return_entropy=True)
+            loss, _ = grpo_loss(lp, old, pk["advantages"], mask, cfg, sampler_logp=pk.get("sampler_logp"),
+                                entropy=ent)
+            loss.backward()
+            opt.step()
+        moved = 0.0
+        for (n, pa), pb, p0 in zip(a.named_parameters(), b.parameters(), model.parameters()):
+            assert torch.allclose(pa, pb, rtol=0, atol=1e-6), n
+            moved = max(moved, float((pa - p0).detach().abs().max()))
+        assert moved > 1e-4                                               # the step did something
