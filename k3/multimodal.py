@@ -357,8 +357,9 @@ class K3ForConditionalGeneration(nn.Module):
         out = self.language_model(inputs_embeds=emb, labels=exp.labels, cu_seqlens=exp.cu_seqlens, cache=cache,
                                   logits_to_keep=logits_to_keep, return_logits=return_logits)
         return K3MultimodalOutput(loss=out.loss, logits=out.logits, hidden_states=out.hidden_states,
-                                  num_tokens=out.num_tokens, input_ids=exp.input_ids, labels=exp.labels,
-                                  cu_seqlens=exp.cu_seqlens, image_mask=exp.image_mask)
+                                  num_tokens=out.num_tokens, main_loss=out.main_loss, mtp_losses=out.mtp_losses,
+                                  input_ids=exp.input_ids, labels=exp.labels, cu_seqlens=exp.cu_seqlens,
+                                  image_mask=exp.image_mask)
 
 
 # ---------------------------------------------------------------------------------------------------- generation

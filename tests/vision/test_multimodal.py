@@ -240,6 +240,24 @@ def test_image_training_step_and_labels(mm_cfg):
     assert m.mm_projector.proj[0].weight.grad.abs().sum() > 0
 
 
+def test_image_training_with_mtp_reports_its_losses(mm_cfg):
+    """With MTP blocks the multimodal output carries the language model's next-token and per-depth losses (what the
+    trainer logs), and loss = main_loss + mtp_loss_weight * mean(mtp_losses), as for text."""
+    from tests.conftest import _MICRO_MODEL
+    cfg = multimodal_config(K3Config.from_preset("tiny", **_MICRO_MODEL, num_nextn_predict_layers=2), "tiny")
+    torch.manual_seed(0)
+    m = K3ForConditionalGeneration(cfg).train()
+    pid = m.media_placeholder_token_id
+    pv, grid = _images((1, 2, 4))
+    ids = torch.tensor([[5, pid, 6, 7, 8, 9, 10]])
+    out = m(ids, pv, grid, labels=torch.roll(ids, -1, 1))
+    assert out.main_loss is not None and out.mtp_losses is not None and out.mtp_losses.shape == (2,)
+    want = out.main_loss + cfg.mtp_loss_weight * out.mtp_losses.mean()
+    assert torch.allclose(out.loss, want, rtol=1e-6, atol=0)
+    ref = m.language_model(inputs_embeds=m.embed(ids, pv, grid)[0], labels=out.labels)
+    assert torch.equal(out.mtp_losses, ref.mtp_losses) and torch.equal(out.main_loss, ref.main_loss)
+
+
 def test_always_run_tower_without_images(mm_cfg):
     """FSDP note: a rank without images must still run the tower (same collectives as ranks with images)."""
     torch.manual_seed(0)
