@@ -26,3 +26,46 @@ def test_claim_script_micro_run_writes_its_report(tmp_path, script, extra, key):
     assert key in json.dumps(rep)
     assert (out / f"{name}.md").read_text().startswith("# ")
     assert any(p.suffix == ".png" for p in out.iterdir())
+
+
+def _claim(script, *args):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "claims", script), "--micro", "--steps",
+                             "2", "--threads", "1", "--val-tokens", "256"] + [str(a) for a in args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _done(proc, ok=True):
+    out, err = proc.communicate(timeout=300)
+    if ok:
+        assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, out, err
+
+
+def test_first_seed_and_merge_report_split_seeds_together(tmp_path):
+    """Seed 0 in job A and seed 1 (--first-seed 1) in job B; `--seeds 2 --out A --merge B` takes B's finished runs
+    into A and reports both seeds without training again. situ.py: its GLUMaxAct step metric is in metrics.jsonl."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    jobs = [_claim("situ.py", "--seeds", 1, "--out", a),  # side by side, as the split jobs run
+            _claim("situ.py", "--seeds", 1, "--first-seed", 1, "--out", b)]
+    for j in jobs:
+        _done(j)
+    b_runs = sorted((b / "sweep" / "runs").glob("*/seed1"))
+    assert len(b_runs) == 2 and not list((b / "sweep" / "runs").glob("*/seed0"))
+    _, out, err = _done(_claim("situ.py", "--seeds", 2, "--out", a, "--merge", b))
+    assert "took 2 finished run(s)" in err
+    assert "4 run(s)" in out and "4 finished before, 0 to run" in out, out
+    rep = json.loads((a / "situ.json").read_text())
+    assert sorted(g["variant"] for g in rep["groups"]) == ["SiTU-GLU", "SwiGLU"]
+    assert all(g["n"] == 2 and not g["failed"] for g in rep["groups"]), rep["groups"]
+    for run in b_runs:  # not retrained: the merged run is B's, byte for byte
+        merged = a / "sweep" / "runs" / run.parent.name / "seed1" / "metrics.jsonl"
+        assert merged.read_bytes() == (run / "metrics.jsonl").read_bytes()
+    logs = sorted((a / "sweep" / "runs").glob("*/seed*/metrics.jsonl"))
+    assert len(logs) == 4
+    for m in logs:
+        train = [json.loads(l) for l in m.read_text().splitlines() if '"train"' in l]
+        assert len(train) == 2 and all(isinstance(t.get("glu_max_abs"), float) for t in train), m
+
+    bad = a / "situ.json"
+    rc, _, err = _done(_claim("situ.py", "--seeds", 2, "--out", tmp_path / "c", "--merge", bad), ok=False)
+    assert rc != 0 and f"--merge: {bad} is not a directory" in err, err[-2000:]

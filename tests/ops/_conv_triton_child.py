@@ -13,6 +13,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import case, rel_err as rel  # noqa: E402  (tests/helpers.py)
 
 torch.manual_seed(0)
+# the backward's launch options checked per case (None: the autotuned default, the first of BWD_CONFIGS under the
+# interpreter); $K3_TEST_LAUNCH_OPTIONS "all" (test_conv_triton.py's slow tests): every one; else ("default") one BT
+# block per SPAN and the rolling kernel at one width, the most distinct (8 x 128 only widens the default's channel
+# block; the second rolling width takes as long as the default)
+BWD_OPTIONS = {"default": (None, (64, 64, 8), (1, 128, 1)),
+               "all": (None, (64, 64, 8), (8, 128, 4), (1, 128, 1), (1, 64, 2))}
+bwd_options = BWD_OPTIONS[os.environ.get("K3_TEST_LAUNCH_OPTIONS", "default")]
 
 
 def ref_grads(x, w, act, cu=None):
@@ -29,15 +36,16 @@ def ref_grads(x, w, act, cu=None):
 
 
 def check(x, w, act, cu=None):
-    """The forward and the backward (the autotuned default and four more of its launch options: one BT block per
-    SPAN, eight, and the rolling one-row-at-a-time kernel (BT = 1) at two widths) against fp64; the worst backward."""
+    """The forward and the backward (the autotuned default and more of its launch options, bwd_options: one BT block
+    per SPAN, eight, and the rolling one-row-at-a-time kernel (BT = 1) at two widths) against fp64; the worst
+    backward."""
     y_ref, xd, wd = ref_grads(x, w, act, cu)
     dy = torch.randn_like(y_ref)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (xd, wd), dy)
     starts = ct.token_starts(cu, x.shape[1]) if cu is not None else None
     y = ct.conv1d_fwd(x, w, starts, act is not None)
     out = {"y": rel(y, y_ref), "dx": 0.0, "dw": 0.0}
-    for cfg in (None, (64, 64, 8), (8, 128, 4), (1, 128, 1), (1, 64, 2)):
+    for cfg in bwd_options:
         dx, dw = ct.conv1d_bwd(x, w, dy.to(x.dtype), starts, act is not None, config=cfg)
         out["dx"], out["dw"] = max(out["dx"], rel(dx, dx_ref)), max(out["dw"], rel(dw, dw_ref))
     return out

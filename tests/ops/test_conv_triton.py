@@ -16,12 +16,20 @@ _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_conv_triton
 
 @pytest.fixture(scope="module")
 def res():
-    """The child's table, computed once for the tests below (each checks its own row)."""
-    return run_interpreted(_SCRIPT, timeout=600)
+    """The child's table, computed once for the tests below (each checks its own row); the kernel cases' backward at
+    three of its launch options (the child's BWD_OPTIONS["default"])."""
+    return run_interpreted(_SCRIPT, timeout=600, env_set={"K3_TEST_LAUNCH_OPTIONS": "default"})
+
+
+@pytest.fixture(scope="module")
+def res_all_options():
+    """The same with the backward at every launch option of the child (slow tests)."""
+    return run_interpreted(_SCRIPT, timeout=900, env_set={"K3_TEST_LAUNCH_OPTIONS": "all"})
 
 
 # case id: bound of its worst relative error (forward y, backward dx and dw) against fp64. The kernel cases run the
-# backward at five launch options incl. two rolling ones (the autotuner picks among them on a GPU); fp32: T not a
+# backward at three launch options incl. a rolling one, five under `pytest -m slow` (the autotuner picks among them on
+# a GPU); fp32: T not a
 # multiple of the 64-token span, C not a multiple of the channel block, silu and no activation; varlen: documents of
 # 1, 0 (empty), 70, 5 and 80 tokens packed in one row (no tap crosses a document start)
 KERNEL_CASES = {
@@ -38,12 +46,22 @@ def test_child_table_has_every_case(res):
     assert set(res) == CHILD_ROWS, f"child rows {sorted(res)} != the cases checked here {sorted(CHILD_ROWS)}"
 
 
-@pytest.mark.parametrize("name", KERNEL_CASES)
-def test_conv_triton_matches_reference(res, name):
+def _check_kernel_case(res, name):
     errs = row(res, name)
     worst = max(errs, key=errs.get)
     assert errs[worst] < KERNEL_CASES[name], f"{name}: {worst} relative error {errs[worst]:.3g} >= " \
         f"{KERNEL_CASES[name]:g} (all: {errs})"
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_conv_triton_matches_reference(res, name):
+    _check_kernel_case(res, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", KERNEL_CASES)
+def test_conv_triton_matches_reference_all_launch_options(res_all_options, name):
+    _check_kernel_case(res_all_options, name)
 
 
 def test_conv_triton_varlen_check_can_fail(res):

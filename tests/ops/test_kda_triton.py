@@ -63,6 +63,21 @@ STATE_FWD_CASES = ("gate_l2_h0", "precomputed_g", "varlen", "bf16")
 TOL_D128 = {"random": 5e-3, "hard": 1e-2}  # ieee inverse: 3.1e-3 / 7e-3 to 8e-3 (bf16 W, U and state)
 D128_CASES = ("random", "hard")
 D128_RUNS = {"default": {}, "ieee": dict(inv="ieee"), "blkn": dict(inv="blkn"), "kb32": dict(kb=32, num_warps=1)}
+# The default suite runs these options only, every one above under `pytest -m slow` (a second child with the full
+# tables): the prep's other inverse with 3-pass products, a loop over two chunks (c2_loop4_blkn_qk3) and its K blocks
+# with the chunk-wise head (kb16_c2_loop2); the walk's smaller value blocks (bv16_s2) and time pieces that do not
+# divide the sequences (pipe48); at D=128 the default and the other block inverse.
+DEFAULT_OPTIONS = {"prep": ("c2_loop4_blkn_qk3", "kb16_c2_loop2"), "state": ("bv16_s2", "pipe48"),
+                   "d128": ("default", "blkn")}
+OPTIONS_ENV = "K3_TEST_LAUNCH_OPTIONS"  # which options the child runs: "default" (DEFAULT_OPTIONS) or "all"
+
+
+def _chosen(table: str, options: dict) -> dict:
+    """The entries of one option table the child runs ($K3_TEST_LAUNCH_OPTIONS: "default" or "all")."""
+    which = os.environ.get(OPTIONS_ENV, "default")
+    if which not in ("default", "all"):
+        raise ValueError(f"{OPTIONS_ENV}={which!r}: expected 'default' or 'all'")
+    return {k: v for k, v in options.items() if which == "all" or k in DEFAULT_OPTIONS[table]}
 
 
 _rr = rel_err  # relative RMSE of a against reference b (tests/helpers.py)
@@ -161,8 +176,8 @@ def _checks() -> dict:
                         res[f"{label}[{oname}].{name}.o"] = _rr(o2, o1)
                         res[f"{label}[{oname}].{name}.S"] = _rr(s2, s1)
 
-    option_sweep("prep", "prep_cfg", PREP_CASES, PREP_FWD_CASES)
-    option_sweep("state", "state_cfg", STATE_CASES, STATE_FWD_CASES)
+    option_sweep("prep", "prep_cfg", _chosen("prep", PREP_CASES), PREP_FWD_CASES)
+    option_sweep("state", "state_cfg", _chosen("state", STATE_CASES), STATE_FWD_CASES)
     # pipelined vs unpiped, varlen with initial states (and without a final state: the last piece's walk then stores
     # nothing)
     _, args, kw, _ = next(c for c in cases if c[0] == "varlen")
@@ -220,7 +235,7 @@ def _checks() -> dict:
         xs = tuple(x.bfloat16() for x in d128[case])
         kw = dict(initial_state=h0_d, cu_seqlens=cu_d, **gk_d)
         o1, s1 = recurrent_kda(*[x.float() for x in xs], output_final_state=True, **kw)
-        for run, pc in D128_RUNS.items():
+        for run, pc in _chosen("d128", D128_RUNS).items():
             with triton_config(prep_cfg=pc):
                 o2, s2 = chunk_kda(*xs, output_final_state=True, backend="triton", **kw)
             res[f"d128.{run}.{case}.o"] = _rr(o2, o1)
@@ -258,7 +273,24 @@ def _checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    return interpreted_results(__file__, timeout=300)
+    """The child's table with DEFAULT_OPTIONS."""
+    return interpreted_results(__file__, timeout=300, env_set={OPTIONS_ENV: "default"})
+
+
+@pytest.fixture(scope="module")
+def results_all_options():
+    """The child's table with every option (the slow tests' cases)."""
+    return interpreted_results(__file__, timeout=600, env_set={OPTIONS_ENV: "all"})
+
+
+def _options(table: str, options) -> list:
+    """An option table's entries as test parameters: those outside DEFAULT_OPTIONS marked slow."""
+    return [o if o in DEFAULT_OPTIONS[table] else pytest.param(o, marks=pytest.mark.slow) for o in options]
+
+
+def _table(request, table: str, option):
+    """The child's table that holds `option`: the default one, or (a slow case) the full one."""
+    return request.getfixturevalue("results" if option in DEFAULT_OPTIONS[table] else "results_all_options")
 
 
 def _assert_o_and_state(results, key, tol):
@@ -279,9 +311,10 @@ def test_forward_and_state(results, name):
     assert results[key + ".dtype_ok"] == 1.0
 
 
-@pytest.mark.parametrize("option", list(PREP_CASES))
+@pytest.mark.parametrize("option", _options("prep", PREP_CASES))
 @pytest.mark.parametrize("name", PREP_FWD_CASES)
-def test_prep_options(results, option, name):
+def test_prep_options(request, option, name):
+    results = _table(request, "prep", option)
     tol = results["tol"][name]
     key = f"prep[{option}].{name}"
     if option == "qk_bf16" and tol < TOL_BF16:  # bf16 Aqk/Akk operands: bf16-level error even for fp32 inputs
@@ -289,9 +322,10 @@ def test_prep_options(results, option, name):
     _assert_o_and_state(results, key, tol)
 
 
-@pytest.mark.parametrize("option", list(STATE_CASES))
+@pytest.mark.parametrize("option", _options("state", STATE_CASES))
 @pytest.mark.parametrize("name", STATE_FWD_CASES)
-def test_state_options(results, option, name):
+def test_state_options(request, option, name):
+    results = _table(request, "state", option)
     tol = results["tol"][name]
     key = f"state[{option}].{name}"
     _assert_o_and_state(results, key, tol)
@@ -322,9 +356,10 @@ def test_prep_config_validated(results):
     assert results["prep_bad_cfg_raises"] == 1.0
 
 
-@pytest.mark.parametrize("run", list(D128_RUNS))
+@pytest.mark.parametrize("run", _options("d128", D128_RUNS))
 @pytest.mark.parametrize("case", D128_CASES)
-def test_d128_bf16_gpu_rounding(results, run, case):
+def test_d128_bf16_gpu_rounding(request, run, case):
+    results = _table(request, "d128", run)
     key = f"d128.{run}.{case}"
     assert results[key + ".o"] <= TOL_D128[case], (key, results[key + ".o"], results[key + ".S"])
     assert results[key + ".S"] <= TOL_D128[case], (key, results[key + ".o"], results[key + ".S"])

@@ -88,6 +88,15 @@ LAUNCH_OPTIONS = (("bk16", {"intra": {"BK": 16}, "gate_norm": {"BK": 16}, "inter
                   ("walks_grid_order", {"states": {"ORDERED": False}, "dstates": {"ORDERED": False}}),
                   ("value_pre_bv16_states_bv16", {"value": {"PRE": True, "BV": 16}, "states": {"BV": 16},
                                                "dstates": {"BV": 16}}))
+# The default suite runs the launch-option comparison (7b below) for these only, the full tables above and below under
+# `pytest -m slow` (each option is one interpreted backward, ~4-6 s: the whole table ~2.5 minutes): tiles of 16 in
+# four kernels (more K / V blocks per loop, their masks and partial sums), inter without atomics (what
+# torch.use_deterministic_algorithms runs: dN / dbeta parts stored for intra / gate_norm to sum), and the other
+# program layouts (a chunk's column blocks / tiles along grid axis 2 in wy, inter and intra, gate_norm's second pass).
+DEFAULT_LAUNCH_OPTIONS = ("bk16", "inter_no_atomic", "splits_outer_gate_norm_two_pass")
+# which options the child runs: "default" (DEFAULT_LAUNCH_OPTIONS, DEFAULT_SCRATCH_LOWP) or "all" (every entry of
+# LAUNCH_OPTIONS, LAUNCH_OPTIONS_LOWP and SCRATCH_LOWP)
+OPTIONS_ENV = "K3_TEST_LAUNCH_OPTIONS"
 # matrices's inverse at 3-pass tf32 with low-precision inputs (the interpreter computes every dot in fp32, so this equals
 # the one-pass default there; on a GPU the precisions differ: tests/gpu and the sweep measure it)
 LAUNCH_OPTIONS_LOWP = (("matrices_tf32x3", {"matrices": {"INV_PREC": "tf32x3"}}),)
@@ -98,6 +107,24 @@ LAUNCH_OPTIONS_LOWP = (("matrices_tf32x3", {"matrices": {"INV_PREC": "tf32x3"}})
 SCRATCH_LOWP = {"fp32": {"scratch": {"DTYPE": "fp32"}}, "pre_bf16_state": {"value": {"PRE_F32": False}},
                 "no_pre": {"value": {"PRE": False}}, "states": {"scratch": {"DTYPE": "states"}},
                 "intra_split_b": {"intra": {"PREC": "split_b"}}}
+# by default (the rest under `pytest -m slow`, ~3 s an option and case): only the per-chunk states in bf16 (the
+# scratch's third DTYPE; the fp32 scratch runs at the fp32 cases) and intra's split products (checked for their gain)
+DEFAULT_SCRATCH_LOWP = ("states", "intra_split_b")
+
+
+def _launch_options(option_set: str) -> tuple[tuple, tuple]:
+    """(LAUNCH_OPTIONS, LAUNCH_OPTIONS_LOWP) entries of one option set: "default" or "all"."""
+    if option_set == "all":
+        return LAUNCH_OPTIONS, LAUNCH_OPTIONS_LOWP
+    if option_set == "default":
+        return tuple(o for o in LAUNCH_OPTIONS if o[0] in DEFAULT_LAUNCH_OPTIONS), ()
+    raise ValueError(f"{OPTIONS_ENV}={option_set!r}: expected 'default' or 'all'")
+
+
+def _scratch_options(option_set: str) -> dict:
+    """The SCRATCH_LOWP entries of one option set: "default" or "all"."""
+    _launch_options(option_set)  # validates the name
+    return {k: v for k, v in SCRATCH_LOWP.items() if option_set == "all" or k in DEFAULT_SCRATCH_LOWP}
 
 
 def _rr(a, b) -> float:
@@ -132,8 +159,9 @@ def _checks() -> dict:
     res = {}
 
     def run(name, B, T, H, K, V, *, gate, l2, h0, dht, cu=None, dtype=torch.float32, g_const=None, unit_k=False,
-            scale=None, want=None, qk_scale=1.0, lower_bound=-5.0, f_shift=0.0):
-        """Fresh inputs; grads of sum(o*do) (+ sum(S*dS)) through the triton backend and the fp64 reference."""
+            scale=None, want=None, qk_scale=1.0, lower_bound=-5.0, f_shift=0.0, skip=False):
+        """Fresh inputs; grads of sum(o*do) (+ sum(S*dS)) through the triton backend and the fp64 reference. skip: only
+        draw the inputs (a case of the full option table left out: every later case gets the inputs it gets there)."""
         N = B if cu is None else len(cu) - 1
         q, k, v = r(B, T, H, K) * qk_scale, r(B, T, H, K) * qk_scale, r(B, T, H, V)
         if unit_k:
@@ -145,6 +173,8 @@ def _checks() -> dict:
         leaves = [q, k, v, f, beta, r(N, H, K, V) if h0 else None,
                   torch.rand(H, generator=gen) if gate else None, r(H * K) * 0.5 if gate else None]
         do, dS = r(B, T, H, V), (r(N, H, K, V) if dht else None)
+        if skip:
+            return leaves
         cu_t = None if cu is None else torch.tensor(cu)
         want = set(GRADS) if want is None else set(want)
         grads = []
@@ -209,12 +239,14 @@ def _checks() -> dict:
         cu=[0, 65, 66, 90], g_const=-5.0)
     run("bf16_K128", 1, 70, H, 128, 128, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
     # 6b. the first two with the other options (SCRATCH_LOWP)
+    chosen = _scratch_options(os.environ.get(OPTIONS_ENV, "default"))
     for scr, launch in SCRATCH_LOWP.items():
         os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps(launch)
         try:
-            run(f"bf16_{scr}", 1, 100, H, 32, 32, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16)
+            run(f"bf16_{scr}", 1, 100, H, 32, 32, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16,
+                skip=scr not in chosen)
             run(f"bf16_varlen_bound_{scr}", 1, 90, H, 16, 16, gate=False, l2=True, h0=True, dht=True,
-                dtype=torch.bfloat16, cu=[0, 65, 66, 90], g_const=-5.0)
+                dtype=torch.bfloat16, cu=[0, 65, 66, 90], g_const=-5.0, skip=scr not in chosen)
         finally:
             del os.environ["K3_KDA_BWD_LAUNCH"]
     # 7. only some inputs need grads: the others come back as None
@@ -229,15 +261,17 @@ def _checks() -> dict:
     kw = dict(initial_state=r(len(cu) - 1, H, K, V), cu_seqlens=torch.tensor(cu), use_qk_l2norm_in_kernel=True,
               use_gate_in_kernel=True, A_log=torch.rand(H, generator=gen), dt_bias=r(H * K) * 0.5)
     dht = r(len(cu) - 1, H, K, V)
+    options, options_lowp = _launch_options(os.environ.get(OPTIONS_ENV, "default"))
     ref = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, **kw)
-    for name, launch in LAUNCH_OPTIONS:
+    for name, launch in options:
         got = ob.kda_chunk_bwd(q, k, v, f, beta, do, dht, K ** -0.5, launch=launch, **kw)
         res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
-    lowp = [x.bfloat16() for x in (q, k, v, f, beta, do)]
-    ref = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, **kw)
-    for name, launch in LAUNCH_OPTIONS_LOWP:
-        got = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, launch=launch, **kw)
-        res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
+    if options_lowp:
+        lowp = [x.bfloat16() for x in (q, k, v, f, beta, do)]
+        ref = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, **kw)
+        for name, launch in options_lowp:
+            got = ob.kda_chunk_bwd(*lowp[:5], lowp[5], dht, K ** -0.5, launch=launch, **kw)
+            res[f"launch.{name}"] = max(_rr(a, b) for a, b in zip(got, ref))
     # 7c. the training forward's saved chunk states and u' (ops.FwdSave; the default at bf16 / fp16 inputs, asked for
     # here at fp32, where the forward's and the states pass's products agree to rounding): the backward from them
     # against the backward's own states pass, on the varlen batch above, through the plain walk, time pieces (in walk order, and longest sequence first), and a piece the save cannot use
@@ -334,8 +368,16 @@ def _checks() -> dict:
 
 @pytest.fixture(scope="module")
 def results():
+    """The child's table with DEFAULT_LAUNCH_OPTIONS."""
     from helpers import interpreted_results  # (not at the top: the child runs without tests/ on its path)
-    return interpreted_results(__file__, timeout=600)
+    return interpreted_results(__file__, timeout=600, env_set={OPTIONS_ENV: "default"})
+
+
+@pytest.fixture(scope="module")
+def results_all_options():
+    """The child's table with every launch option (slow tests only)."""
+    from helpers import interpreted_results
+    return interpreted_results(__file__, timeout=900, env_set={OPTIONS_ENV: "all"})
 
 
 FP32 = {"gate_l2_h0_dht": GRADS, "varlen": GRADS, "g_at_bound": ("dq", "dk", "dv", "dg", "dbeta"),
@@ -356,15 +398,26 @@ def test_fp32_gradients(results, case, grad):
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
 
 
-@pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
-def test_bf16_scratch_options(results, scr):
-    """The other bf16 options (SCRATCH_LOWP) against the fp64 reference within the bf16 tolerances."""
+def _check_scratch_option(results, scr):
     for case, grads in (("bf16", GRADS), ("bf16_varlen_bound", ("dq", "dk", "dv", "dg", "dbeta", "dh0"))):
         for grad in grads:
             tol = TOL_BF16_DQKV if grad in ("dq", "dk", "dv", "dh0") else TOL_BF16_DGB
             if case == "bf16_varlen_bound" and grad == "dg":
                 tol = TOL_BF16_DG_BOUND
             assert results[f"{case}_{scr}.{grad}"] <= tol, (case, scr, grad, results[f"{case}_{scr}.{grad}"])
+
+
+@pytest.mark.parametrize("scr", sorted(DEFAULT_SCRATCH_LOWP))
+def test_bf16_scratch_options(results, scr):
+    """The other bf16 options (SCRATCH_LOWP; by default DEFAULT_SCRATCH_LOWP) against the fp64 reference within the bf16
+    tolerances."""
+    _check_scratch_option(results, scr)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scr", sorted(SCRATCH_LOWP))
+def test_bf16_scratch_options_all(results_all_options, scr):
+    _check_scratch_option(results_all_options, scr)
 
 
 def test_intra_split_products_sharpen_the_gate_gradients(results):
@@ -384,11 +437,23 @@ def test_bf16_gradients(results, case, grad):
     assert results[f"{case}.{grad}"] <= tol, {k: v for k, v in results.items() if k.startswith(case)}
 
 
-def test_launch_options_match_the_default(results):
-    for name, _ in LAUNCH_OPTIONS:
+def _check_launch_options(results, option_set):
+    options, options_lowp = _launch_options(option_set)
+    for name, _ in options:
         assert results[f"launch.{name}"] <= 1e-5, results
-    for name, _ in LAUNCH_OPTIONS_LOWP:  # bf16 gradients: a last-bit difference in fp32 flips a few bf16 roundings
+    for name, _ in options_lowp:  # bf16 gradients: a last-bit difference in fp32 flips a few bf16 roundings
         assert results[f"launch.{name}"] <= 1e-4, results
+    assert len(options) == (len(LAUNCH_OPTIONS) if option_set == "all" else len(DEFAULT_LAUNCH_OPTIONS))
+
+
+def test_launch_options_match_the_default(results):
+    _check_launch_options(results, "default")
+
+
+@pytest.mark.slow
+def test_all_launch_options_match_the_default(results_all_options):
+    _check_launch_options(results_all_options, "all")
+    assert results_all_options["calls.triton_bwd"] == 13.0 + 2 * len(SCRATCH_LOWP)
 
 
 def test_forward_saved_states(results):
@@ -414,7 +479,8 @@ def test_only_requested_gradients(results):
 
 
 def test_triton_backward_used_and_torch_fallback_reachable(results):
-    assert results["calls.triton_bwd"] == 13.0 + 2 * len(SCRATCH_LOWP)  # one per run() above the fallback case
+    # one per run() above the fallback case
+    assert results["calls.triton_bwd"] == 13.0 + 2 * len(DEFAULT_SCRATCH_LOWP)
     assert results["calls.during_fallback"] == 0.0
     err = results["bad_name_error"]
     assert "K3_KDA_TRITON_BWD" in err and "'v9'" in err and "triton" in err
