@@ -178,6 +178,11 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     wait
     (cd /tmp && tar czf "$OUT/rlfull.tgz" --exclude='checkpoints' --exclude='final' --exclude='*.safetensors' rlfull)
     unset K3_BACKEND ;;
+  # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, 300 steps x 16K tokens
+  claims-small) step claims-small 560 env CLAIM_TIMEOUT=500 CLAIMS_PAR="mla_gate:--preset small --steps 300 \
+--seq-len 2048 --batch-tokens 16384 --seeds 1 --out /tmp/claims/mla_gate_small;mla_gate:--preset small --steps 300 \
+--seq-len 2048 --batch-tokens 16384 --seeds 1 --first-seed 1 --out /tmp/claims/mla_gate_small.1" \
+      bash benchmarks/claims/run_gpu.sh ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache

@@ -13,20 +13,21 @@
 # jobs with the default threads oversubscribe the CPU (9 jobs x 16 threads: 276 s per run, docs/LOG.md).
 # The sweeps resume: a point finished in an earlier call is not re-run when its results are put back under
 # CLAIMS_WORK, and re-running a claim script over the merged directory (any device) rewrites its report.
-# Results (json / jsonl / md / csv / png, no checkpoints) go to $OUT/claims/results.tgz (unpack it into CLAIMS_WORK
+# Results (json / jsonl / md / csv / png, no checkpoints) go to $OUT/claims_results.tgz (unpack it into CLAIMS_WORK
 # to resume or re-report), also when a job hits its timeout.
 # Usage (from gpu_run.sh's environment); CLAIM_ARGS adds flags to every job.
 set -u
 OUT=${OUT:-/tmp/out}; W=${CLAIMS_WORK:-/tmp/claims}; mkdir -p "$OUT/claims" "$W"
 # the device returns only plain names in shallow trees (the sweeps' run directories have '=', spaces, parentheses and
-# five levels): every result file goes into one archive, each claim's report also as a flat copy to read at once
+# five levels) and only the first ~8 files (top-level files first): every result file goes into one archive at the
+# top of $OUT, and each claim's report (.md) also as a flat copy in $OUT/claims to read at once
 copy_results() {
   (cd "$W" && find . -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' -o -name '*.csv' -o -name '*.png' \) \
-    -size -2M -print0 | tar czf "$OUT/claims/results.tgz" --null -T -)
-  for f in "$W"/*/*.md "$W"/*/*.json "$W"/*/*.png; do
+    -size -2M -print0 | tar czf "$OUT/claims_results.tgz" --null -T -)
+  for f in "$W"/*/*.md; do
     [ -f "$f" ] && cp "$f" "$OUT/claims/$(basename "$(dirname "$f")")_$(basename "$f")"
   done
-  du -sh "$OUT/claims"
+  du -sh "$OUT/claims_results.tgz"
 }
 kernel=0
 if [ -n "${CLAIMS_PAR:-}" ]; then
