@@ -301,3 +301,18 @@ def test_rl_train_dtype(tiny_ckpt, tmp_path):
         resume_rl_config(run, {"train_dtype": "fp32"})
     auto = RLRunner(RLConfig(ckpt=tiny_ckpt, out_dir=str(tmp_path / "e"), steps=1, threads=1, plot=False)).setup()
     assert auto.autocast_dtype is None                                      # auto on CPU: fp32
+
+
+@pytest.mark.parametrize("env, opts", [("kv-lookup", ["--env-option", "num_lines=8", "--env-option", "hops=2"]),
+                                       ("multi-tool", [])])
+def test_rl_cli_on_the_other_builtin_envs(tiny_ckpt, tmp_path, env, opts):
+    """`k3 rl --env kv-lookup / multi-tool` end to end from the CLI: a step, its metrics row and audited
+    trajectories of that environment (the calculator runs above)."""
+    run = str(tmp_path / env)
+    argv = ["rl", "--ckpt", tiny_ckpt, "--out", run, "--steps", "1", *RL, "--env", env, *opts]
+    assert main(argv) == 0
+    row = _rows(os.path.join(run, "metrics.jsonl"))[0]
+    assert row["step"] == 1 and row["trajectories"] == 4 and row["generated_tokens"] > 0
+    audit = _rows(os.path.join(run, "audit.jsonl"))
+    assert len(audit) == 4 and {a["env"] for a in audit} == {env}
+    assert os.path.isdir(os.path.join(run, "final"))
