@@ -232,10 +232,7 @@ def main(argv=None) -> int:
         res["sft"] = {k: s.get(k) for k in ("val_loss_before", "val_loss_after", "tokens_per_s", "step")}
     res["sft_s"] = time.time() - t0
     if a.rl_steps <= 0:   # pre-training + SFT only: a shared start for RL variants (their --out holds links to it)
-        with open(os.path.join(out, "summary.json"), "w") as f:
-            json.dump(res, f, indent=2)
-        print(json.dumps(res, indent=2))
-        return 0
+        return write_summary(out, res)
 
     t0 = time.time()
     rl_dir = os.path.join(out, "rl")
@@ -280,8 +277,6 @@ def main(argv=None) -> int:
         if res["rl"].get(k + "_stderr"):
             res["rl"][k + "_z"] = res["rl"][k] / res["rl"][k + "_stderr"]
     res["load_avg_end"] = os.getloadavg()[0]
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(res, f, indent=2)
     if a.plot:
         try:
             plot_curve(res, a.plot)
@@ -290,6 +285,13 @@ def main(argv=None) -> int:
         else:
             shutil.copyfile(a.plot, os.path.join(out, "curve.png")) if os.path.abspath(a.plot) != os.path.abspath(
                 os.path.join(out, "curve.png")) else None
+    return write_summary(out, res)
+
+
+def write_summary(out: str, res: dict) -> int:
+    """RUN/summary.json and the same JSON on stdout; the exit code."""
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(res, f, indent=2)
     print(json.dumps(res, indent=2))
     return 0
 

@@ -92,10 +92,7 @@ def merge_runs(out: str, srcs: Sequence[str]) -> int:
                 shutil.copytree(os.path.join(d, r["run_dir"]), os.path.join(dst, r["run_dir"]), dirs_exist_ok=True)
                 rows = [x for x in rows if (x.get("point"), x.get("seed")) != (r.get("point"), r.get("seed"))] + [r]
                 taken += 1
-            tmp = dst_json + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"axes": old.get("axes", []), "rows": rows}, f, indent=2)
-            os.replace(tmp, dst_json)
+            ksweep._atomic_write(dst_json, json.dumps({"axes": old.get("axes", []), "rows": rows}, indent=2) + "\n")
     return taken
 
 
@@ -117,10 +114,9 @@ def base_from_args(args, **extra) -> dict:
     return b
 
 
-def run_sweep(out: str, sets: Sequence[str], seeds, base: dict, callbacks=()) -> list[dict]:
-    """One k3.sweep over `sets` (KEY=V1,V2 strings) and `seeds` (a count or the seeds); each row gets `variant` =
-    its point label."""
-    seeds = range(seeds) if isinstance(seeds, int) else seeds
+def run_sweep(out: str, sets: Sequence[str], seeds: Sequence[int], base: dict, callbacks=()) -> list[dict]:
+    """One k3.sweep over `sets` (KEY=V1,V2 strings) and `seeds` (`seeds(args)`); each row gets `variant` = its
+    point label."""
     s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=seeds, base=base, callbacks=callbacks)
     rows = s.run()
     for r in rows:
@@ -129,7 +125,7 @@ def run_sweep(out: str, sets: Sequence[str], seeds, base: dict, callbacks=()) ->
     return rows
 
 
-def run_variants(out: str, variants: Sequence[tuple], seeds, base: dict) -> list[dict]:
+def run_variants(out: str, variants: Sequence[tuple], seeds: Sequence[int], base: dict) -> list[dict]:
     """variants: (name, [KEY=V sets, one value each], [callback factories]); one Sweep per variant in OUT/name."""
     rows = []
     for name, sets, cbs in variants:

@@ -366,7 +366,7 @@ def pack_trajectories(trajs: Sequence[Trajectory], advantages: Optional[Sequence
     """One packed training batch: input_ids [1, N], cu_seqlens [n+1] int32, mask [1, N] (generated tokens),
     advantages [1, N] (a trajectory's advantage on its tokens; zeros if not given), sampler_logp [1, N] (when
     every trajectory has it), routing {router: [N, k]} (when every trajectory has it, else {}), starts."""
-    ids, mask, starts, lps = [], [], [], []
+    ids, mask, starts = [], [], []
     for t in trajs:
         starts.append(len(ids))
         ids += t.token_ids
