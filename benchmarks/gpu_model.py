@@ -25,7 +25,7 @@ import time
 import torch
 
 from k3.config import K3Config
-from k3.info import count_params
+from k3.info import train_flops_per_token as flops_per_token
 from k3.model import K3ForCausalLM
 
 DEV = "cuda"
@@ -38,17 +38,6 @@ def log(**kw):
     print(json.dumps(kw, default=str), flush=True)
     RES.setdefault("log", []).append(kw)
     json.dump(RES, open(os.path.join(OUT, "gpu_model.json"), "w"), indent=1, default=str)
-
-
-def flops_per_token(cfg: K3Config, T: int) -> dict:
-    act = count_params(cfg)["active_params"]
-    n_mla = cfg.layer_types.count("mla")
-    n_kda = cfg.layer_types.count("kda")
-    H = cfg.num_attention_heads
-    mla = 3 * 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * (T + 1) / 2 * n_mla
-    lac, C = cfg.linear_attn_config, 64
-    kda = 3 * lac.num_heads * (2 * C * (2 * lac.head_dim) + 6 * lac.head_dim ** 2) * n_kda
-    return dict(active_params=act, dense=6 * act, mla_attn=mla, kda=kda, total=6 * act + mla + kda)
 
 
 def make_model(cfg, bf16_params):

@@ -178,11 +178,24 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     wait
     (cd /tmp && tar czf "$OUT/rlfull.tgz" --exclude='checkpoints' --exclude='final' --exclude='*.safetensors' rlfull)
     unset K3_BACKEND ;;
-  # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, 300 steps x 16K tokens
-  claims-small) step claims-small 560 env CLAIM_TIMEOUT=500 CLAIMS_PAR="mla_gate:--preset small --steps 300 \
---seq-len 2048 --batch-tokens 16384 --seeds 1 --out /tmp/claims/mla_gate_small;mla_gate:--preset small --steps 300 \
---seq-len 2048 --batch-tokens 16384 --seeds 1 --first-seed 1 --out /tmp/claims/mla_gate_small.1" \
+  # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, 300 steps x 8K tokens, lr 2e-3,
+  # KDA on the torch chunk path: with our Triton KDA backward `small` training blows up (grad-norm spikes, NaN within
+  # 20-60 steps; docs/LOG.md, twenty-second session). Eager `small` at 16K tokens takes ~70 GiB a job (two side by
+  # side run out of memory); at the trainer's lr 6e-3 `small` stopped on NaN too (with the Triton path)
+  claims-small) step claims-small 560 env CLAIM_TIMEOUT=500 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      K3_BACKEND=kda:torch,attnres:torch \
+      CLAIMS_PAR="mla_gate:--preset small --steps 300 --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
+--out /tmp/claims/mla_gate_small;mla_gate:--preset small --steps 300 --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
+--first-seed 1 --out /tmp/claims/mla_gate_small.1" \
       bash benchmarks/claims/run_gpu.sh ;;
+  # the staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, the
+  # equal-time direct run too): one job alone (wall times compared), one seed a call (SEED=0, then SEED=1; merge with
+  # `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100
+  # --lr 2e-3 --equal-time --out DIR --merge DIR.0 DIR.1`)
+  claims-stages-small) step claims-stages-small 560 env CLAIM_TIMEOUT=540 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      K3_BACKEND=kda:torch,attnres:torch CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 \
+--batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --seeds 1 --first-seed ${SEED:-0} \
+--out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache

@@ -73,6 +73,20 @@ def count_params(cfg: K3Config) -> dict:
     }
 
 
+def train_flops_per_token(cfg: K3Config, T: int) -> dict:
+    """Training FLOPs per token (forward + backward) at sequence length T, the benchmarks' MFU convention: 6 x active
+    parameters (count_params: matmul weights incl. lm_head, routed experts at top_k / E, embedding excluded) plus the
+    attention terms that grow with T: causal MLA softmax attention 3 * 2 * H * (Dqk + Dv) * (T + 1) / 2 per MLA layer,
+    and KDA's chunked form (chunk C = 64, independent of T) 3 * H * (2 * C * (K + V) + 6 * K * V) per KDA layer."""
+    act = count_params(cfg)["active_params"]
+    n_mla, n_kda = cfg.layer_types.count("mla"), cfg.layer_types.count("kda")
+    H = cfg.num_attention_heads
+    mla = 3 * 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * (T + 1) / 2 * n_mla
+    lac, C = cfg.linear_attn_config, 64
+    kda = 3 * lac.num_heads * (2 * C * (2 * lac.head_dim) + 6 * lac.head_dim ** 2) * n_kda
+    return dict(active_params=act, dense=6 * act, mla_attn=mla, kda=kda, total=6 * act + mla + kda)
+
+
 def format_info(info: dict, name: str = "") -> str:
     lines = [f"K3 model {name}".rstrip(),
              f"layers: {info['layers']['num_hidden_layers']} ({info['layers']['kda']} KDA + {info['layers']['mla']} MLA,"

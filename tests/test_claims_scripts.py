@@ -69,3 +69,27 @@ def test_first_seed_and_merge_report_split_seeds_together(tmp_path):
     bad = a / "situ.json"
     rc, _, err = _done(_claim("situ.py", "--seeds", 2, "--out", tmp_path / "c", "--merge", bad), ok=False)
     assert rc != 0 and f"--merge: {bad} is not a directory" in err, err[-2000:]
+
+
+def test_stages_reports_training_flops_by_row_length(tmp_path):
+    """stages.py's cost column: FLOPs summed over the steps at each step's row length; the direct run (all steps at
+    the long length) against a written-out count, and the staged run cheaper (its short steps' MLA attention)."""
+    from k3.config import K3Config
+    out = tmp_path / "st"
+    _done(_claim("stages.py", "--seeds", "1", "--steps", "4", "--short", "32", "--long", "64", "--short-share", "0.5",
+                 "--batch-tokens", "256", "--out", out))
+    rep = json.loads((out / "stages.json").read_text())
+    g = {x["variant"]: x for x in rep["groups"]}
+    assert g["staged"]["n"] == g["direct"]["n"] == 1
+    cfg = K3Config.from_json(str(next(out.glob("sweep/runs/*/seed0/config.json"))))
+    from k3.info import count_params
+    act = count_params(cfg)["active_params"]
+
+    def per_token(t):  # 6 x active params + causal MLA attention (fwd+bwd) + KDA's chunked form (C = 64)
+        H, K = cfg.num_attention_heads, cfg.linear_attn_config.head_dim
+        mla = 3 * 2 * H * (cfg.qk_head_dim + cfg.v_head_dim) * (t + 1) / 2
+        kda = 3 * cfg.linear_attn_config.num_heads * (2 * 64 * 2 * K + 6 * K * K)
+        return 6 * act + mla * cfg.layer_types.count("mla") + kda * cfg.layer_types.count("kda")
+    assert abs(g["direct"]["train_pflop"][0] - 4 * 256 * per_token(64) / 1e15) < 1e-12
+    assert abs(g["staged"]["train_pflop"][0] - 2 * 256 * (per_token(32) + per_token(64)) / 1e15) < 1e-12
+    assert g["staged"]["train_pflop"][0] < g["direct"]["train_pflop"][0]
