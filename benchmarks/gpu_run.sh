@@ -196,6 +196,20 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
       K3_BACKEND=kda:torch,attnres:torch CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 \
 --batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --seeds 1 --first-seed ${SEED:-0} \
 --out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
+  # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed
+  # 1, lr 2e-3; the twenty-second session's run where our Triton backward's grad norm reached 7.7e7 at step 25 and the
+  # loss went NaN from step 29, the torch path's max grad norm 13.1) side by side on kda:triton and kda:torch;
+  # KDA_STABILITY_LAUNCH sets $K3_KDA_BWD_LAUNCH for the triton job. Prints max grad norm and skipped steps per job
+  kda-stability) R=/tmp/kstab; rm -rf $R; mkdir -p $R
+    C="--preset small --compile none --eval-every 0 --no-samples --no-tensorboard --no-progress --threads 2 --steps 80
+       --batch-tokens 4096 --stages 2048:1 --lr 2e-3 --max-bad-steps 80 --param-dtype fp32 --seed 1"
+    K3P='import sys; from k3.cli import main; sys.exit(main())'
+    for b in triton torch; do
+      step kda-stability-$b 300 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:$b,attnres:torch \
+        K3_KDA_BWD_LAUNCH=${KDA_STABILITY_LAUNCH:-} python3 -c "$K3P" train $C --out $R/$b > $R/$b.log 2>&1 &
+    done; wait
+    python3 benchmarks/train_stability.py $R/triton $R/torch | tee -a "$OUT/log.txt"
+    (cd /tmp && tar czf "$OUT/kstab.tgz" --exclude='final' --exclude='checkpoints' kstab) ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache
