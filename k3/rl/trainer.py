@@ -54,6 +54,9 @@ RL_FIXED = ("ckpt", "env", "env_options", "group_size", "prompts_per_step", "lr"
             "max_turns", "max_tokens", "max_new_tokens_per_turn", "iteration_budget", "thinking", "replay", "seed",
             "seed_offset", "normalize_std", "filter_rules", "skip_uniform_groups", "train_dtype")
 SESSION_ONLY = ("resume", "overwrite", "stop_at")
+# RL_FIXED settings added after runs were stored without them: the value those runs ran with (a resume of such a run
+# keeps it; before --train-dtype, every RL training forward ran in fp32)
+LEGACY_FIXED = {"train_dtype": "fp32"}
 FLAGS = {"ckpt": "--ckpt", "env": "--env", "group_size": "--group-size", "prompts_per_step": "--prompts-per-step",
          "steps": "--steps", "lr": "--lr", "warmup_steps": "--warmup-steps", "kl_coef": "--kl-coef",
          "neg_adv_scale": "--neg-adv-scale",
@@ -283,6 +286,8 @@ def resume_rl_config(out_dir: str, overrides: Optional[dict] = None) -> RLConfig
     """The stored arguments of the run in `out_dir` with `overrides`; an override of a RL_FIXED setting that
     differs from the stored one is refused (naming the flag)."""
     stored = stored_config(out_dir)
+    if stored is not None:
+        stored = {**{k: v for k, v in LEGACY_FIXED.items() if k not in stored}, **stored}
     base = RLConfig() if stored is None else RLConfig.from_dict({k: v for k, v in stored.items()
                                                                  if k not in SESSION_ONLY})
     for k, v in (overrides or {}).items():

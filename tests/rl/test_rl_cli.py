@@ -299,6 +299,16 @@ def test_rl_train_dtype(tiny_ckpt, tmp_path):
     assert row["groups_trained"] == 1 and row["ratio_min"] == 1.0 == row["ratio_max"]
     with pytest.raises(K3ConfigError, match="--train-dtype"):
         resume_rl_config(run, {"train_dtype": "fp32"})
+    # a run stored before --train-dtype existed ran fp32: its resume stays fp32 (also on CUDA, where auto is bf16)
+    cpath = os.path.join(run, "rl_config.json")
+    with open(cpath) as f:
+        stored = json.load(f)
+    stored.pop("train_dtype")
+    with open(cpath, "w") as f:
+        json.dump(stored, f)
+    assert resume_rl_config(run).train_dtype == "fp32"
+    with pytest.raises(K3ConfigError, match="--train-dtype 'bf16' differs from the run's 'fp32'"):
+        resume_rl_config(run, {"train_dtype": "bf16"})
     auto = RLRunner(RLConfig(ckpt=tiny_ckpt, out_dir=str(tmp_path / "e"), steps=1, threads=1, plot=False)).setup()
     assert auto.autocast_dtype is None                                      # auto on CPU: fp32
 
