@@ -141,9 +141,6 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             raise ValueError(f"kda_chunk_bwd: intra PREC={lc['intra']['PREC']!r} must be 'tf32' or 'split_b'")
         if lc["matrices"]["INV"] not in ("blk", "pow"):
             raise ValueError(f"kda_chunk_bwd: matrices INV={lc['matrices']['INV']!r} must be 'blk' or 'pow'")
-        if lc["matrices"]["INV_PREC"] not in ("tf32", "tf32x3"):
-            raise ValueError(f"kda_chunk_bwd: matrices INV_PREC={lc['matrices']['INV_PREC']!r} must be 'tf32' or "
-                             "'tf32x3'")
         pts = lc["matrices"]["PTS"]
         if pts not in (16, 32):
             raise ValueError(f"kda_chunk_bwd: matrices PTS={pts!r} must be 16 or 32")
