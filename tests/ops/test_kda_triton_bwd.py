@@ -27,6 +27,11 @@ TOL_BF16_DQKV, TOL_BF16_DGB = 8e-3, 2e-2
 # are shared along the chunk (the suffix sum adds them up); 3.1e-3 with its split products (intra PREC "split_b")
 TOL_BF16_DG_BOUND = 3e-2
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+COLLINEAR_GRADS = ("dq", "dk", "dv", "dbeta", "dh0")
+# the collinear case (11 below): 4.6e-4 (dh0) to 2.2e-2 (dbeta) with the block inversion, 2.9e-2 on other draws (the
+# forward's o itself 1.5e-2 to 2e-2 there, with or without tf32 rounding: its bf16 W / U, whose u' = U - W S cancels;
+# the fp32 torch path 1.5e-3 to 2.5e-3); the former repeated squaring 1e3 to 6e5
+TOL_BF16_COLLINEAR = 5e-2
 LAUNCH_OPTIONS = (("bk16", {"intra": {"BK": 16}, "gate_norm": {"BK": 16}, "inter": {"BK": 16}, "value": {"BK": 16, "BV": 16}}),
                   ("intra_bk32_w2", {"intra": {"BK": 32, "num_warps": 2}}),
                   ("prep_bk16", {"matrices": {"BK": 16}, "wy": {"BK": 16, "BV": 16}}),
@@ -159,17 +164,23 @@ def _checks() -> dict:
     res = {}
 
     def run(name, B, T, H, K, V, *, gate, l2, h0, dht, cu=None, dtype=torch.float32, g_const=None, unit_k=False,
-            scale=None, want=None, qk_scale=1.0, lower_bound=-5.0, f_shift=0.0, skip=False):
+            scale=None, want=None, qk_scale=1.0, lower_bound=-5.0, f_shift=0.0, skip=False, collinear=False):
         """Fresh inputs; grads of sum(o*do) (+ sum(S*dS)) through the triton backend and the fp64 reference. skip: only
-        draw the inputs (a case of the full option table left out: every later case gets the inputs it gets there)."""
+        draw the inputs (a case of the full option table left out: every later case gets the inputs it gets there).
+        collinear: every key the first one plus 10% noise (a run of one repeated token after the short conv), beta in
+        [0.9, 1)."""
         N = B if cu is None else len(cu) - 1
         q, k, v = r(B, T, H, K) * qk_scale, r(B, T, H, K) * qk_scale, r(B, T, H, V)
         if unit_k:
             k = F.normalize(k, dim=-1)
+        if collinear:
+            k = k[:, :1].expand(B, T, H, K) + 0.1 * r(B, T, H, K)
         f = r(B, T, H, K) * 2 + f_shift if gate else -5 * torch.rand(B, T, H, K, generator=gen)
         if g_const is not None:
             f = torch.full_like(f, g_const)
         beta = torch.rand(B, T, H, generator=gen)
+        if collinear:
+            beta = 0.9 + 0.1 * beta
         leaves = [q, k, v, f, beta, r(N, H, K, V) if h0 else None,
                   torch.rand(H, generator=gen) if gate else None, r(H * K) * 0.5 if gate else None]
         do, dS = r(B, T, H, V), (r(N, H, K, V) if dht else None)
@@ -363,6 +374,20 @@ def _checks() -> dict:
     except Exception as e:  # noqa: BLE001 - reported by the test below
         res["compiled.max_diff"] = float("inf")
         res["compiled.error"] = repr(e)[:300]
+    # 11. a run of one repeated token at K3's head width, bf16 with GPU rounding: nearly collinear keys, long memory (g
+    # ~ 0: the gate far below its midpoint) and beta near 1, where N = diag(beta) L is close to the strictly lower
+    # all-ones matrix. T = (I + N)^-1 stays O(1), but N's powers do not (|N^8| up to 6435 in a 16-row block): matrices's
+    # former repeated squaring in one-pass tf32 (INV "pow", kept as an option and run here for contrast) returned
+    # garbage T there and gradients of ~1e4-1e6 relative error (the `small` preset's grad-norm spikes and NaNs in
+    # training with kda:triton); the block inversion (INV "blk", the default) ~1e-2. The gate's gradients are ~1e-14
+    # there (sigmoid' at x ~ -30) and not compared.
+    for inv in ("blk", "pow"):
+        os.environ["K3_KDA_BWD_LAUNCH"] = json.dumps({"matrices": {"INV": inv}})
+        try:
+            run(f"collinear_{inv}", 1, 128, 1, 128, 128, gate=True, l2=True, h0=True, dht=True, dtype=torch.bfloat16,
+                f_shift=-30.0, collinear=True, want=COLLINEAR_GRADS)
+        finally:
+            del os.environ["K3_KDA_BWD_LAUNCH"]
     return res
 
 
@@ -456,6 +481,22 @@ def test_all_launch_options_match_the_default(results_all_options):
     assert results_all_options["calls.triton_bwd"] == 13.0 + 2 * len(SCRATCH_LOWP)
 
 
+@pytest.mark.parametrize("grad", COLLINEAR_GRADS)
+def test_collinear_keys_long_memory(results, grad):
+    """A run of one repeated token (case 11): the backward's inverse T = (I + diag(beta) L)^-1 by block inversion stays
+    accurate in one-pass tf32 where repeated squaring lost everything to cancellation (the grad-norm blow-ups of the
+    `small` preset with kda:triton)."""
+    assert results[f"collinear_blk.{grad}"] <= TOL_BF16_COLLINEAR, \
+        {k: v for k, v in results.items() if k.startswith("collinear")}
+
+
+def test_collinear_case_fails_with_repeated_squaring(results):
+    """The same kind of inputs through the former inverse (matrices INV "pow"): far off (what case 11 guards against:
+    if this stops failing, the case no longer reaches the cancellation and the test above proves nothing)."""
+    worst = max(results[f"collinear_pow.{g}"] for g in COLLINEAR_GRADS)
+    assert worst > 1.0, {k: v for k, v in results.items() if k.startswith("collinear")}
+
+
 def test_forward_saved_states(results):
     """The backward from the forward's saved chunk states and u' equals the one from its own states pass (fp32), which
     it then skips; the forward's output is unchanged by saving; where the forward cannot save (a time piece that is
@@ -521,6 +562,8 @@ def test_bad_launch_options_are_refused_by_name():
         ops_bwd.kda_chunk_bwd(*args, launch={"intra": {"PREC": "tf32x3"}})
     with pytest.raises(ValueError, match="matrices PTS=24 must be 16 or 32"):
         ops_bwd.kda_chunk_bwd(*args, launch={"matrices": {"PTS": 24}})
+    with pytest.raises(ValueError, match="matrices INV='newton' must be 'blk' or 'pow'"):
+        ops_bwd.kda_chunk_bwd(*args, launch={"matrices": {"INV": "newton"}})
     with pytest.raises(ValueError, match="scratch DTYPE='bf16' must be one of"):
         ops_bwd.kda_chunk_bwd(*args, launch={"scratch": {"DTYPE": "bf16"}})
     for flag in ({"scratch": {"FWD": "no"}}, {"dstates": {"ORDERED": 1}}):
@@ -531,6 +574,16 @@ def test_bad_launch_options_are_refused_by_name():
     lowp = tuple(a.bfloat16() if a is not None and a.dtype == torch.float32 else a for a in args[:7]) + args[7:]
     with pytest.raises(ValueError, match="value BK=64 with the bf16 scratch is refused"):
         ops_bwd.kda_chunk_bwd(*lowp, launch={"scratch": {"DTYPE": "input"}, "value": {"BK": 64}})
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+def test_default_inverse_is_the_block_inversion():
+    """matrices forms T by block inversion at every dtype (repeated squaring, INV "pow", only when asked for: in
+    one-pass tf32 it fails collinear keys, case 11)."""
+    import torch
+    from k3.ops.kda.triton.bwd_config import launch_config
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert launch_config(128, 128, 96, dtype)["matrices"]["INV"] == "blk", dtype
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

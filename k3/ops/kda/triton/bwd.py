@@ -139,6 +139,8 @@ def kda_chunk_bwd(q, k, v, g, beta, do, dht, scale: float, initial_state=None, c
             raise ValueError(f"kda_chunk_bwd: intra FIN needs all {BT // TS} row tiles of a chunk per program, TPP={tpp}")
         if lc["intra"]["PREC"] not in ("tf32", "split_b"):
             raise ValueError(f"kda_chunk_bwd: intra PREC={lc['intra']['PREC']!r} must be 'tf32' or 'split_b'")
+        if lc["matrices"]["INV"] not in ("blk", "pow"):
+            raise ValueError(f"kda_chunk_bwd: matrices INV={lc['matrices']['INV']!r} must be 'blk' or 'pow'")
         pts = lc["matrices"]["PTS"]
         if pts not in (16, 32):
             raise ValueError(f"kda_chunk_bwd: matrices PTS={pts!r} must be 16 or 32")

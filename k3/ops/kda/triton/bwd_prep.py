@@ -85,7 +85,10 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
 
     Split Nm = Nd + No into its TS-diagonal blocks and the rest. Xd = (I + Nd)^-1 = prod_j (I + (-Nd)^(2^j)) by
     repeated squaring (Nd^TS = 0), then with M = Xd No (block-nilpotent, M^(BT/TS) = 0):
-    (I + N)^-1 = (I + M)^-1 Xd = prod_j (I + (-M)^(2^j)) Xd."""
+    (I + N)^-1 = (I + M)^-1 Xd = prod_j (I + (-M)^(2^j)) Xd.
+    matrices INV "pow" only (the default until the twenty-first session): the powers' entries can be thousands of
+    times |(I + Nm)^-1| (nearly collinear keys, weak decay, beta near 1: Nd ~ the strictly lower all-ones matrix,
+    |Nd^8| up to C(15, 7) = 6435), so one-pass tf32 loses T to cancellation there; `_blk_lower_inv` does not."""
     o = tl.arange(0, BT)
     row = o[:, None]
     col = o[None, :]
@@ -106,13 +109,41 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
 
 
 @triton.jit
+def _blk_lower_inv(Nm, BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr):
+    """(I + Nm)^-1 for strictly lower Nm [BT, BT] by recursive 2x2 block inversion 2 -> 4 -> ... -> BT, as the forward
+    does for its 16-row chunks: [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]], i.e. x <- x - x m x with m
+    the lower-left half-blocks of Nm, two products per level (ten at BT = 64, as many as `_unit_lower_inv`). Only
+    products of the inverse's own blocks: the tensor-core rounding (PREC) is relative to |(I + Nm)^-1|, which stays
+    O(1) for the delta rule's unit keys and beta in [0, 1], so nearly collinear keys with weak decay (a run of one
+    repeated token) keep ~1e-3 in one-pass tf32, where the powers of Nm (|Nm^8| up to C(15, 7) = 6435 there) lose
+    everything to cancellation."""
+    o = tl.arange(0, BT)
+    row = o[:, None]
+    col = o[None, :]
+    x = tl.where(row == col, 1., 0.) - tl.where((row // 2) == (col // 2), Nm, 0.)  # the 2 x 2 blocks, exact
+    for lv in tl.static_range(2, LOG2_BT + 1):
+        m = tl.where(((row >> lv) == (col >> lv)) & ((row >> (lv - 1)) != (col >> (lv - 1))), Nm, 0.)
+        x = x - tl.dot(tl.dot(x, m, input_precision=PREC), x, input_precision=PREC)
+    return x
+
+
+@triton.jit
 def _lower_inv_at(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr,
-                  IEEE: tl.constexpr, INV_PREC: tl.constexpr):
-    """`_unit_lower_inv` at INV_PREC for low-precision inputs; fp32 inputs (IEEE) always take "tf32x3"."""
-    if IEEE:
-        return _unit_lower_inv(Nm, BT, TS, LOG2_TS, LOG2_NB, "tf32x3")
+                  IEEE: tl.constexpr, INV_PREC: tl.constexpr, INV: tl.constexpr = "blk"):
+    """(I + Nm)^-1 with the tensor-core precision INV_PREC at low-precision inputs (fp32 inputs, IEEE: always
+    "tf32x3"); INV: "blk" (`_blk_lower_inv`, the default) or "pow" (`_unit_lower_inv`, repeated squaring: the default
+    until the twenty-first session; in one-pass tf32 it returns garbage T, and gradients of 1e4-1e6 relative error,
+    for chunks of nearly collinear keys with weak decay and beta near 1)."""
+    if INV == "pow":
+        if IEEE:
+            return _unit_lower_inv(Nm, BT, TS, LOG2_TS, LOG2_NB, "tf32x3")
+        else:
+            return _unit_lower_inv(Nm, BT, TS, LOG2_TS, LOG2_NB, INV_PREC)
     else:
-        return _unit_lower_inv(Nm, BT, TS, LOG2_TS, LOG2_NB, INV_PREC)
+        if IEEE:
+            return _blk_lower_inv(Nm, BT, LOG2_TS + LOG2_NB, "tf32x3")
+        else:
+            return _blk_lower_inv(Nm, BT, LOG2_TS + LOG2_NB, INV_PREC)
 
 
 @triton.jit
@@ -156,7 +187,7 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
                     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr, REF: tl.constexpr,
                     LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr, USE_GATE: tl.constexpr,
                     L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr, REFLOAD: tl.constexpr,
-                    FACTOR: tl.constexpr, PTS: tl.constexpr = 16):
+                    FACTOR: tl.constexpr, PTS: tl.constexpr = 16, INV: tl.constexpr = "blk"):
     """A chunk's (tril(Aq), tril_-1(L), T, rq, rk) in fp32 without a [BT, K] tile: Aq and L accumulate over
     BK-column blocks of the raw q, k (the L2 norm is a row / column scaling of both, applied after). Stores the
     cumsum G (fp32) into gcs for the later kernels (REFLOAD: reading its tiles' reference rows back from there).
@@ -202,7 +233,7 @@ def _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, sc
         rq, rk = _row_rnorms(q, k, tok, m_t, i_h, H, K, BK, L2NORM)
         Aq = tl.where(row >= col, Aq * (rq * scale)[:, None] * rk[None, :], 0.)
         L = tl.where(row > col, L * rk[:, None] * rk[None, :], 0.)
-    Tm = _lower_inv_at(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB, IEEE, INV_PREC)
+    Tm = _lower_inv_at(b_b[:, None] * L, BT, TS, LOG2_TS, LOG2_NB, IEEE, INV_PREC, INV)
     return Aq, L, Tm, rq, rk
 
 
@@ -211,9 +242,10 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
                lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-               REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr, PTS: tl.constexpr):
+               REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr, PTS: tl.constexpr,
+               INV: tl.constexpr = "blk"):
     """Prep, chunk-wide part: Aq, L, T and the L2-norm factors (`_chunk_matrices`; INV_PREC: the inverse's
-    tensor-core precision at low-precision inputs), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
+    tensor-core precision at low-precision inputs, INV its algorithm: `_lower_inv_at`), stored as T / tril_-1(L) (cmat slots 0, 1), tril(Aq) (aq_out
     in the intermediate dtype for dstates, and with AQF in fp32 (aqf) for value forming du' itself: without value's PRE),
     rq, rk (rqk) and the cumsum G (gcs)."""
     o_t = tl.arange(0, BT)
@@ -221,7 +253,7 @@ def _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t
     col = o_t[None, :]
     Aq, L, Tm, rq, rk = _chunk_matrices(q, k, g, A_log, dt_bias, gcs, b_b, tok, m_t, i_h, t0, t1, scale, lower_bound,
                                         Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE,
-                                        INV_PREC, REFLOAD, FACTOR, PTS)
+                                        INV_PREC, REFLOAD, FACTOR, PTS, INV)
     pc = (i_c * H + i_h).to(tl.int64) * 4 * BT * BT + row * BT + col
     tl.store(cmat + pc, Tm)
     tl.store(cmat + pc + BT * BT, L)
@@ -270,12 +302,13 @@ def kda_bwd_chunk_matrices_kernel(q, k, g, beta, A_log, dt_bias, aq_out, cmat, a
                         lower_bound, Ttot, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, TS: tl.constexpr,
                         REF: tl.constexpr, LOG2_TS: tl.constexpr, LOG2_NB: tl.constexpr, BK: tl.constexpr,
                         USE_GATE: tl.constexpr, L2NORM: tl.constexpr, IEEE: tl.constexpr, INV_PREC: tl.constexpr,
-                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr, PTS: tl.constexpr):
+                        REFLOAD: tl.constexpr, FACTOR: tl.constexpr, AQF: tl.constexpr, PTS: tl.constexpr,
+                        INV: tl.constexpr = "blk"):
     """Prep part 1 (matrices), per (chunk, head): `_prep_mats` only."""
     i_c, i_h, t0, t1, o_t, tok, m_t, row, col, b_b = _chunk_start(chunk_tok, chunk_end, beta, H, BT)
     _prep_mats(q, k, g, A_log, dt_bias, aq_out, cmat, aqf, rqk, gcs, i_c, i_h, t0, t1, tok, m_t, b_b, scale,
                lower_bound, Ttot, H, K, BT, TS, REF, LOG2_TS, LOG2_NB, BK, USE_GATE, L2NORM, IEEE, INV_PREC, REFLOAD,
-               FACTOR, AQF, PTS)
+               FACTOR, AQF, PTS, INV)
 
 
 @triton.jit
