@@ -65,6 +65,13 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   bwdsmall) step bwdsmall 420 python3 benchmarks/kda_bwd_sweep.py --B 8 --T 4096 --H 8 --configs default --fla \
       --budget-s 20 --json "$OUT/kda_bwd_small.json"
     step pack 60 python3 benchmarks/fla_warmup.py --no-warm --pack "$OUT/autotune.tgz" ;;
+  # the backward's inverse: block inversion (default) against the former repeated squaring, time (B1 T8K H96 and the
+  # `small` shape, per kernel) and the collinear-key case through both against the fp64 reference
+  bwdinv) step bwdinv 240 python3 benchmarks/kda_bwd_sweep.py --configs default,matrices_inv_pow --budget-s 60 \
+      --json "$OUT/kda_bwd_inv.json"
+    step bwdinv-small 200 python3 benchmarks/kda_bwd_sweep.py --B 8 --T 4096 --H 8 --configs default,matrices_inv_pow \
+      --budget-s 60 --json "$OUT/kda_bwd_inv_small.json"
+    step bwdinv-synth 120 python3 benchmarks/kda_blowup_replay.py synthetic ;;
   # gradient accuracy of our backward (per scratch dtype) and of fla against the fp64 token loop on the same inputs
   bwdacc) step bwdacc ${BWDACC_BUDGET:-300} python3 benchmarks/kda_bwd_accuracy.py ${BWDACC_ARGS:-} ;;
   # k3's dispatch of KDA, MoE, AttnRes and MLA attention against the kernels called directly / eager
@@ -179,8 +186,9 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     (cd /tmp && tar czf "$OUT/rlfull.tgz" --exclude='checkpoints' --exclude='final' --exclude='*.safetensors' rlfull)
     unset K3_BACKEND ;;
   # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, 300 steps x 8K tokens, lr 2e-3,
-  # KDA on the torch chunk path: with our Triton KDA backward `small` training blows up (grad-norm spikes, NaN within
-  # 20-60 steps; docs/LOG.md, twenty-second session). Eager `small` at 16K tokens takes ~70 GiB a job (two side by
+  # KDA on the torch chunk path: our Triton KDA backward blew `small` training up (grad-norm spikes, NaN within 20-60
+  # steps: its inverse T by repeated squaring in one-pass tf32; block inversion since, docs/LOG.md, twenty-second
+  # session; confirm with the kda-stability stage before moving these runs back to it). Eager `small` at 16K tokens takes ~70 GiB a job (two side by
   # side run out of memory); at the trainer's lr 6e-3 `small` stopped on NaN too (with the Triton path)
   claims-small) step claims-small 560 env CLAIM_TIMEOUT=500 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       K3_BACKEND=kda:torch,attnres:torch \
@@ -199,7 +207,8 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed
   # 1, lr 2e-3; the twenty-second session's run where our Triton backward's grad norm reached 7.7e7 at step 25 and the
   # loss went NaN from step 29, the torch path's max grad norm 13.1) side by side on kda:triton and kda:torch;
-  # KDA_STABILITY_LAUNCH sets $K3_KDA_BWD_LAUNCH for the triton job. Prints max grad norm and skipped steps per job
+  # KDA_STABILITY_LAUNCH sets $K3_KDA_BWD_LAUNCH for the triton job ('{"matrices": {"INV": "pow"}}': the inverse of
+  # that run). Prints max grad norm and skipped steps per job
   kda-stability) R=/tmp/kstab; rm -rf $R; mkdir -p $R
     C="--preset small --compile none --eval-every 0 --no-samples --no-tensorboard --no-progress --threads 2 --steps 80
        --batch-tokens 4096 --stages 2048:1 --lr 2e-3 --max-bad-steps 80 --param-dtype fp32 --seed 1"

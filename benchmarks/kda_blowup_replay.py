@@ -1,6 +1,6 @@
 """Pin down KDA Triton backward blow-ups (huge finite gradients, then inf / NaN, with K3_BACKEND=kda:triton) on a GPU.
 
-Found in the twenty-first session (CPU, Triton interpreter with GPU-like tf32 / bf16 rounding): the backward's 64 x 64
+Found in the twenty-second session (CPU, Triton interpreter with GPU-like tf32 / bf16 rounding): the backward's 64 x 64
 inverse T = (I + diag(beta) L)^-1, formed by repeated squaring in one-pass tf32 (matrices INV "pow", then the
 default), cancels catastrophically for chunks of nearly collinear keys with weak decay and beta near 1 (a run of one
 repeated token after the short conv): |N^8| reaches thousands while T stays O(1), so T and every gradient came back

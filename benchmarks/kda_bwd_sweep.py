@@ -24,6 +24,9 @@ from _common import sibling
 # (name, launch overrides {kernel: {param: value}}): the default launch (the reference row), then one change per row
 CONFIGS = [  # most informative first: the budget cuts the tail
     ("default", {}),
+    # twenty-second session: matrices's inverse by repeated squaring (INV "pow", the default until then; wrong in
+    # one-pass tf32 for nearly collinear keys) against the block inversion (the default since), same ten products
+    ("matrices_inv_pow", {"matrices": {"INV": "pow"}}),
     # fifteenth session: gv forming the whole dN from u' (DNU, the default since) against gw adding its dXk W^T part
     # (atomics, pwu's fp32 copy of W, gv forming U): B1 T8K H96, 9.18 ms vs 9.76 (gw 2.19 -> 1.89, gv 0.99 -> 0.79,
     # pwu 0.76 -> 0.66); then gv at BV 64 (its default since) 9.05 vs 9.12 (gv 0.78 -> 0.71). Measured then removed,

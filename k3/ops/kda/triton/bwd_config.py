@@ -76,13 +76,13 @@ def launch_config(K: int, V: int, nprog: int, dtype: torch.dtype) -> dict:
     cfg = dict(
         # INV_PREC: the 64 x 64 inverse's tensor-core precision at bf16 / fp16 inputs (fp32 inputs: always
         # "tf32x3"). INV: its algorithm, "blk" (recursive 2x2 block inversion: rounding relative to the inverse) or
-        # "pow" (repeated squaring, the default until the twenty-first session: in one-pass tf32 its powers of N
+        # "pow" (repeated squaring, the default until the twenty-second session: in one-pass tf32 its powers of N
         # cancel catastrophically for nearly collinear keys with weak decay and beta near 1, e.g. a run of one
         # repeated token, and T, hence every gradient, comes back as huge finite garbage: the `small` preset's grad
-        # norm spikes of 1e5-1e10 and NaNs; both take ten 64 x 64 x 64 products). REFLOAD: the tiles' reference rows of G read back from the stored cumsum. FACTOR: two-level
-        # decays in the intra-chunk products (one [BT, BK] exponential pair per K block). PTS: row tile of the
-        # decay-factored products, 32 where the L2 norm and a gate bounded at >= -5 keep e^80 factors in fp32, else
-        # 16 (kda_chunk_bwd narrows it per call)
+        # norm spikes of 1e5-1e10 and NaNs; both take ten 64 x 64 x 64 products). REFLOAD: the tiles' reference rows
+        # of G read back from the stored cumsum. FACTOR: two-level decays in the intra-chunk products (one [BT, BK]
+        # exponential pair per K block). PTS: row tile of the decay-factored products, 32 where the L2 norm and a gate
+        # bounded at >= -5 keep e^80 factors in fp32, else 16 (kda_chunk_bwd narrows it per call)
         matrices=dict(BK=min(K, 64), num_warps=4, num_stages=1, INV_PREC="tf32", INV="blk", REFLOAD=True, FACTOR=True,
                       PTS=32),
         # INNER (wy, inter, intra): a chunk's column-block / tile programs are consecutive on grid axis 0, so they

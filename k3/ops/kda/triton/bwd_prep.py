@@ -86,7 +86,7 @@ def _unit_lower_inv(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexp
     Split Nm = Nd + No into its TS-diagonal blocks and the rest. Xd = (I + Nd)^-1 = prod_j (I + (-Nd)^(2^j)) by
     repeated squaring (Nd^TS = 0), then with M = Xd No (block-nilpotent, M^(BT/TS) = 0):
     (I + N)^-1 = (I + M)^-1 Xd = prod_j (I + (-M)^(2^j)) Xd.
-    matrices INV "pow" only (the default until the twenty-first session): the powers' entries can be thousands of
+    matrices INV "pow" only (the default until the twenty-second session): the powers' entries can be thousands of
     times |(I + Nm)^-1| (nearly collinear keys, weak decay, beta near 1: Nd ~ the strictly lower all-ones matrix,
     |Nd^8| up to C(15, 7) = 6435), so one-pass tf32 loses T to cancellation there; `_blk_lower_inv` does not."""
     o = tl.arange(0, BT)
@@ -132,7 +132,7 @@ def _lower_inv_at(Nm, BT: tl.constexpr, TS: tl.constexpr, LOG2_TS: tl.constexpr,
                   IEEE: tl.constexpr, INV_PREC: tl.constexpr, INV: tl.constexpr = "blk"):
     """(I + Nm)^-1 with the tensor-core precision INV_PREC at low-precision inputs (fp32 inputs, IEEE: always
     "tf32x3"); INV: "blk" (`_blk_lower_inv`, the default) or "pow" (`_unit_lower_inv`, repeated squaring: the default
-    until the twenty-first session; in one-pass tf32 it returns garbage T, and gradients of 1e4-1e6 relative error,
+    until the twenty-second session; in one-pass tf32 it returns garbage T, and gradients of 1e4-1e6 relative error,
     for chunks of nearly collinear keys with weak decay and beta near 1)."""
     if INV == "pow":
         if IEEE:
