@@ -19,7 +19,9 @@ Files, one per stage (kernels need triton and are imported on first use; host co
   walk.py       prologue of the sequential walks (shared by forward and backward)
   bwd.py        backward host code (eight kernels on 64-token chunks, WY form, nothing recomputed);
                 bwd_config.py its launch parameters ($K3_KDA_BWD_LAUNCH); the math in bwd_common.py
-  bwd_prep.py   backward 1: T, tril_-1(L), tril(Aq), norms, the stored cumsum G; q e^G, k e^(G_l - G), W, U
+  bwd_prep.py   backward 1: T (64 x 64, recursive 2x2 block inversion as in the forward: repeated squaring
+                cancelled in one-pass tf32 for runs of nearly collinear keys), tril_-1(L), tril(Aq), norms, the
+                stored cumsum G; q e^G, k e^(G_l - G), W, U
   bwd_state.py  backward 2: the state at every chunk start and u' (skipped when the forward saved them), the state
                 gradient at every chunk end, du' and dh0
   bwd_value.py  backward 3: dv, dAq, dN, the value part of dbeta
