@@ -432,6 +432,41 @@ def test_kda_triton_backward_finite_with_saturated_gates():
     assert not bad, bad
 
 
+def test_kda_triton_backward_collinear_keys_on_the_gpu():
+    """A run of one repeated token (nearly collinear keys, long memory, beta near 1) at H8 D128 bf16 on the GPU's
+    tensor cores: the backward's block-inverted T keeps every gradient near the fp32 torch path's (the former
+    repeated squaring in one-pass tf32 gave ~1e4-1e6 relative error here and blew `small` training up), and the
+    former inverse (INV "pow") is still far off, so the inputs reach the cancellation."""
+    from k3.ops.kda.chunk import chunk_kda_torch
+    from k3.ops.kda.triton import bwd as ops_bwd
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)
+    T, H, D = 1024, 8, 128
+    k = (r(1, 1, H, D).expand(1, T, H, D) + 0.1 * r(1, T, H, D)).to(BF)
+    q, v, do = (r(1, T, H, D).to(BF) for _ in range(3))
+    f = (r(1, T, H, D) * 2 - 30).to(BF)                          # the gate far below its midpoint: g ~ 0
+    beta = (0.9 + 0.1 * torch.rand(1, T, H, device=DEV, generator=gen)).to(BF)
+    h0, dht = r(1, H, D, D), r(1, H, D, D)
+    kw = dict(initial_state=h0, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=torch.rand(H, device=DEV, generator=gen), dt_bias=r(H * D) * 0.5, lower_bound=-5.0)
+    xs = [t.float().requires_grad_() for t in (q, k, v)] + [f.float(), beta.float().requires_grad_(),
+                                                           h0.clone().requires_grad_()]
+    o, S = chunk_kda_torch(*xs[:5], scale=D ** -0.5, initial_state=xs[5], output_final_state=True,
+                           **{n: kw[n] for n in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "A_log", "dt_bias",
+                                                 "lower_bound")})
+    ((o * do.float()).sum() + (S * dht).sum()).backward()
+    ref = dict(dq=xs[0].grad, dk=xs[1].grad, dv=xs[2].grad, dbeta=xs[4].grad, dh0=xs[5].grad)
+    errs = {}
+    for inv in ("blk", "pow"):
+        g = ops_bwd.kda_chunk_bwd(q, k, v, f, beta, do, dht, D ** -0.5, launch={"matrices": {"INV": inv}}, **kw)
+        got = dict(zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), g))
+        errs[inv] = {n: (rel if inv == "blk" else rel_err)(got[n].float(), ref[n]) for n in ref}  # pow: NaN counts
+    report("kda triton bwd, collinear keys (block inversion)", **errs["blk"])
+    report("kda triton bwd, collinear keys (repeated squaring)", **errs["pow"])
+    assert max(errs["blk"].values()) <= 5e-2, errs
+    assert not all(e <= 1.0 for e in errs["pow"].values()), errs       # a NaN there counts as far off
+
+
 def test_kda_triton_backward_from_the_forwards_saved_states():
     """The training forward's saved chunk states and u' (the default at bf16) against the backward's own states pass
     at H96 D128 bf16, varlen with an initial state and sequences past one 8K time piece (the pipelined forward saves
