@@ -298,7 +298,7 @@ class DistTrainer(Trainer):
         stage, seq = self.schedule.stage_at(self.step)
         return {
             "step": self.step, "stage": stage, "seq_len": seq, "tokens_seen": self.tokens_seen,
-            "train_time": self.train_time, "bad_streak": self.bad_streak,
+            "train_time": self.train_time, "bad_streak": self.bad_streak, "grad_norm_window": self.grad_norm_window,
             "scheduler": self.scheduler.state_dict(),
             "balancer": self.balancer.state_dict() if self.balancer is not None else None,
             "loader": self.data.train.state_dict(), "rng": ckpt_io.rng_state(),

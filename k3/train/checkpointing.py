@@ -279,6 +279,7 @@ def restore_training_state(trainer, path: str, st: dict, where: str, optimizer: 
         trainer.tokens_seen = int(st.get("tokens_seen", 0))
         trainer.train_time = float(st.get("train_time", 0.0))
         trainer.bad_streak = int(st.get("bad_streak", 0))
+        trainer.grad_norm_window = [float(x) for x in st.get("grad_norm_window", [])]
     except (CheckpointError, K3ConfigError):
         raise
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:

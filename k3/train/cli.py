@@ -15,7 +15,8 @@ _FIELDS = {
     "grad_accum": "grad_accum", "seed": "seed", "device": "device", "activation_checkpointing":
     "activation_checkpointing", "stages": "stages", "keep": "keep", "eval_every": "eval_every",
     "warmup": "warmup_steps", "weight_decay": "weight_decay", "grad_clip": "grad_clip", "stop_at": "stop_at",
-    "max_bad_steps": "max_bad_steps", "val_tokens": "val_tokens", "split_sections": "split_sections",
+    "max_bad_steps": "max_bad_steps", "skip_grad_spikes": "skip_grad_spikes", "val_tokens": "val_tokens",
+    "split_sections": "split_sections",
     "threads": "threads", "compile": "compile", "param_dtype": "param_dtype", "no_progress": "progress",
     "no_tensorboard": "tensorboard", "no_samples": "samples", "overwrite": "overwrite", "init": "init_from",
 }
@@ -78,6 +79,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--eval-every", type=int_at_least(0), default=None, help="evaluate every N steps; 0 = before and after only [steps/4]")
     a("--val-tokens", type=int_at_least(1), default=None, help=f"validation tokens per evaluation [{d.val_tokens}]")
     a("--max-bad-steps", type=int_at_least(0), default=None, help=f"consecutive NaN/inf steps tolerated [{d.max_bad_steps}]")
+    a("--skip-grad-spikes", type=finite_float(1, lo_open=True), default=None, metavar="FACTOR",
+      help="skip a step whose gradient norm (before clipping) is over FACTOR x the median of the last 50 updated "
+           "steps (from the 10th on), e.g. 10; counts toward --max-bad-steps [off]")
     a("--no-progress", action="store_true", default=None, help="no progress bar")
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
     a("--no-samples", action="store_true", default=None, help="no sample generations at the end")

@@ -45,6 +45,7 @@ FLAG_NAMES = {
     "activation_checkpointing": "--activation-checkpointing", "stages": "--stages", "keep": "--keep",
     "eval_every": "--eval-every", "warmup_steps": "--warmup", "weight_decay": "--weight-decay",
     "grad_clip": "--grad-clip", "stop_at": "--stop-at", "max_bad_steps": "--max-bad-steps",
+    "skip_grad_spikes": "--skip-grad-spikes",
     "val_tokens": "--val-tokens", "split_sections": "--split-sections", "threads": "--threads",
     "compile": "--compile", "param_dtype": "--param-dtype", "progress": "--no-progress",
     "tensorboard": "--no-tensorboard", "samples": "--no-samples", "overwrite": "--overwrite",
@@ -56,7 +57,7 @@ FLAG_NAMES = {
 RUN_FIXED = ("preset", "config", "model_overrides", "tokens_per_step", "stages", "grad_accum", "seed", "data",
              "split_sections", "tokenizer", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio",
              "grad_clip", "qk_clip_tau", "balancer", "param_dtype", "init_from", "task", "sft_data", "sft_per_task",
-             "sft_tasks")
+             "sft_tasks", "skip_grad_spikes")
 TASKS = ("pretrain", "sft")
 # one invocation's request, not a property of the run: never read back from train_config.json
 SESSION_ONLY = ("stop_at", "resume", "overwrite")
@@ -184,7 +185,11 @@ class TrainConfig:
     grad_clip: float = 1.0
     qk_clip_tau: float = 100.0
     balancer: str = "qb"                    # qb | qb_hist | qb_ema | sign | aux_loss | none
-    max_bad_steps: int = 5                  # consecutive NaN/inf steps tolerated
+    max_bad_steps: int = 5                  # consecutive NaN/inf (or skipped-spike) steps tolerated
+    # skip a step whose gradient norm (before clipping) is over this many times the median of the last
+    # SPIKE_WINDOW updated steps' (from the SPIKE_MIN_HISTORY-th on): a huge finite gradient passes the clip at full
+    # step size in a wrong direction; None = off
+    skip_grad_spikes: Optional[float] = None
     # logging / evaluation / checkpoints
     save_every: int = 0                     # 0: only at the end (and on Ctrl-C)
     keep: int = 2
@@ -253,6 +258,8 @@ class TrainConfig:
         for name in ("weight_decay", "grad_clip", "qk_clip_tau"):
             need(is_num(getattr(self, name)) and getattr(self, name) >= 0, name, "a finite number >= 0")
         need(is_num(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "a finite number in [0, 1]")
+        need(self.skip_grad_spikes is None or (is_num(self.skip_grad_spikes) and self.skip_grad_spikes > 1),
+             "skip_grad_spikes", "a finite number > 1 (a factor over the median gradient norm), or None")
         from k3.train.schedule import _validate
         _validate(self.stages)
         for seq, _ in self.stages:

@@ -22,8 +22,10 @@ fallback past a truncated state, the lock): `k3.train.checkpointing`. Validation
 A new run in a directory that holds a run is refused unless `overwrite=True` (`--overwrite`) or `resume=True`.
 Checkpoints are written to a hidden temp directory and renamed into place, so an interrupted save leaves the
 previous checkpoint intact; only the last `keep` are kept. Ctrl-C finishes the current step, saves and returns.
-A non-finite loss or gradient norm skips the step (no optimizer update, gradients zeroed); more than
-`max_bad_steps` in a row stop the run with `TrainingError`. A run whose final weights or validation loss are not
+A non-finite loss or gradient norm skips the step (no optimizer update, gradients zeroed), and so does, with
+`skip_grad_spikes` F (`--skip-grad-spikes`), a finite gradient norm over F x the median of the last SPIKE_WINDOW
+updated steps' (a huge finite gradient would pass the clip at full step size in a wrong direction); more than
+`max_bad_steps` skipped steps in a row stop the run with `TrainingError`. A run whose final weights or validation loss are not
 finite fails with `TrainingError` and writes no `final/`.
 
 Post-training (`k3 sft`): `init_from` (`--ckpt`) starts from a trained checkpoint's config, tokenizer and weights
@@ -40,6 +42,7 @@ import logging
 import math
 import os
 import signal
+import statistics
 import threading
 import time
 import warnings
@@ -62,6 +65,11 @@ from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_S
 from k3.train.probes import greedy_generate, recall_batch  # noqa: F401
 
 log = logging.getLogger("k3.train")
+
+# the spike rule (TrainConfig.skip_grad_spikes): the median over the last SPIKE_WINDOW updated steps' gradient norms,
+# applied from SPIKE_MIN_HISTORY of them on
+SPIKE_WINDOW = 50
+SPIKE_MIN_HISTORY = 10
 
 __all__ = ["TrainConfig", "Trainer", "TrainingError", "Callback", "parse_stages", "format_stages",
            "find_checkpoints", "latest_checkpoint", "resume_config", "recall_batch", "greedy_generate", "DEFAULT_STAGES",
@@ -109,6 +117,7 @@ class Trainer:
         self._model_config = model_config
         self.step = 0                 # optimizer steps completed
         self.bad_streak = 0
+        self.grad_norm_window: list[float] = []   # the last SPIKE_WINDOW updated steps' gradient norms (spike rule)
         self.tokens_seen = 0
         self.train_time = 0.0         # seconds spent in training steps (all sessions)
         self.resumed_from: Optional[str] = None
@@ -308,7 +317,7 @@ class Trainer:
         stage, seq = self.schedule.stage_at(self.step)
         return {
             "step": self.step, "stage": stage, "seq_len": seq, "tokens_seen": self.tokens_seen,
-            "train_time": self.train_time, "bad_streak": self.bad_streak,
+            "train_time": self.train_time, "bad_streak": self.bad_streak, "grad_norm_window": self.grad_norm_window,
             "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
             "balancer": self.balancer.state_dict() if self.balancer is not None else None,
             "loader": self.data.train.state_dict(), "rng": ckpt_io.rng_state(),
@@ -424,6 +433,14 @@ class Trainer:
         return self._finish_step(t0, stage, seq, rows, loss_sum, bad, aux_total, mtp)
 
     # the parts of a step the distributed trainer shares (k3.parallel.training), with its reductions as hooks
+    def _spike_median(self, grad_norm: float) -> Optional[float]:
+        """The median of the recent gradient norms when `grad_norm` is a spike under `skip_grad_spikes`, else None."""
+        f = self.cfg.skip_grad_spikes
+        if f is None or len(self.grad_norm_window) < SPIKE_MIN_HISTORY:
+            return None
+        med = statistics.median(self.grad_norm_window)
+        return med if grad_norm > f * med else None
+
     def _clip_grad_norm(self, params: list) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"))
 
@@ -439,11 +456,16 @@ class Trainer:
         """After the backward passes: clip, update (or skip a bad step), LR schedule, counters; returns the step
         record (`loss`, `mtp` already summed over the ranks)."""
         grad_norm = float("nan")
+        rec: dict[str, Any] = {"type": "train"}
         if not bad:
             params = [p for p in self.model.parameters() if p.grad is not None]
             grad_norm = float(self._clip_grad_norm(params))
             bad = not math.isfinite(grad_norm)
-        rec: dict[str, Any] = {"type": "train"}
+            med = self._spike_median(grad_norm) if not bad else None
+            if med is not None:
+                bad, rec["grad_spike_median"] = True, med
+            elif not bad:
+                self.grad_norm_window = (self.grad_norm_window + [grad_norm])[-SPIKE_WINDOW:]
         clipped = 0
         self._phase = "update"
         if bad:
@@ -472,7 +494,8 @@ class Trainer:
         self.tokens_seen += tokens
         self.train_time += dt
         self._phase = "idle"
-        rec.update({"step": self.step, "loss": float(loss) if not bad else float("nan"), "lr": lr,
+        spike = "grad_spike_median" in rec   # a skipped spike keeps its (finite) loss in the record
+        rec.update({"step": self.step, "loss": float(loss) if not bad or spike else float("nan"), "lr": lr,
                     "tokens": tokens, "tokens_per_s": tokens / max(dt, 1e-9), "step_time": dt,
                     "seq_len": seq, "stage": stage, "batch_rows": rows, "grad_norm": grad_norm,
                     "skipped": bad, "tokens_seen": self.tokens_seen, "epoch": self.data.train.epoch_progress})
@@ -541,7 +564,12 @@ class Trainer:
                 if self._stop_requested:
                     raise KeyboardInterrupt
                 rec = self.train_step()
-                if rec["skipped"]:
+                if rec["skipped"] and "grad_spike_median" in rec:
+                    log.warning("step %d: gradient norm %.4g is over %g x the median %.4g of the last %d updated "
+                                "steps: step skipped (--skip-grad-spikes; %d in a row)", rec["step"], rec["grad_norm"],
+                                cfg.skip_grad_spikes, rec["grad_spike_median"], len(self.grad_norm_window),
+                                self.bad_streak)
+                elif rec["skipped"]:
                     log.warning("step %d: non-finite loss/gradient (loss %s, grad norm %s): step skipped "
                                 "(%d in a row)", rec["step"], rec["loss"], rec["grad_norm"], self.bad_streak)
                 for cb in self.callbacks:
@@ -553,8 +581,9 @@ class Trainer:
                     pbar.update(1)
                 if self.bad_streak > cfg.max_bad_steps:
                     raise TrainingError(
-                        f"stopping at step {self.step}: the loss or gradient was NaN/inf for {self.bad_streak} "
-                        f"consecutive steps (limit --max-bad-steps {cfg.max_bad_steps}). Lower --lr, check the "
+                        f"stopping at step {self.step}: the loss or gradient was NaN/inf"
+                        f"{' (or a --skip-grad-spikes spike)' if cfg.skip_grad_spikes is not None else ''} for "
+                        f"{self.bad_streak} consecutive steps (limit --max-bad-steps {cfg.max_bad_steps}). Lower --lr, check the "
                         f"data, or resume from the last good checkpoint ({self.latest_checkpoint_path()}).")
                 for cb in self.callbacks:
                     cb.on_step_end(self, rec)

@@ -169,6 +169,71 @@ def test_nan_step_is_skipped_and_repeated_nans_stop(corpus, tmp_path):
         Trainer(make_cfg(corpus, out2, steps=8, max_bad_steps=2), callbacks=[NaNAt(range(3, 99))]).train()
 
 
+class ScaleLossAt(Callback):
+    """Multiplies the loss (hence every gradient) by `factor` on the given steps: a finite gradient spike."""
+    def __init__(self, steps, factor=1e4):
+        self.steps, self.factor = set(steps), factor
+
+    def on_loss(self, trainer, loss):
+        return loss * self.factor if trainer.step + 1 in self.steps else loss
+
+
+def test_grad_spike_is_skipped_with_skip_grad_spikes(corpus, tmp_path, caplog):
+    """--skip-grad-spikes F: a step whose gradient norm is over F x the median of the recent updated steps' is
+    skipped (no update; its finite loss kept in the record, with the median); without the flag the same step is
+    clipped and applied. Before SPIKE_MIN_HISTORY updated steps the rule does not apply."""
+    from k3.train.trainer import SPIKE_MIN_HISTORY
+    spike = SPIKE_MIN_HISTORY + 2
+    snaps = {}
+
+    class Snap(Callback):
+        def on_step_end(self, trainer, rec):
+            snaps[rec["step"]] = trainer.model.lm_head.weight.detach().clone()
+    out = tmp_path / "on"
+    with caplog.at_level("WARNING", logger="k3.train"):
+        s = Trainer(make_cfg(corpus, out, steps=spike + 2, skip_grad_spikes=10.0),
+                    callbacks=[ScaleLossAt({2, spike}), Snap()]).train()
+    assert s["status"] == "completed" and s["skipped_steps"] == 1
+    recs = {r["step"]: r for r in metrics(out) if r["type"] == "train"}
+    assert not recs[2]["skipped"]                            # too early: fewer than SPIKE_MIN_HISTORY norms
+    r = recs[spike]
+    norms = [recs[i]["grad_norm"] for i in range(1, spike) if i != 2]
+    import statistics
+    assert r["skipped"] and r["grad_spike_median"] == pytest.approx(statistics.median(norms + [recs[2]["grad_norm"]]))
+    assert r["grad_norm"] > 10.0 * r["grad_spike_median"] and math.isfinite(r["loss"])
+    assert torch.equal(snaps[spike - 1], snaps[spike]) and not torch.equal(snaps[spike], snaps[spike + 1])
+    assert "over 10 x the median" in caplog.text and "--skip-grad-spikes" in caplog.text
+    off = tmp_path / "off"
+    Trainer(make_cfg(corpus, off, steps=spike), callbacks=[ScaleLossAt({spike})]).train()
+    assert not [r for r in metrics(off) if r["type"] == "train"][-1]["skipped"]
+
+
+def test_grad_spike_rule_resumes_exactly_and_repeated_spikes_stop(corpus, tmp_path):
+    """The recent gradient norms are part of the checkpoint: stop before the spike, resume, and the spike is skipped
+    as in the straight run (bitwise equal weights); spikes in a row count toward --max-bad-steps."""
+    from k3.train.trainer import SPIKE_MIN_HISTORY
+    spike, steps = SPIKE_MIN_HISTORY + 2, SPIKE_MIN_HISTORY + 4
+    a, b = tmp_path / "a", tmp_path / "b"
+    cb = lambda: [ScaleLossAt({spike})]
+    Trainer(make_cfg(corpus, a, steps=steps, skip_grad_spikes=10.0), callbacks=cb()).train()
+    Trainer(make_cfg(corpus, b, steps=steps, stop_at=spike - 1, skip_grad_spikes=10.0), callbacks=cb()).train()
+    st = torch.load(os.path.join(latest_checkpoint(str(b)), "trainer_state.pt"), weights_only=True)
+    assert len(st["grad_norm_window"]) == spike - 1
+    Trainer(make_cfg(corpus, b, steps=steps, resume=True, skip_grad_spikes=10.0), callbacks=cb()).train()
+    ra = [r for r in metrics(a) if r["type"] == "train"]
+    rb = [r for r in metrics(b) if r["type"] == "train"]
+    assert [r["skipped"] for r in ra] == [r["skipped"] for r in rb] and ra[spike - 1]["skipped"]
+    from k3.checkpoint import load_state_dict
+    sa, sb = load_state_dict(str(a / "final")), load_state_dict(str(b / "final"))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    with pytest.raises(TrainingError, match=r"NaN/inf \(or a --skip-grad-spikes spike\) for 2 consecutive"):
+        Trainer(make_cfg(corpus, tmp_path / "c", steps=steps, max_bad_steps=1, skip_grad_spikes=10.0),
+                callbacks=[ScaleLossAt({spike, spike + 1})]).train()
+    for bad in (1.0, 0.5, float("nan"), "10"):
+        with pytest.raises(K3ConfigError, match="--skip-grad-spikes"):
+            make_cfg(corpus, tmp_path / "d", skip_grad_spikes=bad).validate()
+
+
 def test_on_step_record_fields_are_logged(corpus, tmp_path):
     """Fields a callback adds in on_step_record reach every train row of metrics.jsonl (and the history);
     on_step_end runs after the row is written."""
