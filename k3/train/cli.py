@@ -79,9 +79,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--eval-every", type=int_at_least(0), default=None, help="evaluate every N steps; 0 = before and after only [steps/4]")
     a("--val-tokens", type=int_at_least(1), default=None, help=f"validation tokens per evaluation [{d.val_tokens}]")
     a("--max-bad-steps", type=int_at_least(0), default=None, help=f"consecutive NaN/inf steps tolerated [{d.max_bad_steps}]")
-    a("--skip-grad-spikes", type=finite_float(1, lo_open=True), default=None, metavar="FACTOR",
-      help="skip a step whose gradient norm (before clipping) is over FACTOR x the median of the last 50 updated "
-           "steps (from the 10th on), e.g. 10; counts toward --max-bad-steps [off]")
+    add_spike_flag(a)
     a("--no-progress", action="store_true", default=None, help="no progress bar")
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
     a("--no-samples", action="store_true", default=None, help="no sample generations at the end")
@@ -95,6 +93,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_mesh_flags(s)
     s.set_defaults(fn=run)
     return s
+
+
+def add_spike_flag(a) -> None:
+    """--skip-grad-spikes (TrainConfig.skip_grad_spikes), shared by `k3 train` and `k3 sft`; `a` = add_argument."""
+    a("--skip-grad-spikes", type=finite_float(1, lo_open=True), default=None, metavar="FACTOR",
+      help="skip a step whose gradient norm (before clipping) is over FACTOR x the median of the last 50 updated "
+           "steps (from the 10th on), e.g. 10; counts toward --max-bad-steps [off]")
 
 
 def add_mesh_flags(s: argparse.ArgumentParser) -> None:
@@ -151,6 +156,7 @@ def add_sft_parser(subparsers) -> argparse.ArgumentParser:
     a("--eval-every", type=int_at_least(0), default=None, help="evaluate every N steps [steps/4]")
     a("--val-tokens", type=int_at_least(1), default=None, help="validation tokens per evaluation [4096]")
     a("--max-bad-steps", type=int_at_least(0), default=None, help="consecutive NaN/inf steps tolerated [5]")
+    add_spike_flag(a)
     a("--tokenizer", default=None, help="tokenizer.json (or its dir) [the checkpoint's]")
     a("--no-progress", action="store_true", default=None, help="no progress bar")
     a("--no-tensorboard", action="store_true", default=None, help="no TensorBoard logs")
