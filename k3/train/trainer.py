@@ -25,8 +25,8 @@ previous checkpoint intact; only the last `keep` are kept. Ctrl-C finishes the c
 A non-finite loss or gradient norm skips the step (no optimizer update, gradients zeroed), and so does, with
 `skip_grad_spikes` F (`--skip-grad-spikes`), a finite gradient norm over F x the median of the last SPIKE_WINDOW
 updated steps' (a huge finite gradient would pass the clip at full step size in a wrong direction); more than
-`max_bad_steps` skipped steps in a row stop the run with `TrainingError`. A run whose final weights or validation loss are not
-finite fails with `TrainingError` and writes no `final/`.
+`max_bad_steps` skipped steps in a row stop the run with `TrainingError`. A run whose final weights or validation
+loss are not finite fails with `TrainingError` and writes no `final/`.
 
 Post-training (`k3 sft`): `init_from` (`--ckpt`) starts from a trained checkpoint's config, tokenizer and weights
 (fresh optimizer); `task="sft"` trains on the K3 chat format with the loss on assistant tokens only
@@ -583,7 +583,8 @@ class Trainer:
                     raise TrainingError(
                         f"stopping at step {self.step}: the loss or gradient was NaN/inf"
                         f"{' (or a --skip-grad-spikes spike)' if cfg.skip_grad_spikes is not None else ''} for "
-                        f"{self.bad_streak} consecutive steps (limit --max-bad-steps {cfg.max_bad_steps}). Lower --lr, check the "
+                        f"{self.bad_streak} consecutive steps (limit --max-bad-steps {cfg.max_bad_steps}). Lower "
+                        f"--lr, check the "
                         f"data, or resume from the last good checkpoint ({self.latest_checkpoint_path()}).")
                 for cb in self.callbacks:
                     cb.on_step_end(self, rec)
