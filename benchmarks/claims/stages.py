@@ -4,7 +4,8 @@ of training at the final length directly, at lower cost.
 A `k3.sweep` over `train.stages`: staged (--short for --short-share of the steps, then --long) vs direct (--long
 for all steps). Both see the same tokens per step and steps (equal tokens); the cost is reported as training time
 (wall seconds of the steps) and as training FLOPs (`k3.info.train_flops_per_token` at each step's row length,
-summed over the run's steps: MLA attention FLOPs grow with the row length, so the direct run costs more per token). Validation runs at --long (`val_seq_len`). `--equal-time` gives the direct run only as many steps as fit
+summed over the run's steps: MLA attention FLOPs grow with the row length, so the direct run costs more per
+token). Validation runs at --long (`val_seq_len`). `--equal-time` gives the direct run only as many steps as fit
 in the staged run's mean training time (equal cost) from a first calibration pass: a second row "direct
 (equal time)".
 

@@ -5,8 +5,8 @@ import argparse
 import logging
 
 from k3.flags import finite_float, int_at_least
-from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig, format_stages,
-                             parse_stages)
+from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, SPIKE_MIN_HISTORY,
+                             SPIKE_WINDOW, TrainConfig, format_stages, parse_stages)
 
 # flag dest -> TrainConfig field (all flags default to None so --resume can tell which ones were given)
 _FIELDS = {
@@ -98,8 +98,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def add_spike_flag(a) -> None:
     """--skip-grad-spikes (TrainConfig.skip_grad_spikes), shared by `k3 train` and `k3 sft`; `a` = add_argument."""
     a("--skip-grad-spikes", type=finite_float(1, lo_open=True), default=None, metavar="FACTOR",
-      help="skip a step whose gradient norm (before clipping) is over FACTOR x the median of the last 50 updated "
-           "steps (from the 10th on), e.g. 10; counts toward --max-bad-steps [off]")
+      help=f"skip a step whose gradient norm (before clipping) is over FACTOR x the median of the last "
+           f"{SPIKE_WINDOW} updated steps (from the {SPIKE_MIN_HISTORY}th on), e.g. 10; counts toward "
+           f"--max-bad-steps [off]")
 
 
 def add_mesh_flags(s: argparse.ArgumentParser) -> None:

@@ -53,6 +53,11 @@ FLAG_NAMES = {
     "sft_per_task": "--per-task", "sft_tasks": "--tasks",
 }
 
+# the spike rule (TrainConfig.skip_grad_spikes): the median over the last SPIKE_WINDOW updated steps' gradient norms,
+# applied from SPIKE_MIN_HISTORY of them on
+SPIKE_WINDOW = 50
+SPIKE_MIN_HISTORY = 10
+
 # the continued run's numbers depend on these: a resumed run keeps them (a different value is refused)
 RUN_FIXED = ("preset", "config", "model_overrides", "tokens_per_step", "stages", "grad_accum", "seed", "data",
              "split_sections", "tokenizer", "lr", "adamw_lr", "weight_decay", "warmup_steps", "min_lr_ratio",

@@ -59,17 +59,13 @@ from k3.train import report
 from k3.train.report import MTPSums, balancer_record
 from k3.train.checkpointing import (CKPT_PREFIX, STATE_FILE, STATE_JSON, RunLock, find_checkpoints,  # noqa: F401
                                     latest_checkpoint, open_run_dir)
+from k3.train.config import SPIKE_MIN_HISTORY, SPIKE_WINDOW  # noqa: F401 (re-exported)
 from k3.train.config import (DEFAULT_STAGES, DEFAULT_STEPS, DEFAULT_TOKENS_PER_STEP, TrainConfig,  # noqa: F401
                              auto_threads, check_resume_settings, format_stages, parse_stages, resolve_compile,
                              resolve_device, resolve_param_dtype, resume_config, stored_train_config)
 from k3.train.probes import greedy_generate, recall_batch  # noqa: F401
 
 log = logging.getLogger("k3.train")
-
-# the spike rule (TrainConfig.skip_grad_spikes): the median over the last SPIKE_WINDOW updated steps' gradient norms,
-# applied from SPIKE_MIN_HISTORY of them on
-SPIKE_WINDOW = 50
-SPIKE_MIN_HISTORY = 10
 
 __all__ = ["TrainConfig", "Trainer", "TrainingError", "Callback", "parse_stages", "format_stages",
            "find_checkpoints", "latest_checkpoint", "resume_config", "recall_batch", "greedy_generate", "DEFAULT_STAGES",

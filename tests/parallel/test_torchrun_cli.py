@@ -95,17 +95,21 @@ def distcp_files(ckpt):
 
 def test_dp_shard_2_matches_one_process_and_resumes_on_one_rank(env):
     d, base = env["dir"], env["base"]
-    run = base + ["--steps", "3", "--stages", "64", "--grad-accum", "2"]   # 2 micro-batches of 2 rows
+    run = base + ["--steps", "3", "--stages", "64", "--grad-accum", "2",   # 2 micro-batches of 2 rows
+                  "--skip-grad-spikes", "10"]                               # its window goes through DCP
     single_process(["train", *run, "--out", str(d / "ref")])
     out = str(d / "dp2")
     ranks(2, ["train", *run, "--out", out, "--dp-shard", "2", "--stop-at", "2"])
     ck = os.path.join(out, "checkpoints")
     assert os.listdir(ck) == ["step-2"] and len(distcp_files(os.path.join(ck, "step-2"))) == 2
+    import torch
+    extra = torch.load(os.path.join(ck, "step-2", "extra.pt"), weights_only=True)
+    ref_norms = [r["grad_norm"] for r in metrics(str(d / "ref"))[0][:2]]   # the global norms one process sees
+    assert extra["grad_norm_window"] == pytest.approx(ref_norms, rel=2e-5)
     ranks(1, ["train", "--out", out, "--resume", "--threads", "1"])       # another world size: 2 -> 1
     assert sorted(os.listdir(ck)) == ["step-2", "step-3"] and len(distcp_files(os.path.join(ck, "step-3"))) == 1
     assert_same_run(out, str(d / "ref"))
     from k3.checkpoint import from_pretrained   # final/ in the single-process layout, the same weights
-    import torch
     a, b = from_pretrained(os.path.join(out, "final")), from_pretrained(str(d / "ref" / "final"))
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         # AdamW's embedding / lm_head within 5e-5, as in test_fsdp.py (fp32 reduction order amplified by Adam's
