@@ -185,6 +185,7 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     wait
     (cd /tmp && tar czf "$OUT/rlfull.tgz" --exclude='checkpoints' --exclude='final' --exclude='*.safetensors' rlfull)
     unset K3_BACKEND ;;
+  # (`small` claim runs keep no checkpoint or final model: ~17 GB a run, and the machine's disk holds 64 GiB)
   # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, MLA_SMALL_STEPS (200) x 8K
   # tokens, lr 2e-3. KDA on CLAIMS_KDA (torch): our Triton KDA backward blew `small` training up (grad-norm spikes,
   # NaN within 20-60 steps: its inverse T by repeated squaring in one-pass tf32; block inversion since, docs/LOG.md,
@@ -192,7 +193,7 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # fits the budget (~12K tokens/s a job against ~8K on the torch path). Eager `small` at 16K tokens takes ~70 GiB a
   # job (two side by side run out of memory); at the trainer's lr 6e-3 `small` stopped on NaN too (Triton path)
   claims-small) S=${MLA_SMALL_STEPS:-200}
-    step claims-small 560 env CLAIM_TIMEOUT=500 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    step claims-small 560 env CLAIM_TIMEOUT=500 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       K3_BACKEND=kda:${CLAIMS_KDA:-torch},attnres:torch \
       CLAIMS_PAR="mla_gate:--preset small --steps $S --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
 --out /tmp/claims/mla_gate_small;mla_gate:--preset small --steps $S --seq-len 2048 --batch-tokens 8192 --lr 2e-3 \
@@ -202,10 +203,25 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # equal-time direct run too; ~420 s on the torch path): one job alone (wall times compared), one seed a call
   # (SEED=0, then SEED=1; merge with `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384
   # --batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --out DIR --merge DIR.0 DIR.1`)
-  claims-stages-small) step claims-stages-small 560 env CLAIM_TIMEOUT=540 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+  claims-stages-small) step claims-stages-small 560 env CLAIM_TIMEOUT=540 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       K3_BACKEND=kda:${CLAIMS_KDA:-torch},attnres:torch CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 \
 --batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --seeds 1 --first-seed ${SEED:-0} \
 --out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
+  # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed
+  # 1, lr 2e-3; the twenty-second session's run where our Triton backward's grad norm reached 7.7e7 at step 25 and the
+  # loss went NaN from step 29, the torch path's max grad norm 13.1) side by side on kda:triton and kda:torch;
+  # KDA_STABILITY_LAUNCH sets $K3_KDA_BWD_LAUNCH for the triton job ('{"matrices": {"INV": "pow"}}': the inverse of
+  # that run). Prints max grad norm and skipped steps per job
+  kda-stability) R=/tmp/kstab; rm -rf $R; mkdir -p $R
+    C="--preset small --compile none --eval-every 0 --no-samples --no-tensorboard --no-progress --threads 2 --steps 80
+       --batch-tokens 4096 --stages 2048:1 --lr 2e-3 --max-bad-steps 80 --param-dtype fp32 --seed 1"
+    K3P='import sys; from k3.cli import main; sys.exit(main())'
+    for b in triton torch; do
+      step kda-stability-$b 300 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:$b,attnres:torch \
+        K3_KDA_BWD_LAUNCH=${KDA_STABILITY_LAUNCH:-} python3 -c "$K3P" train $C --out $R/$b > $R/$b.log 2>&1 &
+    done; wait
+    python3 benchmarks/train_stability.py $R/triton $R/torch | tee -a "$OUT/log.txt"
+    (cd /tmp && tar czf "$OUT/kstab.tgz" --exclude='final' --exclude='checkpoints' kstab) ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache

@@ -174,6 +174,45 @@ def test_micro_sweep_two_values_two_seeds_then_resume(tmp_path, micro_base):
         sw.Sweep(out, axes, seeds=[0, 1], base=dict(micro_base, lr=3e-2)).run()
 
 
+def test_keep_prunes_completed_runs_only(tmp_path, micro_base):
+    """--keep final deletes a completed run's checkpoints, --keep none its final model too; metrics and rows stay."""
+    axes = [sw.parse_set("linear_attn_config.gate_lower_bound=-5")]
+    kept = {}
+    for keep in ("all", "final", "none"):
+        out = str(tmp_path / keep)
+        rows = sw.Sweep(out, axes, base=micro_base, echo=lambda _: None, keep=keep).run()
+        assert rows[0]["status"] == "completed"
+        run_dir = os.path.join(out, rows[0]["run_dir"])
+        assert os.path.isfile(os.path.join(run_dir, "metrics.jsonl"))
+        kept[keep] = (os.path.isdir(os.path.join(run_dir, "checkpoints")), os.path.isdir(os.path.join(run_dir, "final")))
+    assert kept == {"all": (True, True), "final": (False, True), "none": (False, False)}
+    with pytest.raises(K3ConfigError, match="--keep"):
+        sw.Sweep(str(tmp_path / "x"), axes, base=micro_base, keep="some")
+
+
+def test_a_point_that_raises_gets_no_row_and_is_retried(tmp_path, micro_base, monkeypatch):
+    """One point's crash (here a full disk) is reported and skipped; the other points run; the next run() retries it."""
+    out = str(tmp_path / "sweep")
+    axes = [sw.parse_set("linear_attn_config.gate_lower_bound=-5,-3")]
+    real = sw.run_point
+
+    def flaky(cfg, callbacks=()):
+        if cfg["model_overrides"]["linear_attn_config.gate_lower_bound"] == -3:
+            raise OSError(28, "No space left on device")
+        return real(cfg, callbacks)
+    monkeypatch.setattr(sw, "run_point", flaky)
+    lines = []
+    s = sw.Sweep(out, axes, base=micro_base, echo=lines.append)
+    rows = s.run()
+    assert len(rows) == 1 and rows[0]["linear_attn_config.gate_lower_bound"] == -5 and len(s.errors) == 1
+    assert any("No space left on device" in x and "again" in x for x in lines), lines
+    monkeypatch.setattr(sw, "run_point", real)
+    s2 = sw.Sweep(out, axes, base=micro_base, echo=lines.append)
+    rows2 = s2.run()
+    assert len(s2.ran) == 1 and len(s2.skipped) == 1 and not s2.errors
+    assert sorted(r["linear_attn_config.gate_lower_bound"] for r in rows2) == [-5, -3]
+
+
 def test_callbacks_by_name_and_subprocess_needs_names(tmp_path):
     from k3.train.trainer import Callback as CB
     cbs = sw._resolve_callbacks(["k3.train.trainer:Callback", CountSteps, CountSteps()])

@@ -53,6 +53,9 @@ def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_toke
     a("--compile", default=None, choices=["auto", "none", "modules", "layers", "model"])
     a("--data", nargs="+", default=None, help="corpus files [built-in]")
     a("--val-tokens", type=int, default=8192, help="validation tokens per evaluation [8192]")
+    a("--keep", default="all", choices=["all", "final", "none"],
+      help="what a finished run keeps on disk (k3 sweep --keep): a `small` run's checkpoint + final model are ~17 GB "
+           "[all]")
     a("--micro", action="store_true", help="the ~0.3M-parameter test model (smoke run of the script)")
     a("--out", default=os.path.join("runs", "claims", name), help=f"output directory [runs/claims/{name}]")
     return p
@@ -100,6 +103,8 @@ def base_from_args(args, **extra) -> dict:
     """TrainConfig fields shared by every variant (and, first, --merge's runs taken into --out)."""
     if getattr(args, "merge", None):
         print(f"--merge: took {merge_runs(args.out, args.merge)} finished run(s) into {args.out}", file=sys.stderr)
+    global KEEP
+    KEEP = args.keep
     b = dict(preset=args.preset, steps=args.steps, tokens_per_step=args.batch_tokens,
              stages=[(args.seq_len, 1.0)], device=args.device, val_tokens=args.val_tokens, plot=False,
              eval_every=0)
@@ -114,11 +119,17 @@ def base_from_args(args, **extra) -> dict:
     return b
 
 
+KEEP = "all"  # --keep of the script's arguments (set by base_from_args)
+
+
 def run_sweep(out: str, sets: Sequence[str], seeds: Sequence[int], base: dict, callbacks=()) -> list[dict]:
     """One k3.sweep over `sets` (KEY=V1,V2 strings) and `seeds` (`seeds(args)`); each row gets `variant` = its
-    point label."""
-    s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=seeds, base=base, callbacks=callbacks)
+    point label. A point that raised has no row (the report shows the others; run the script again to retry it)."""
+    s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=seeds, base=base, callbacks=callbacks,
+                     keep=KEEP)
     rows = s.run()
+    if s.errors:
+        print(f"{out}: {len(s.errors)} run(s) raised (no row); run the script again to retry them", file=sys.stderr)
     for r in rows:
         r["variant"] = r.get("label")
         r["_run_dir"] = os.path.join(out, r["run_dir"])

@@ -29,7 +29,15 @@ Outputs in `--out DIR`:
 Resuming: run the same command again. A point whose row is present (for the same `--steps`) is not run again; a
 point without a row whose run directory holds a checkpoint continues from it (the trainer's `resume`); results are
 written after every point, so an interrupted sweep loses at most the point it was running (and keeps that point's
-last checkpoint). A larger `--steps` continues every point's run to the new length.
+last checkpoint). A larger `--steps` continues every point's run to the new length. A point that raises (a full
+disk, out of memory) is reported with its traceback and gets no row: the sweep goes on with the others, exits
+non-zero, and the next invocation runs that point again. (A run that stops on its own, e.g. on non-finite losses, gets
+a row with status `failed` and is not re-run.)
+
+Disk: every run keeps its end checkpoint (model + optimizer state) and its final model by default (`--keep all`); a
+1.4B-parameter run leaves ~17 GB. `--keep final` deletes a completed run's checkpoints once its row is written,
+`--keep none` its final model too (metrics, plots and the row stay; a larger `--steps` then trains those points
+from the start).
 
 Execution: sequentially in this process (default on CPU), or one subprocess per point (`--subprocess`); with
 `--gpus N` on CUDA, N subprocesses at a time, each with its own `CUDA_VISIBLE_DEVICES`.
@@ -69,6 +77,7 @@ __all__ = ["Axis", "Point", "Sweep", "parse_set", "expand_grid", "resolve_key", 
            "RESULT_COLUMNS"]
 
 # metric columns of a result row, in results.csv order (after the swept keys and the seed)
+KEEP = ("all", "final", "none")    # --keep: what a completed run leaves on disk
 RESULT_COLUMNS = ["status", "steps", "val_loss", "train_loss", "train_loss_last", "val_loss_before", "tokens_per_s",
                   "maxvio", "maxvio_max", "peak_mem_mb", "wall_s", "train_time_s", "num_params", "device", "point",
                   "run_dir", "error"]
@@ -192,6 +201,15 @@ def _worker_main(spec_path: str) -> int:
 
 # ----------------------------------------------------------------------------------------------- the sweep
 
+def _free_memory() -> None:
+    """After a point raised: drop what its frames held (a CUDA OOM leaves the model and optimizer referenced)."""
+    import gc
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -206,8 +224,11 @@ class Sweep:
 
     def __init__(self, out_dir: str, axes: Sequence[Axis] = (), seeds: Sequence[int] = (0,),
                  base: Optional[dict] = None, gpus: int = 0, subprocess: bool = False, plot: bool = True,
-                 echo: Callable[[str], None] = print, callbacks: Sequence = ()):
+                 echo: Callable[[str], None] = print, callbacks: Sequence = (), keep: str = "all"):
         self.out_dir = out_dir
+        if keep not in KEEP:
+            raise K3ConfigError(f"--keep: one of {', '.join(KEEP)}, got {keep!r}")
+        self.keep = keep
         self.axes = list(axes)
         self.seeds = [int(s) for s in seeds]
         self.base = dict(base or {})
@@ -220,6 +241,7 @@ class Sweep:
             raise K3ConfigError("sweep callbacks: subprocess runs take callbacks as \"module:attr\" names")
         self.ran: list[tuple[str, int]] = []      # (point id, seed) trained by the last run()
         self.skipped: list[tuple[str, int]] = []  # finished before
+        self.errors: list[tuple[str, int]] = []   # raised in the last run(): no row, run again by the next run()
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise K3ConfigError(f"--seeds: need at least one seed, without repeats, got {self.seeds}")
         for k in self.base:
@@ -347,7 +369,7 @@ class Sweep:
         rows = self.load_rows()
         done = {(r.get("point"), r.get("seed"), r.get("steps")) for r in rows if r.get("status") in ("completed", "failed")}
         todo = []
-        self.ran, self.skipped = [], []
+        self.ran, self.skipped, self.errors = [], [], []
         for p, seed, cfg in plan:
             if (p.id, seed, cfg.steps) in done:
                 self.skipped.append((p.id, seed))
@@ -363,6 +385,8 @@ class Sweep:
             rows = [r for r in rows if not (r.get("point") == p.id and r.get("seed") == seed)] + [row]
             self.ran.append((p.id, seed))
             self.write(rows)
+            if row.get("status") == "completed":
+                self._prune(cfg.out_dir)
             vl = row.get("val_loss")
             self.echo(f"  [{len(self.ran)}/{len(todo)}] {p.label} seed {seed}: {row['status']}, val loss "
                       f"{vl if vl is None else f'{vl:.4f}'}, {row.get('wall_s', 0):.1f}s")
@@ -371,7 +395,15 @@ class Sweep:
             self._run_subprocesses(todo, record)
         else:
             for p, seed, cfg in todo:
-                m = run_point(cfg.to_dict(), self.callbacks)
+                try:
+                    m = run_point(cfg.to_dict(), self.callbacks)
+                except Exception as e:  # noqa: BLE001 -- one point's crash (disk, memory) does not end the sweep
+                    log.error("sweep point %s seed %d raised", p.label, seed, exc_info=True)
+                    self.errors.append((p.id, seed))
+                    self.echo(f"  {p.label} seed {seed}: raised {type(e).__name__}: {e}; no row (run the sweep "
+                              f"again to retry it)")
+                    _free_memory()
+                    continue
                 if m["status"] == "interrupted":
                     self.write(rows)
                     raise KeyboardInterrupt
@@ -416,6 +448,7 @@ class Sweep:
                         if m.get("status") in ("completed", "failed"):
                             record(p, seed, cfg, m)
                     else:
+                        self.errors.append((p.id, seed))
                         self.echo(f"  {p.label} seed {seed}: worker exited with {proc.returncode} (see "
                                   f"{os.path.join(cfg.out_dir, 'sweep_worker.log')}); run the sweep again to resume")
         except KeyboardInterrupt:
@@ -438,6 +471,13 @@ class Sweep:
                         proc.wait(timeout=30)
                     except subprocess.TimeoutExpired:  # pragma: no cover
                         proc.kill()
+
+    def _prune(self, run_dir: str) -> None:
+        """--keep final / none: a completed run's checkpoints (and with none its final model) go once its row is
+        written."""
+        import shutil
+        for name in {"all": (), "final": ("checkpoints",), "none": ("checkpoints", "final")}[self.keep]:
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ outputs
     def write(self, rows: list[dict]) -> None:
@@ -499,6 +539,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--subprocess", action="store_true", help="run each point in its own process (sequentially)")
     a("--dry-run", action="store_true", help="validate and list the runs; train nothing")
     a("--no-plot", action="store_true", help="no plots")
+    a("--keep", choices=KEEP, default="all",
+      help="what a completed run keeps on disk: all (end checkpoint + final model), final (the final model), none "
+           "(metrics only) [all]")
     a("train_args", nargs="*", metavar="-- TRAIN_FLAGS", help="k3 train flags for every run (after `--`)")
     s.set_defaults(fn=run_cli)
     return s
@@ -535,7 +578,7 @@ def run_cli(args) -> int:
     if args.gpus and args.gpus > torch.cuda.device_count():
         raise K3ConfigError(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPU(s) visible")
     sweep = Sweep(args.out, axes, seeds=range(args.first_seed, args.first_seed + args.seeds), base=base,
-                  gpus=args.gpus, subprocess=args.subprocess, plot=not args.no_plot)
+                  gpus=args.gpus, subprocess=args.subprocess, plot=not args.no_plot, keep=args.keep)
     if args.dry_run:
         plan = sweep.plan()
         print(f"k3 sweep: {len(plan)} run(s), all valid:")
@@ -547,6 +590,9 @@ def run_cli(args) -> int:
     bad = [r for r in rows if r.get("status") != "completed"]
     if bad:
         print(f"k3 sweep: {len(bad)} run(s) failed (see results.csv, column error)")
+    if sweep.errors:
+        print(f"k3 sweep: {len(sweep.errors)} run(s) raised and have no row; run the same command again to retry them")
+        return 1
     return 0
 
 
