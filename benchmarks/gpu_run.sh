@@ -185,26 +185,32 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     wait
     (cd /tmp && tar czf "$OUT/rlfull.tgz" --exclude='checkpoints' --exclude='final' --exclude='*.safetensors' rlfull)
     unset K3_BACKEND ;;
-  # (`small` claim runs keep no checkpoint or final model: ~17 GB a run, and the machine's disk holds 64 GiB)
-  # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, MLA_SMALL_STEPS (200) x 8K
-  # tokens, lr 2e-3. KDA on CLAIMS_KDA (torch): our Triton KDA backward blew `small` training up (grad-norm spikes,
-  # NaN within 20-60 steps: its inverse T by repeated squaring in one-pass tf32; block inversion since, docs/LOG.md,
-  # twenty-second session); after the kda-stability stage confirms the fix, CLAIMS_KDA=triton MLA_SMALL_STEPS=300
-  # fits the budget (~12K tokens/s a job against ~8K on the torch path). Eager `small` at 16K tokens takes ~70 GiB a
-  # job (two side by side run out of memory); at the trainer's lr 6e-3 `small` stopped on NaN too (Triton path)
-  claims-small) S=${MLA_SMALL_STEPS:-200}
+  # (`small` claim runs keep no checkpoint or final model: ~17 GB a run, and the machine's disk holds 64 GiB; KDA on
+  # CLAIMS_KDA, default our Triton kernels: block inversion fixed the backward that blew `small` up, kda-stability)
+  # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, both points of a seed in one
+  # job, MLA_SMALL_STEPS (180) x 8K tokens, lr 2e-3: 466 s (a 300-step point takes ~330 s side by side: two do not
+  # fit). Eager `small` at 16K tokens takes ~70 GiB a job (two side by side run out of memory); at the trainer's lr
+  # 6e-3 `small` stopped on NaN (with the former backward; not retried)
+  claims-small) S=${MLA_SMALL_STEPS:-180}
     step claims-small 560 env CLAIM_TIMEOUT=500 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      K3_BACKEND=kda:${CLAIMS_KDA:-torch},attnres:torch \
+      K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
       CLAIMS_PAR="mla_gate:--preset small --steps $S --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
 --out /tmp/claims/mla_gate_small;mla_gate:--preset small --steps $S --seq-len 2048 --batch-tokens 8192 --lr 2e-3 \
 --seeds 1 --first-seed 1 --out /tmp/claims/mla_gate_small.1" \
       bash benchmarks/claims/run_gpu.sh ;;
+  # the MLA-gate sink claim on `tiny`: 3 seeds side by side, 400 steps x 4K tokens (seq 512), then the 3-seed report
+  claims-mla) M="mla_gate:--steps 400 --seq-len 512 --batch-tokens 4096 --seeds 1"
+    step claims-mla 560 env CLAIM_TIMEOUT=500 CLAIMS_PAR="$M;$M --first-seed 1 --out /tmp/claims/mla_gate.1;\
+$M --first-seed 2 --out /tmp/claims/mla_gate.2" bash benchmarks/claims/run_gpu.sh
+    step claims-mla-report 60 python3 benchmarks/claims/mla_gate.py --device cuda --compile none --steps 400 \
+      --seq-len 512 --batch-tokens 4096 --out /tmp/claims/mla_gate --merge /tmp/claims/mla_gate.1 /tmp/claims/mla_gate.2
+    (cd /tmp/claims && tar czf "$OUT/claims_mla.tgz" --exclude='checkpoints' --exclude='final' mla_gate*) ;;
   # the staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, the
-  # equal-time direct run too; ~420 s on the torch path): one job alone (wall times compared), one seed a call
+  # equal-time direct run too; ~420 s with KDA on the torch path): one job alone (wall times compared), one seed a call
   # (SEED=0, then SEED=1; merge with `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384
   # --batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --out DIR --merge DIR.0 DIR.1`)
   claims-stages-small) step claims-stages-small 560 env CLAIM_TIMEOUT=540 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      K3_BACKEND=kda:${CLAIMS_KDA:-torch},attnres:torch CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 \
+      K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 \
 --batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --seeds 1 --first-seed ${SEED:-0} \
 --out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
   # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed

@@ -1,6 +1,7 @@
 """The claim scripts (benchmarks/claims/*.py) run end to end at the micro size: a smoke run each of the report
 path (k3.sweep, the JSON / markdown report, plots) and of the per-layer probes. Their numbers say nothing here."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("script,extra,key", [
     ("balancing.py", [], "maxvio"),
     ("attnres.py", ["--block-sizes", "2"], "act_rms_by_layer"),
+    ("mla_gate.py", [], "first_token_ratio"),
 ])
 def test_claim_script_micro_run_writes_its_report(tmp_path, script, extra, key):
     out = tmp_path / "out"
@@ -93,3 +95,43 @@ def test_stages_reports_training_flops_by_row_length(tmp_path):
     assert abs(g["direct"]["train_pflop"][0] - 4 * 256 * per_token(64) / 1e15) < 1e-12
     assert abs(g["staged"]["train_pflop"][0] - 2 * 256 * (per_token(32) + per_token(64)) / 1e15) < 1e-12
     assert g["staged"]["train_pflop"][0] < g["direct"]["train_pflop"][0]
+
+
+def _probes():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "claims"))
+    try:
+        import claim_probes
+    finally:
+        sys.path.pop(0)
+    return claim_probes
+
+
+def test_first_token_mass_per_document_against_the_written_out_formula():
+    """claim_probes.segment_first_token_mass against an fp64 loop over documents, heads and queries
+    (p_t0 = exp(q_t.k_0 s) / sum_{j<=t} exp(q_t.k_j s)); zero queries attend uniformly, so the mass is the uniform
+    mass; documents are not crossed (one segment over all tokens gives another number)."""
+    import torch
+    cp = _probes()
+    g = torch.Generator().manual_seed(3)
+    N, H, D, scale = 23, 3, 8, 0.4
+    q, k = torch.randn(1, N, H, D, generator=g), torch.randn(1, N, H, D, generator=g)
+    k[0, [0, 5, 17]] *= 3.0                                  # make first keys stand out
+    cu = torch.tensor([0, 5, 6, 17, N], dtype=torch.int32)    # documents of 5, 1, 11 and 6 tokens
+    mass = uni = n = 0.0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        for t in range(1, b - a):
+            for h in range(H):
+                logits = [float(q[0, a + t, h].double() @ k[0, a + j, h].double()) * scale for j in range(t + 1)]
+                m = max(logits)
+                w = [math.exp(x - m) for x in logits]
+                mass += w[0] / sum(w) / H
+            uni += 1.0 / (t + 1)
+            n += 1
+    got = cp.segment_first_token_mass(q, k, cu, scale)
+    assert got[0] == pytest.approx(mass / n, rel=1e-5) and got[1] == pytest.approx(uni / n, rel=1e-12)
+    zero = cp.segment_first_token_mass(torch.zeros_like(q), k, cu, scale)
+    assert zero[0] == pytest.approx(zero[1], rel=1e-6)
+    assert cp.segment_first_token_mass(q, k, None, scale)[0] != pytest.approx(got[0], rel=1e-3)
+    # two rows without cu_seqlens: each row one document
+    q2, k2 = torch.cat([q, q]), torch.cat([k, k])
+    assert cp.segment_first_token_mass(q2, k2, None, scale) == pytest.approx(cp.segment_first_token_mass(q, k, None, scale))

@@ -14,10 +14,12 @@ import torch
 from k3.train.trainer import Callback
 
 
-def _fixed_batch(trainer, seq_len: int, rows: int):
-    """`rows` unpacked validation rows of `seq_len` tokens (the first batch of the fixed validation stream)."""
+def _fixed_batch(trainer, seq_len: int, rows: int) -> dict:
+    """`rows` validation rows of `seq_len` tokens (the first batch of the fixed validation stream) as the trainer
+    feeds them: input_ids [1, rows * seq_len] and cu_seqlens (every document and row start), so attention stays
+    inside each document as in training."""
     b = next(iter(trainer.data.val.batches(seq_len=seq_len, batch_size=rows, max_batches=1)))
-    return b["input_ids"].to(trainer.device)
+    return {"input_ids": b["input_ids"].to(trainer.device), "cu_seqlens": b["cu_seqlens"].to(trainer.device)}
 
 
 def _probe_forward(trainer, model, hooks, seq_len: int, rows: int) -> None:
@@ -27,7 +29,7 @@ def _probe_forward(trainer, model, hooks, seq_len: int, rows: int) -> None:
     model.eval()
     try:
         with trainer._autocast():
-            model(_fixed_batch(trainer, seq_len, rows))
+            model(**_fixed_batch(trainer, seq_len, rows))
     finally:
         for h in hooks:
             h.remove()
@@ -113,10 +115,35 @@ class GLUMaxAct(Callback):
         return {"glu_max_abs": self.max, "glu_max_abs_last": getattr(self, "last", None)}
 
 
+def segment_first_token_mass(q: torch.Tensor, k: torch.Tensor, cu_seqlens, scale: float) -> tuple[float, float]:
+    """q, k [B, N, H, D]; cu_seqlens: the segment starts of the flattened B * N tokens and their end (None: each row
+    one segment). Within each segment, causal softmax attention of every query on the segment's keys; returns the
+    probability each query at segment position t >= 1 puts on the segment's first token, and what uniform causal
+    attention would put there (1 / (t + 1)), both averaged over heads and those queries."""
+    B, N, H, D = q.shape
+    q, k = q.reshape(B * N, H, D).float(), k.reshape(B * N, H, D).float()
+    cu = [int(x) for x in cu_seqlens] if cu_seqlens is not None else list(range(0, B * N + 1, N))
+    mass = uni = 0.0
+    n = 0
+    for a, b in zip(cu[:-1], cu[1:]):
+        L = b - a
+        if L < 2:
+            continue
+        s = torch.einsum("thd,shd->hts", q[a:b], k[a:b]) * scale
+        causal = torch.ones(L, L, dtype=torch.bool, device=s.device).triu(1)
+        p = torch.softmax(s.masked_fill(causal, float("-inf")), dim=-1)
+        mass += float(p[:, 1:, 0].double().sum()) / H
+        uni += sum(1.0 / (t + 1) for t in range(1, L))
+        n += L - 1
+    return (mass / n, uni / n) if n else (float("nan"), float("nan"))
+
+
 class FirstTokenMass(Callback):
-    """Attention probability mass on the first token of each row, per MLA layer (mean over heads and over query
-    positions 1..T-1), on fixed validation rows after training: `first_token_mass` (mean over MLA layers),
-    `first_token_mass_by_layer`, and `uniform_mass` (what a uniform causal attention would give: mean of 1/(t+1))."""
+    """Attention probability mass on the first token of each document (the first key a query can see: training
+    keeps attention inside documents), per MLA layer, mean over heads and every query but a document's first, on
+    fixed validation rows after training: `first_token_mass` (mean over MLA layers), `first_token_mass_by_layer`,
+    `uniform_mass` (what uniform causal attention would give the same queries: mean of 1/(t+1)) and
+    `first_token_ratio` (their ratio: 1 = no preference, a sink is far above)."""
 
     def __init__(self, seq_len: int = 256, rows: int = 4):
         self.seq_len, self.rows, self.mass = seq_len, rows, None
@@ -131,14 +158,10 @@ class FirstTokenMass(Callback):
 
         def pre(mod, args, kwargs):
             x = args[0]
-            q = mod.project_q(x).float()                                   # [B,T,H,D]
+            q = mod.project_q(x)                                           # [B,T,H,D]
             c, k_pe = mod.project_latent(x)
             k, _ = mod.expand_kv(c, k_pe)
-            s = torch.einsum("bthd,bshd->bhts", q, k.float()) * mod.softmax_scale
-            T = s.shape[-1]
-            mask = torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1)
-            p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
-            masses.append(float(p[..., 1:, 0].mean()))
+            masses.append(segment_first_token_mass(q, k, kwargs.get("cu_seqlens"), mod.softmax_scale))
         for m in model.modules():
             if isinstance(m, MLAAttention):
                 hooks.append(m.register_forward_pre_hook(pre, with_kwargs=True))
@@ -148,9 +171,10 @@ class FirstTokenMass(Callback):
     def sweep_metrics(self):
         if not self.mass:
             return {}
-        T = self.seq_len
-        return {"first_token_mass": sum(self.mass) / len(self.mass), "first_token_mass_by_layer": self.mass,
-                "uniform_mass": sum(1.0 / (t + 1) for t in range(1, T)) / (T - 1)}
+        by_layer = [m for m, _ in self.mass]
+        mass, uniform = sum(by_layer) / len(by_layer), self.mass[0][1]
+        return {"first_token_mass": mass, "first_token_mass_by_layer": by_layer, "uniform_mass": uniform,
+                "first_token_ratio": mass / uniform}
 
 
 def loss_spikes(train_records: list, window: int = 10, ratio: float = 1.15, skip: int = 0) -> int:

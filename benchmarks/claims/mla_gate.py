@@ -2,9 +2,10 @@
 onto the first token.
 
 A `k3.sweep` over `mla_use_output_gate=true,false`. Measured after training, on fixed validation rows of
---probe-len tokens: the attention probability on each row's first token, per MLA layer, averaged over heads and
-query positions 1..T-1 (claim_probes.FirstTokenMass), against what uniform causal attention would give; and the
-final validation loss.
+--probe-len tokens fed as in training (documents packed, attention inside each): the attention probability on each
+document's first token, per MLA layer, averaged over heads and every later query (claim_probes.FirstTokenMass),
+against what uniform causal attention would give the same queries (the ratio: 1 = no preference); and the final
+validation loss.
 
     python benchmarks/claims/mla_gate.py                               # tiny, 3 seeds
     python benchmarks/claims/mla_gate.py --micro --steps 6 --seeds 2   # smoke run
@@ -28,16 +29,18 @@ def main(argv=None):
                             callbacks=[probe])
     for r in rows:
         r["variant"] = "gate" if r["mla_use_output_gate"] else "no gate"
-    groups = common.aggregate(rows, ["first_token_mass", "uniform_mass", "val_loss", "tokens_per_s"])
-    plots = [common.plot_bars(groups, "first_token_mass", "attention mass on the first token",
+    groups = common.aggregate(rows, ["first_token_mass", "uniform_mass", "first_token_ratio", "val_loss",
+                                     "tokens_per_s"])
+    plots = [common.plot_bars(groups, "first_token_ratio", "first-token attention mass / uniform",
                               os.path.join(args.out, "first_token_mass.png"),
-                              f"mean over MLA layers, heads, query positions (T={T})")]
+                              f"mean over MLA layers, heads, queries; 1 = uniform (rows of {T})")]
     plots.append(common.plot_by_layer(rows, ["gate", "no gate"], "first_token_mass_by_layer",
                                       "MLA layer (index among MLA layers)", "first-token attention mass",
                                       os.path.join(args.out, "first_token_mass_by_layer.png")))
     common.report(args.out, "mla_gate", "MLA output gate vs none: attention sink",
                   "the MLA output gate removes the first-token attention sink", groups,
-                  [("first_token_mass", "first-token mass", "{:.4f}"), ("uniform_mass", "uniform", "{:.4f}"),
+                  [("first_token_mass", "first-token mass", "{:.5f}"), ("uniform_mass", "uniform", "{:.5f}"),
+                   ("first_token_ratio", "mass / uniform", "{:.2f}"),
                    ("val_loss", "val loss", "{:.4f}"), ("tokens_per_s", "tokens/s", "{:.0f}")],
                   rows, {"probe_len": T}, plots)
 
