@@ -32,6 +32,9 @@ MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=
                 "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
 
 
+KEEP = "all"  # --keep of the script's arguments (set by base_from_args)
+
+
 def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_tokens: int = 2048) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"benchmarks/claims/{name}.py", description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -117,9 +120,6 @@ def base_from_args(args, **extra) -> dict:
         b["val_tokens"] = min(args.val_tokens, 1024)
     b.update(extra)
     return b
-
-
-KEEP = "all"  # --keep of the script's arguments (set by base_from_args)
 
 
 def run_sweep(out: str, sets: Sequence[str], seeds: Sequence[int], base: dict, callbacks=()) -> list[dict]:

@@ -76,8 +76,8 @@ log = logging.getLogger("k3.sweep")
 __all__ = ["Axis", "Point", "Sweep", "parse_set", "expand_grid", "resolve_key", "summarize", "add_parser",
            "RESULT_COLUMNS"]
 
-# metric columns of a result row, in results.csv order (after the swept keys and the seed)
 KEEP = ("all", "final", "none")    # --keep: what a completed run leaves on disk
+# metric columns of a result row, in results.csv order (after the swept keys and the seed)
 RESULT_COLUMNS = ["status", "steps", "val_loss", "train_loss", "train_loss_last", "val_loss_before", "tokens_per_s",
                   "maxvio", "maxvio_max", "peak_mem_mb", "wall_s", "train_time_s", "num_params", "device", "point",
                   "run_dir", "error"]
