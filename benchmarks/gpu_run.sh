@@ -187,32 +187,28 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     unset K3_BACKEND ;;
   # (`small` claim runs keep no checkpoint or final model: ~17 GB a run, and the machine's disk holds 64 GiB; KDA on
   # CLAIMS_KDA, default our Triton kernels: block inversion fixed the backward that blew `small` up, kda-stability)
-  # the MLA-gate sink claim on `small` (no sink formed on `tiny`): 2 seeds side by side, both points of a seed in one
-  # job, MLA_SMALL_STEPS (180) x 8K tokens, lr 2e-3: 466 s (a 300-step point takes ~330 s side by side: two do not
-  # fit). Eager `small` at 16K tokens takes ~70 GiB a job (two side by side run out of memory); at the trainer's lr
-  # 6e-3 `small` stopped on NaN (with the former backward; not retried)
-  claims-small) S=${MLA_SMALL_STEPS:-180}
-    step claims-small 560 env CLAIM_TIMEOUT=500 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
-      CLAIMS_PAR="mla_gate:--preset small --steps $S --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
---out /tmp/claims/mla_gate_small;mla_gate:--preset small --steps $S --seq-len 2048 --batch-tokens 8192 --lr 2e-3 \
---seeds 1 --first-seed 1 --out /tmp/claims/mla_gate_small.1" \
-      bash benchmarks/claims/run_gpu.sh ;;
-  # the MLA-gate sink claim on `tiny`: 3 seeds side by side, 400 steps x 4K tokens (seq 512), then the 3-seed report
+  # The MLA-gate sink claim, `tiny` and `small` in one call, all jobs side by side: `tiny` 3 seeds (400 steps x 4K
+  # tokens, seq 512), `small` 2 seeds (MLA_SMALL_STEPS (150) x 8K tokens, seq 2048, lr 2e-3; both points of a seed
+  # in one job, ~200 s a 180-step point with only the two `small` jobs, 48 GiB each; MLA_SMALL_STEPS=0: `tiny` only).
+  # Merge the seeds afterwards (any machine, from claims_results.tgz): `python benchmarks/claims/mla_gate.py --steps
+  # 400 --seq-len 512 --batch-tokens 4096 --out DIR --merge DIR.1 DIR.2` and `... --preset small --steps 150 --seq-len
+  # 2048 --batch-tokens 8192 --lr 2e-3 --seeds 2 --out SDIR --merge SDIR.1`
   claims-mla) M="mla_gate:--steps 400 --seq-len 512 --batch-tokens 4096 --seeds 1"
-    step claims-mla 560 env CLAIM_TIMEOUT=500 CLAIMS_PAR="$M;$M --first-seed 1 --out /tmp/claims/mla_gate.1;\
-$M --first-seed 2 --out /tmp/claims/mla_gate.2" bash benchmarks/claims/run_gpu.sh
-    step claims-mla-report 60 python3 benchmarks/claims/mla_gate.py --device cuda --compile none --steps 400 \
-      --seq-len 512 --batch-tokens 4096 --out /tmp/claims/mla_gate --merge /tmp/claims/mla_gate.1 /tmp/claims/mla_gate.2
-    (cd /tmp/claims && tar czf "$OUT/claims_mla.tgz" --exclude='checkpoints' --exclude='final' mla_gate*) ;;
-  # the staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, the
-  # equal-time direct run too; ~420 s with KDA on the torch path): one job alone (wall times compared), one seed a call
-  # (SEED=0, then SEED=1; merge with `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384
-  # --batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --out DIR --merge DIR.0 DIR.1`)
-  claims-stages-small) step claims-stages-small 560 env CLAIM_TIMEOUT=540 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-      K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 \
---batch-tokens 16384 --steps 100 --lr 2e-3 --equal-time --seeds 1 --first-seed ${SEED:-0} \
---out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
+    S="mla_gate:--preset small --steps ${MLA_SMALL_STEPS:-150} --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1"
+    J="$M;$M --first-seed 1 --out /tmp/claims/mla_gate.1;$M --first-seed 2 --out /tmp/claims/mla_gate.2"
+    [ "${MLA_SMALL_STEPS:-150}" != 0 ] && J="$J;$S --out /tmp/claims/mla_gate_small;$S --first-seed 1 \
+--out /tmp/claims/mla_gate_small.1"
+    step claims-mla 570 env CLAIM_TIMEOUT=540 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch CLAIMS_PAR="$J" bash benchmarks/claims/run_gpu.sh ;;
+  # The staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, and
+  # the direct run cut to the staged run's FLOPs): one job alone (its wall times are compared too; eager `small` at
+  # 16K tokens takes ~70 GiB, two side by side run out of memory), one seed a call (SEED=0, then SEED=1; merge with
+  # `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100
+  # --lr 2e-3 --equal-flops --out DIR --merge DIR.0 DIR.1`)
+  claims-stages-small) step claims-stages-small 570 env CLAIM_TIMEOUT=550 CLAIM_ARGS="--keep none" \
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
+      CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100 --lr 2e-3 \
+--equal-flops --seeds 1 --first-seed ${SEED:-0} --out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
   # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed
   # 1, lr 2e-3; the twenty-second session's run where our Triton backward's grad norm reached 7.7e7 at step 25 and the
   # loss went NaN from step 29, the torch path's max grad norm 13.1) side by side on kda:triton and kda:torch;

@@ -75,11 +75,12 @@ def test_first_seed_and_merge_report_split_seeds_together(tmp_path):
 
 def test_stages_reports_training_flops_by_row_length(tmp_path):
     """stages.py's cost column: FLOPs summed over the steps at each step's row length; the direct run (all steps at
-    the long length) against a written-out count, and the staged run cheaper (its short steps' MLA attention)."""
+    the long length) against a written-out count, and the staged run cheaper (its short steps' MLA attention); the
+    equal-FLOPs direct run within one step below the staged run's FLOPs."""
     from k3.config import K3Config
     out = tmp_path / "st"
     _done(_claim("stages.py", "--seeds", "1", "--steps", "4", "--short", "32", "--long", "64", "--short-share", "0.5",
-                 "--batch-tokens", "256", "--out", out))
+                 "--batch-tokens", "256", "--equal-flops", "--out", out))
     rep = json.loads((out / "stages.json").read_text())
     g = {x["variant"]: x for x in rep["groups"]}
     assert g["staged"]["n"] == g["direct"]["n"] == 1
@@ -95,6 +96,10 @@ def test_stages_reports_training_flops_by_row_length(tmp_path):
     assert abs(g["direct"]["train_pflop"][0] - 4 * 256 * per_token(64) / 1e15) < 1e-12
     assert abs(g["staged"]["train_pflop"][0] - 2 * 256 * (per_token(32) + per_token(64)) / 1e15) < 1e-12
     assert g["staged"]["train_pflop"][0] < g["direct"]["train_pflop"][0]
+    # --equal-flops: the direct run gets the most whole steps whose FLOPs stay within the staged run's (3 of 4 here)
+    eq = g["direct (equal FLOPs, 3 steps)"]
+    assert eq["n"] == 1 and abs(eq["train_pflop"][0] - 3 * 256 * per_token(64) / 1e15) < 1e-12
+    assert eq["train_pflop"][0] <= g["staged"]["train_pflop"][0] < eq["train_pflop"][0] + 256 * per_token(64) / 1e15
 
 
 def _probes():

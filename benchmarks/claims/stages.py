@@ -5,9 +5,10 @@ A `k3.sweep` over `train.stages`: staged (--short for --short-share of the steps
 for all steps). Both see the same tokens per step and steps (equal tokens); the cost is reported as training time
 (wall seconds of the steps) and as training FLOPs (`k3.info.train_flops_per_token` at each step's row length,
 summed over the run's steps: MLA attention FLOPs grow with the row length, so the direct run costs more per
-token). Validation runs at --long (`val_seq_len`). `--equal-time` gives the direct run only as many steps as fit
-in the staged run's mean training time (equal cost) from a first calibration pass: a second row "direct
-(equal time)".
+token). Validation runs at --long (`val_seq_len`). Two more direct rows at equal cost: `--equal-time` gives the
+direct run only as many steps as fit in the staged run's mean training time (from a first calibration pass: "direct
+(equal time)"); `--equal-flops` as many as fit in the staged run's training FLOPs (counted from its logged steps, so
+it never gets more: "direct (equal FLOPs)"; independent of the machine and of jobs sharing it).
 
     python benchmarks/claims/stages.py                          # tiny, 256 -> 1024, 3 seeds
     python benchmarks/claims/stages.py --micro --steps 6 --seeds 2 --short 64 --long 128 --batch-tokens 256
@@ -44,6 +45,7 @@ def main(argv=None):
     p.add_argument("--long", type=int, default=1024)
     p.add_argument("--short-share", type=float, default=0.75)
     p.add_argument("--equal-time", action="store_true", help="also a direct run cut to the staged run's time")
+    p.add_argument("--equal-flops", action="store_true", help="also a direct run cut to the staged run's FLOPs")
     args = p.parse_args(argv)
     base = common.base_from_args(args, val_seq_len=args.long)
     staged = f"{args.short}:{args.short_share:g},{args.long}:{1 - args.short_share:g}"
@@ -51,6 +53,13 @@ def main(argv=None):
     rows = common.run_sweep(os.path.join(args.out, "sweep"), [f"train.stages={staged};{direct}"], common.seeds(args), base)
     for r in rows:
         r["variant"] = "staged" if len(r["train.stages"]) > 1 else "direct"
+
+    def direct_run(name: str, steps: int, what: str) -> list[dict]:
+        more = common.run_sweep(os.path.join(args.out, name), [f"train.stages={direct}"], common.seeds(args),
+                                dict(base, steps=steps))
+        for r in more:
+            r["variant"] = f"direct (equal {what}, {steps} steps)"
+        return more
     if args.equal_time:
         g0 = common.aggregate(rows, ["train_time_s"])
         t_staged = next((g["train_time_s"][0] for g in g0 if g["variant"] == "staged"), None)
@@ -58,12 +67,18 @@ def main(argv=None):
         if t_staged is None or t_direct is None:
             raise SystemExit("stages.py --equal-time: no finished staged and direct run to calibrate the time from "
                              f"(see {os.path.join(args.out, 'sweep', 'results.csv')}); fix the failed runs and rerun")
-        steps = max(1, int(args.steps * t_staged / max(t_direct, 1e-9)))
-        more = common.run_sweep(os.path.join(args.out, "equal_time"), [f"train.stages={direct}"], common.seeds(args),
-                                dict(base, steps=steps))
-        for r in more:
-            r["variant"] = f"direct (equal time, {steps} steps)"
-        rows += more
+        rows += direct_run("equal_time", max(1, int(args.steps * t_staged / max(t_direct, 1e-9))), "time")
+    if args.equal_flops:
+        done = [r for r in rows if r["variant"] == "staged" and r.get("status") == "completed"]
+        flops = [f for f in (train_flops(r["_run_dir"]) for r in done) if f]
+        if not flops:
+            raise SystemExit("stages.py --equal-flops: no finished staged run to count the FLOPs of (see "
+                             f"{os.path.join(args.out, 'sweep', 'results.csv')}); fix the failed runs and rerun")
+        from k3.config import K3Config
+        from k3.info import train_flops_per_token
+        mcfg = K3Config.from_json(os.path.join(done[0]["_run_dir"], "config.json"))
+        per_step = args.batch_tokens * train_flops_per_token(mcfg, args.long)["total"]
+        rows += direct_run("equal_flops", max(1, int(min(flops) / per_step)), "FLOPs")
     for r in rows:
         f = train_flops(r["_run_dir"]) if r.get("status") == "completed" else None
         r["train_pflop"] = None if f is None else f / 1e15
