@@ -187,28 +187,36 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     unset K3_BACKEND ;;
   # (`small` claim runs keep no checkpoint or final model: ~17 GB a run, and the machine's disk holds 64 GiB; KDA on
   # CLAIMS_KDA, default our Triton kernels: block inversion fixed the backward that blew `small` up, kda-stability)
+  # The `small` claim runs train on the Python stdlib's source (benchmarks/claims/pysrc_corpus.py, ~8M tokens,
+  # generated here; tokenizer and token cache built once before the jobs start): the built-in corpus (~0.5M tokens)
+  # went round 3.5 times in 180 steps and `small` memorised it (train loss ~2 vs val 5.3). `tiny` keeps the built-in.
   # The MLA-gate sink claim, `tiny` and `small` in one call, all jobs side by side: `tiny` 3 seeds (400 steps x 4K
   # tokens, seq 512), `small` 2 seeds (MLA_SMALL_STEPS (150) x 8K tokens, seq 2048, lr 2e-3; both points of a seed
   # in one job, ~200 s a 180-step point with only the two `small` jobs, 48 GiB each; MLA_SMALL_STEPS=0: `tiny` only).
   # Merge the seeds afterwards (any machine, from claims_results.tgz): `python benchmarks/claims/mla_gate.py --steps
   # 400 --seq-len 512 --batch-tokens 4096 --out DIR --merge DIR.1 DIR.2` and `... --preset small --steps 150 --seq-len
-  # 2048 --batch-tokens 8192 --lr 2e-3 --seeds 2 --out SDIR --merge SDIR.1`
+  # 2048 --batch-tokens 8192 --lr 2e-3 --data /tmp/pysrc.jsonl --seeds 2 --out SDIR --merge SDIR.1`
   claims-mla) M="mla_gate:--steps 400 --seq-len 512 --batch-tokens 4096 --seeds 1"
-    S="mla_gate:--preset small --steps ${MLA_SMALL_STEPS:-150} --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1"
+    S="mla_gate:--preset small --steps ${MLA_SMALL_STEPS:-150} --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
+--data /tmp/pysrc.jsonl"
     J="$M;$M --first-seed 1 --out /tmp/claims/mla_gate.1;$M --first-seed 2 --out /tmp/claims/mla_gate.2"
-    [ "${MLA_SMALL_STEPS:-150}" != 0 ] && J="$J;$S --out /tmp/claims/mla_gate_small;$S --first-seed 1 \
---out /tmp/claims/mla_gate_small.1"
-    step claims-mla 570 env CLAIM_TIMEOUT=540 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    if [ "${MLA_SMALL_STEPS:-150}" != 0 ]; then
+      J="$J;$S --out /tmp/claims/mla_gate_small;$S --first-seed 1 --out /tmp/claims/mla_gate_small.1"
+      step pysrc 240 python3 benchmarks/claims/pysrc_corpus.py /tmp/pysrc.jsonl --prepare small
+    fi
+    step claims-mla 520 env CLAIM_TIMEOUT=500 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch CLAIMS_PAR="$J" bash benchmarks/claims/run_gpu.sh ;;
   # The staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, and
   # the direct run cut to the staged run's FLOPs): one job alone (its wall times are compared too; eager `small` at
   # 16K tokens takes ~70 GiB, two side by side run out of memory), one seed a call (SEED=0, then SEED=1; merge with
   # `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100
-  # --lr 2e-3 --equal-flops --out DIR --merge DIR.0 DIR.1`)
-  claims-stages-small) step claims-stages-small 570 env CLAIM_TIMEOUT=550 CLAIM_ARGS="--keep none" \
+  # --lr 2e-3 --equal-flops --data /tmp/pysrc.jsonl --out DIR --merge DIR.0 DIR.1`)
+  claims-stages-small) step pysrc 240 python3 benchmarks/claims/pysrc_corpus.py /tmp/pysrc.jsonl --prepare small
+    step claims-stages-small 550 env CLAIM_TIMEOUT=530 CLAIM_ARGS="--keep none" \
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
       CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100 --lr 2e-3 \
---equal-flops --seeds 1 --first-seed ${SEED:-0} --out /tmp/claims/stages_small.${SEED:-0}" bash benchmarks/claims/run_gpu.sh ;;
+--equal-flops --data /tmp/pysrc.jsonl --seeds 1 --first-seed ${SEED:-0} --out /tmp/claims/stages_small.${SEED:-0}" \
+      bash benchmarks/claims/run_gpu.sh ;;
   # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed
   # 1, lr 2e-3; the twenty-second session's run where our Triton backward's grad norm reached 7.7e7 at step 25 and the
   # loss went NaN from step 29, the torch path's max grad norm 13.1) side by side on kda:triton and kda:torch;

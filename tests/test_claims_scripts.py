@@ -140,3 +140,29 @@ def test_first_token_mass_per_document_against_the_written_out_formula():
     # two rows without cu_seqlens: each row one document
     q2, k2 = torch.cat([q, q]), torch.cat([k, k])
     assert cp.segment_first_token_mass(q2, k2, None, scale) == pytest.approx(cp.segment_first_token_mass(q, k, None, scale))
+
+
+def test_pysrc_corpus_one_document_per_source_file(tmp_path):
+    """benchmarks/claims/pysrc_corpus.py: every non-empty UTF-8 .py file of the tree, sorted by path, named
+    relative to the root; caches, site-packages, other files and undecodable files left out; the same tree gives
+    the same bytes."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks", "claims"))
+    try:
+        import pysrc_corpus
+    finally:
+        sys.path.pop(0)
+    root = tmp_path / "lib"
+    for rel, data in [("b.py", "x = 1\n"), ("a.py", "def f():\n    return 2\n"), ("pkg/c.py", "# c\n"),
+                      ("pkg/__pycache__/c.py", "cached\n"), ("site-packages/d.py", "third party\n"),
+                      ("notes.txt", "not source\n"), ("empty.py", "  \n")]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(data)
+    (root / "latin.py").write_bytes("s = 'caf\xe9'\n".encode("latin-1"))
+    out = tmp_path / "c.jsonl"
+    assert pysrc_corpus.write_corpus(str(out), str(root)) == (3, 6 + 22 + 4)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["a.py", "b.py", os.path.join("pkg", "c.py")]
+    assert rows[0]["text"] == "def f():\n    return 2\n"
+    first = out.read_bytes()
+    pysrc_corpus.write_corpus(str(out), str(root))
+    assert out.read_bytes() == first and not list(tmp_path.glob("c.jsonl.tmp*"))
