@@ -210,12 +210,13 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # the direct run cut to the staged run's FLOPs): one job alone (its wall times are compared too; eager `small` at
   # 16K tokens takes ~70 GiB, two side by side run out of memory), one seed a call (SEED=0, then SEED=1; merge with
   # `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100
-  # --lr 2e-3 --equal-flops --data /tmp/pysrc.jsonl --out DIR --merge DIR.0 DIR.1`)
+  # --lr 2e-3 --equal-flops --data /tmp/pysrc.jsonl --val-tokens 65536 --out DIR --merge DIR.0 DIR.1`; validation on
+  # 4 rows of 16384)
   claims-stages-small) step pysrc 240 python3 benchmarks/claims/pysrc_corpus.py /tmp/pysrc.jsonl --prepare small
     step claims-stages-small 550 env CLAIM_TIMEOUT=530 CLAIM_ARGS="--keep none" \
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
       CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100 --lr 2e-3 \
---equal-flops --data /tmp/pysrc.jsonl --seeds 1 --first-seed ${SEED:-0} --out /tmp/claims/stages_small.${SEED:-0}" \
+--equal-flops --data /tmp/pysrc.jsonl --val-tokens 65536 --seeds 1 --first-seed ${SEED:-0} --out /tmp/claims/stages_small.${SEED:-0}" \
       bash benchmarks/claims/run_gpu.sh ;;
   # `small` training stability of the KDA paths: the same 80 steps (fp32 parameters + bf16 autocast, 4K tokens, seed
   # 1, lr 2e-3; the twenty-second session's run where our Triton backward's grad norm reached 7.7e7 at step 25 and the
