@@ -204,7 +204,7 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
       J="$J;$S --out /tmp/claims/mla_gate_small;$S --first-seed 1 --out /tmp/claims/mla_gate_small.1"
       step pysrc 240 python3 benchmarks/claims/pysrc_corpus.py /tmp/pysrc.jsonl --prepare small
     fi
-    step claims-mla 520 env CLAIM_TIMEOUT=500 CLAIM_ARGS="--keep none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    step claims-mla 520 env CLAIM_TIMEOUT=500 CLAIM_ARGS="--keep-outputs none" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
       K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch CLAIMS_PAR="$J" bash benchmarks/claims/run_gpu.sh ;;
   # The staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, and
   # the direct run cut to the staged run's FLOPs): one job alone (its wall times are compared too; eager `small` at
@@ -213,7 +213,7 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
   # --lr 2e-3 --equal-flops --data /tmp/pysrc.jsonl --val-tokens 65536 --out DIR --merge DIR.0 DIR.1`; validation on
   # 4 rows of 16384)
   claims-stages-small) step pysrc 240 python3 benchmarks/claims/pysrc_corpus.py /tmp/pysrc.jsonl --prepare small
-    step claims-stages-small 550 env CLAIM_TIMEOUT=530 CLAIM_ARGS="--keep none" \
+    step claims-stages-small 550 env CLAIM_TIMEOUT=530 CLAIM_ARGS="--keep-outputs none" \
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
       CLAIMS_PAR="stages:--preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100 --lr 2e-3 \
 --equal-flops --data /tmp/pysrc.jsonl --val-tokens 65536 --seeds 1 --first-seed ${SEED:-0} --out /tmp/claims/stages_small.${SEED:-0}" \

@@ -175,19 +175,19 @@ def test_micro_sweep_two_values_two_seeds_then_resume(tmp_path, micro_base):
 
 
 def test_keep_prunes_completed_runs_only(tmp_path, micro_base):
-    """--keep final deletes a completed run's checkpoints, --keep none its final model too; metrics and rows stay."""
+    """--keep-outputs final deletes a completed run's checkpoints, none its final model too; metrics and rows stay."""
     axes = [sw.parse_set("linear_attn_config.gate_lower_bound=-5")]
     kept = {}
     for keep in ("all", "final", "none"):
         out = str(tmp_path / keep)
-        rows = sw.Sweep(out, axes, base=micro_base, echo=lambda _: None, keep=keep).run()
+        rows = sw.Sweep(out, axes, base=micro_base, echo=lambda _: None, keep_outputs=keep).run()
         assert rows[0]["status"] == "completed"
         run_dir = os.path.join(out, rows[0]["run_dir"])
         assert os.path.isfile(os.path.join(run_dir, "metrics.jsonl"))
         kept[keep] = (os.path.isdir(os.path.join(run_dir, "checkpoints")), os.path.isdir(os.path.join(run_dir, "final")))
     assert kept == {"all": (True, True), "final": (False, True), "none": (False, False)}
-    with pytest.raises(K3ConfigError, match="--keep"):
-        sw.Sweep(str(tmp_path / "x"), axes, base=micro_base, keep="some")
+    with pytest.raises(K3ConfigError, match="--keep-outputs"):
+        sw.Sweep(str(tmp_path / "x"), axes, base=micro_base, keep_outputs="some")
 
 
 def test_a_point_that_raises_gets_no_row_and_is_retried(tmp_path, micro_base, monkeypatch):

@@ -32,7 +32,7 @@ MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=
                 "linear_attn_config.full_attn_layers": [4], "linear_attn_config.kda_layers": [1, 2, 3]})
 
 
-KEEP = "all"  # --keep of the script's arguments (set by base_from_args)
+KEEP = "all"  # --keep-outputs of the script's arguments (set by base_from_args)
 
 
 def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_tokens: int = 2048) -> argparse.ArgumentParser:
@@ -56,8 +56,8 @@ def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_toke
     a("--compile", default=None, choices=["auto", "none", "modules", "layers", "model"])
     a("--data", nargs="+", default=None, help="corpus files [built-in]")
     a("--val-tokens", type=int, default=8192, help="validation tokens per evaluation [8192]")
-    a("--keep", default="all", choices=["all", "final", "none"],
-      help="what a finished run keeps on disk (k3 sweep --keep): a `small` run's checkpoint + final model are ~17 GB "
+    a("--keep-outputs", default="all", choices=["all", "final", "none"],
+      help="what a finished run keeps on disk (k3 sweep --keep-outputs): a `small` run's checkpoint + final model are ~17 GB "
            "[all]")
     a("--micro", action="store_true", help="the ~0.3M-parameter test model (smoke run of the script)")
     a("--out", default=os.path.join("runs", "claims", name), help=f"output directory [runs/claims/{name}]")
@@ -107,7 +107,7 @@ def base_from_args(args, **extra) -> dict:
     if getattr(args, "merge", None):
         print(f"--merge: took {merge_runs(args.out, args.merge)} finished run(s) into {args.out}", file=sys.stderr)
     global KEEP
-    KEEP = args.keep
+    KEEP = args.keep_outputs
     b = dict(preset=args.preset, steps=args.steps, tokens_per_step=args.batch_tokens,
              stages=[(args.seq_len, 1.0)], device=args.device, val_tokens=args.val_tokens, plot=False,
              eval_every=0)
@@ -126,7 +126,7 @@ def run_sweep(out: str, sets: Sequence[str], seeds: Sequence[int], base: dict, c
     """One k3.sweep over `sets` (KEY=V1,V2 strings) and `seeds` (`seeds(args)`); each row gets `variant` = its
     point label. A point that raised has no row (the report shows the others; run the script again to retry it)."""
     s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=seeds, base=base, callbacks=callbacks,
-                     keep=KEEP)
+                     keep_outputs=KEEP)
     rows = s.run()
     if s.errors:
         print(f"{out}: {len(s.errors)} run(s) raised (no row); run the script again to retry them", file=sys.stderr)

@@ -34,9 +34,9 @@ disk, out of memory) is reported with its traceback and gets no row: the sweep g
 non-zero, and the next invocation runs that point again. (A run that stops on its own, e.g. on non-finite losses, gets
 a row with status `failed` and is not re-run.)
 
-Disk: every run keeps its end checkpoint (model + optimizer state) and its final model by default (`--keep all`); a
-1.4B-parameter run leaves ~17 GB. `--keep final` deletes a completed run's checkpoints once its row is written,
-`--keep none` its final model too (metrics, plots and the row stay; a larger `--steps` then trains those points
+Disk: every run keeps its end checkpoint (model + optimizer state) and its final model by default (`--keep-outputs all`); a
+1.4B-parameter run leaves ~17 GB. `--keep-outputs final` deletes a completed run's checkpoints once its row is written,
+`--keep-outputs none` its final model too (metrics, plots and the row stay; a larger `--steps` then trains those points
 from the start).
 
 Execution: sequentially in this process (default on CPU), or one subprocess per point (`--subprocess`); with
@@ -76,7 +76,7 @@ log = logging.getLogger("k3.sweep")
 __all__ = ["Axis", "Point", "Sweep", "parse_set", "expand_grid", "resolve_key", "summarize", "add_parser",
            "RESULT_COLUMNS"]
 
-KEEP = ("all", "final", "none")    # --keep: what a completed run leaves on disk
+KEEP = ("all", "final", "none")    # --keep-outputs: what a completed run leaves on disk
 # metric columns of a result row, in results.csv order (after the swept keys and the seed)
 RESULT_COLUMNS = ["status", "steps", "val_loss", "train_loss", "train_loss_last", "val_loss_before", "tokens_per_s",
                   "maxvio", "maxvio_max", "peak_mem_mb", "wall_s", "train_time_s", "num_params", "device", "point",
@@ -224,11 +224,11 @@ class Sweep:
 
     def __init__(self, out_dir: str, axes: Sequence[Axis] = (), seeds: Sequence[int] = (0,),
                  base: Optional[dict] = None, gpus: int = 0, subprocess: bool = False, plot: bool = True,
-                 echo: Callable[[str], None] = print, callbacks: Sequence = (), keep: str = "all"):
+                 echo: Callable[[str], None] = print, callbacks: Sequence = (), keep_outputs: str = "all"):
         self.out_dir = out_dir
-        if keep not in KEEP:
-            raise K3ConfigError(f"--keep: one of {', '.join(KEEP)}, got {keep!r}")
-        self.keep = keep
+        if keep_outputs not in KEEP:
+            raise K3ConfigError(f"--keep-outputs: one of {', '.join(KEEP)}, got {keep_outputs!r}")
+        self.keep_outputs = keep_outputs
         self.axes = list(axes)
         self.seeds = [int(s) for s in seeds]
         self.base = dict(base or {})
@@ -473,10 +473,10 @@ class Sweep:
                         proc.kill()
 
     def _prune(self, run_dir: str) -> None:
-        """--keep final / none: a completed run's checkpoints (and with none its final model) go once its row is
+        """--keep-outputs final / none: a completed run's checkpoints (and with none its final model) go once its row is
         written."""
         import shutil
-        for name in {"all": (), "final": ("checkpoints",), "none": ("checkpoints", "final")}[self.keep]:
+        for name in {"all": (), "final": ("checkpoints",), "none": ("checkpoints", "final")}[self.keep_outputs]:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
     # ------------------------------------------------------------------ outputs
@@ -539,7 +539,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a("--subprocess", action="store_true", help="run each point in its own process (sequentially)")
     a("--dry-run", action="store_true", help="validate and list the runs; train nothing")
     a("--no-plot", action="store_true", help="no plots")
-    a("--keep", choices=KEEP, default="all",
+    a("--keep-outputs", choices=KEEP, default="all",
       help="what a completed run keeps on disk: all (end checkpoint + final model), final (the final model), none "
            "(metrics only) [all]")
     a("train_args", nargs="*", metavar="-- TRAIN_FLAGS", help="k3 train flags for every run (after `--`)")
@@ -578,7 +578,7 @@ def run_cli(args) -> int:
     if args.gpus and args.gpus > torch.cuda.device_count():
         raise K3ConfigError(f"--gpus {args.gpus}: only {torch.cuda.device_count()} GPU(s) visible")
     sweep = Sweep(args.out, axes, seeds=range(args.first_seed, args.first_seed + args.seeds), base=base,
-                  gpus=args.gpus, subprocess=args.subprocess, plot=not args.no_plot, keep=args.keep)
+                  gpus=args.gpus, subprocess=args.subprocess, plot=not args.no_plot, keep_outputs=args.keep_outputs)
     if args.dry_run:
         plan = sweep.plan()
         print(f"k3 sweep: {len(plan)} run(s), all valid:")
