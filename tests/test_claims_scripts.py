@@ -139,7 +139,8 @@ def test_first_token_mass_per_document_against_the_written_out_formula():
     assert cp.segment_first_token_mass(q, k, None, scale)[0] != pytest.approx(got[0], rel=1e-3)
     # two rows without cu_seqlens: each row one document
     q2, k2 = torch.cat([q, q]), torch.cat([k, k])
-    assert cp.segment_first_token_mass(q2, k2, None, scale) == pytest.approx(cp.segment_first_token_mass(q, k, None, scale))
+    one_row = cp.segment_first_token_mass(q, k, None, scale)
+    assert cp.segment_first_token_mass(q2, k2, None, scale) == pytest.approx(one_row)
 
 
 def test_pysrc_corpus_one_document_per_source_file(tmp_path):
@@ -166,3 +167,9 @@ def test_pysrc_corpus_one_document_per_source_file(tmp_path):
     first = out.read_bytes()
     pysrc_corpus.write_corpus(str(out), str(root))
     assert out.read_bytes() == first and not list(tmp_path.glob("c.jsonl.tmp*"))
+    (tmp_path / "no_source").mkdir()
+    (tmp_path / "no_source" / "notes.txt").write_text("text\n")
+    for bad in (tmp_path / "missing", tmp_path / "no_source"):
+        with pytest.raises(ValueError, match=str(bad.name)):
+            pysrc_corpus.write_corpus(str(out), str(bad))
+        assert out.read_bytes() == first and not list(tmp_path.glob("c.jsonl.tmp*"))

@@ -184,14 +184,15 @@ def test_keep_prunes_completed_runs_only(tmp_path, micro_base):
         assert rows[0]["status"] == "completed"
         run_dir = os.path.join(out, rows[0]["run_dir"])
         assert os.path.isfile(os.path.join(run_dir, "metrics.jsonl"))
-        kept[keep] = (os.path.isdir(os.path.join(run_dir, "checkpoints")), os.path.isdir(os.path.join(run_dir, "final")))
+        kept[keep] = tuple(os.path.isdir(os.path.join(run_dir, d)) for d in ("checkpoints", "final"))
     assert kept == {"all": (True, True), "final": (False, True), "none": (False, False)}
     with pytest.raises(K3ConfigError, match="--keep-outputs"):
         sw.Sweep(str(tmp_path / "x"), axes, base=micro_base, keep_outputs="some")
 
 
 def test_a_point_that_raises_gets_no_row_and_is_retried(tmp_path, micro_base, monkeypatch):
-    """One point's crash (here a full disk) is reported and skipped; the other points run; the next run() retries it."""
+    """One point's crash (here a full disk) is reported and skipped; the other points run; the next run() retries
+    it."""
     out = str(tmp_path / "sweep")
     axes = [sw.parse_set("linear_attn_config.gate_lower_bound=-5,-3")]
     real = sw.run_point

@@ -56,9 +56,9 @@ def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_toke
     a("--compile", default=None, choices=["auto", "none", "modules", "layers", "model"])
     a("--data", nargs="+", default=None, help="corpus files [built-in]")
     a("--val-tokens", type=int, default=8192, help="validation tokens per evaluation [8192]")
-    a("--keep-outputs", default="all", choices=["all", "final", "none"],
-      help="what a finished run keeps on disk (k3 sweep --keep-outputs): a `small` run's checkpoint + final model are ~17 GB "
-           "[all]")
+    a("--keep-outputs", default="all", choices=ksweep.KEEP,
+      help="what a finished run keeps on disk (k3 sweep --keep-outputs): a `small` run's checkpoint + final model "
+           "are ~17 GB [all]")
     a("--micro", action="store_true", help="the ~0.3M-parameter test model (smoke run of the script)")
     a("--out", default=os.path.join("runs", "claims", name), help=f"output directory [runs/claims/{name}]")
     return p

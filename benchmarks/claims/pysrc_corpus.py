@@ -20,8 +20,11 @@ import sysconfig
 
 def write_corpus(out: str, root: str | None = None) -> tuple[int, int]:
     """Write root's (default: the stdlib's) .py files to `out` as JSONL {"name", "text"}; returns (documents,
-    characters). Written to a temporary name and renamed: a reader never sees half a file."""
+    characters). Written to a temporary name and renamed: a reader never sees half a file. A root that is not a
+    directory, or holds no such file, is refused (ValueError naming it) and `out` is left as it was."""
     root = root or sysconfig.get_paths()["stdlib"]
+    if not os.path.isdir(root):
+        raise ValueError(f"pysrc corpus: {root!r} is not a directory")
     n = chars = 0
     tmp = f"{out}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -40,6 +43,9 @@ def write_corpus(out: str, root: str | None = None) -> tuple[int, int]:
                     f.write(json.dumps({"name": os.path.relpath(path, root), "text": text}) + "\n")
                     n += 1
                     chars += len(text)
+    if not n:
+        os.remove(tmp)
+        raise ValueError(f"pysrc corpus: {root!r} holds no non-empty UTF-8 .py file")
     os.replace(tmp, out)
     return n, chars
 
@@ -51,7 +57,10 @@ def main(argv=None):
     p.add_argument("--prepare", metavar="PRESET", default=None,
                    help="also build the tokenizer and token cache for this preset's vocabulary")
     args = p.parse_args(argv)
-    n, chars = write_corpus(args.out, args.root)
+    try:
+        n, chars = write_corpus(args.out, args.root)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     print(f"{args.out}: {n} documents, {chars / 1e6:.1f}M characters")
     if args.prepare:
         from k3.config import K3Config

@@ -34,10 +34,10 @@ disk, out of memory) is reported with its traceback and gets no row: the sweep g
 non-zero, and the next invocation runs that point again. (A run that stops on its own, e.g. on non-finite losses, gets
 a row with status `failed` and is not re-run.)
 
-Disk: every run keeps its end checkpoint (model + optimizer state) and its final model by default (`--keep-outputs all`); a
-1.4B-parameter run leaves ~17 GB. `--keep-outputs final` deletes a completed run's checkpoints once its row is written,
-`--keep-outputs none` its final model too (metrics, plots and the row stay; a larger `--steps` then trains those points
-from the start).
+Disk: every run keeps its end checkpoint (model + optimizer state) and its final model by default
+(`--keep-outputs all`); a 1.4B-parameter run leaves ~17 GB. `--keep-outputs final` deletes a completed run's
+checkpoints once its row is written, `--keep-outputs none` its final model too (metrics, plots and the row stay; a
+larger `--steps` then trains those points from the start).
 
 Execution: sequentially in this process (default on CPU), or one subprocess per point (`--subprocess`); with
 `--gpus N` on CUDA, N subprocesses at a time, each with its own `CUDA_VISIBLE_DEVICES`.
@@ -473,8 +473,8 @@ class Sweep:
                         proc.kill()
 
     def _prune(self, run_dir: str) -> None:
-        """--keep-outputs final / none: a completed run's checkpoints (and with none its final model) go once its row is
-        written."""
+        """--keep-outputs final / none: a completed run's checkpoints (and with none its final model) go once its
+        row is written."""
         import shutil
         for name in {"all": (), "final": ("checkpoints",), "none": ("checkpoints", "final")}[self.keep_outputs]:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
