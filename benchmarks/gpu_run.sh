@@ -187,15 +187,17 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     unset K3_BACKEND ;;
   # (`small` claim runs keep no checkpoint or final model: ~17 GB a run, and the machine's disk holds 64 GiB; KDA on
   # CLAIMS_KDA, default our Triton kernels: block inversion fixed the backward that blew `small` up, kda-stability)
-  # The `small` claim runs train on the Python stdlib's source (benchmarks/claims/pysrc_corpus.py, ~8M tokens,
-  # generated here; tokenizer and token cache built once before the jobs start): the built-in corpus (~0.5M tokens)
-  # went round 3.5 times in 180 steps and `small` memorised it (train loss ~2 vs val 5.3). `tiny` keeps the built-in.
+  # The `small` claim runs train on the Python stdlib's source (benchmarks/claims/pysrc_corpus.py; here 2.4M
+  # training tokens, generated on the machine; tokenizer and token cache built once before the jobs start): the
+  # built-in corpus (~0.5M tokens) went round 3.5 times in 180 steps and `small` memorised it (train loss ~2 vs val
+  # 5.3). `tiny` keeps the built-in.
   # The MLA-gate sink claim, `tiny` and `small` in one call, all jobs side by side: `tiny` 3 seeds (400 steps x 4K
   # tokens, seq 512), `small` 2 seeds (MLA_SMALL_STEPS (150) x 8K tokens, seq 2048, lr 2e-3; both points of a seed
-  # in one job, ~200 s a 180-step point with only the two `small` jobs, 48 GiB each; MLA_SMALL_STEPS=0: `tiny` only).
+  # in one job, 140-210 s a 150-step point, 48 GiB each; 491 s in all; MLA_SMALL_STEPS=0: `tiny` only).
   # Merge the seeds afterwards (any machine, from claims_results.tgz): `python benchmarks/claims/mla_gate.py --steps
-  # 400 --seq-len 512 --batch-tokens 4096 --out DIR --merge DIR.1 DIR.2` and `... --preset small --steps 150 --seq-len
-  # 2048 --batch-tokens 8192 --lr 2e-3 --data /tmp/pysrc.jsonl --seeds 2 --out SDIR --merge SDIR.1`
+  # 400 --seq-len 512 --batch-tokens 4096 --report-only --out DIR --merge DIR.1 DIR.2` and `... --preset small --steps
+  # 150 --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --data /tmp/pysrc.jsonl --seeds 2 --report-only --out SDIR
+  # --merge SDIR.1` (docs/claims.md)
   claims-mla) M="mla_gate:--steps 400 --seq-len 512 --batch-tokens 4096 --seeds 1"
     S="mla_gate:--preset small --steps ${MLA_SMALL_STEPS:-150} --seq-len 2048 --batch-tokens 8192 --lr 2e-3 --seeds 1 \
 --data /tmp/pysrc.jsonl"
@@ -208,10 +210,10 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
       K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch CLAIMS_PAR="$J" bash benchmarks/claims/run_gpu.sh ;;
   # The staged-context claim's cost half on `small` (2048 -> 16384 vs 16384 throughout, 100 steps x 16K tokens, and
   # the direct run cut to the staged run's FLOPs): one job alone (its wall times are compared too; eager `small` at
-  # 16K tokens takes ~70 GiB, two side by side run out of memory), one seed a call (SEED=0, then SEED=1; merge with
-  # `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384 --batch-tokens 16384 --steps 100
-  # --lr 2e-3 --equal-flops --data /tmp/pysrc.jsonl --val-tokens 65536 --out DIR --merge DIR.0 DIR.1`; validation on
-  # 4 rows of 16384)
+  # 16K tokens peaks at 79 GB, two side by side run out of memory), one seed a call (SEED=0, then SEED=1; ~400 s
+  # each; merge with `python benchmarks/claims/stages.py --preset small --short 2048 --long 16384 --batch-tokens 16384
+  # --steps 100 --lr 2e-3 --equal-flops --data /tmp/pysrc.jsonl --val-tokens 65536 --seeds 2 --report-only --out DIR
+  # --merge DIR.0 DIR.1`; validation on 4 rows of 16384)
   claims-stages-small) step pysrc 240 python3 benchmarks/claims/pysrc_corpus.py /tmp/pysrc.jsonl --prepare small
     step claims-stages-small 550 env CLAIM_TIMEOUT=530 CLAIM_ARGS="--keep-outputs none" \
       PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True K3_BACKEND=kda:${CLAIMS_KDA:-triton},attnres:torch \
@@ -233,6 +235,16 @@ print(g(dtypes=('bf16',)), flush=True); print(g(dtypes=('fp32',)))" ;;
     done; wait
     python3 benchmarks/train_stability.py $R/triton $R/torch | tee -a "$OUT/log.txt"
     (cd /tmp && tar czf "$OUT/kstab.tgz" --exclude='final' --exclude='checkpoints' kstab) ;;
+  # The AttnRes claim's `tiny` runs again (standard residual, block 1 = full, 2, 4; 3 seeds) with the activation-norm
+  # probe that keeps documents apart: six jobs side by side, one seed and two variants each (~160 s); merge with
+  # `python benchmarks/claims/attnres.py --block-sizes 1,2,4 --report-only --out DIR --merge DIR.*` (docs/claims.md)
+  claims-attnres) J=""
+    for s in 0 1 2; do
+      J="$J;attnres:--block-sizes 1 --seeds 1 --first-seed $s --out /tmp/claims/attnres.a$s"
+      J="$J;attnres:--block-sizes 2,4 --no-standard --seeds 1 --first-seed $s --out /tmp/claims/attnres.b$s"
+    done
+    step claims-attnres ${CLAIMS_BUDGET:-260} env CLAIM_TIMEOUT=${CLAIM_TIMEOUT:-240} CLAIMS_PAR="${J#;}" \
+      bash benchmarks/claims/run_gpu.sh ;;
   # every design claim's `tiny` runs (benchmarks/claims/*.py, 3 seeds, side by side) + the gate kernel timing
   claims) step claims ${CLAIMS_BUDGET:-560} bash benchmarks/claims/run_gpu.sh ${CLAIMS:-} ;;
   # only pack fla's autotune winners in this machine's Triton cache

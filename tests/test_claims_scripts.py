@@ -68,6 +68,12 @@ def test_first_seed_and_merge_report_split_seeds_together(tmp_path):
         train = [json.loads(l) for l in m.read_text().splitlines() if '"train"' in l]
         assert len(train) == 2 and all(isinstance(t.get("glu_max_abs"), float) for t in train), m
 
+    # --report-only asked for a third seed: nothing trains, the missing runs are named, the report keeps n = 2
+    _, out, err = _done(_claim("situ.py", "--seeds", 3, "--out", a, "--report-only"))
+    assert "2 run(s) not trained (--report-only)" in err and "seed 2" in err, err[-2000:]
+    assert not list((a / "sweep" / "runs").glob("*/seed2"))
+    assert all(g["n"] == 2 for g in json.loads((a / "situ.json").read_text())["groups"])
+
     bad = a / "situ.json"
     rc, _, err = _done(_claim("situ.py", "--seeds", 2, "--out", tmp_path / "c", "--merge", bad), ok=False)
     assert rc != 0 and f"--merge: {bad} is not a directory" in err, err[-2000:]
@@ -173,3 +179,10 @@ def test_pysrc_corpus_one_document_per_source_file(tmp_path):
         with pytest.raises(ValueError, match=str(bad.name)):
             pysrc_corpus.write_corpus(str(out), str(bad))
         assert out.read_bytes() == first and not list(tmp_path.glob("c.jsonl.tmp*"))
+
+
+def test_rms_summary_leaves_the_embedding_out():
+    """ActivationNorms' summary: the max and the growth (final / second layer's input) skip entry 0, the embedding,
+    whose own small scale would otherwise dominate the ratio."""
+    s = _probes().rms_summary([0.05, 2.0, 7.0, 5.0, 4.0])
+    assert s == {"act_rms_max": 7.0, "act_rms_growth": 2.0, "act_rms_final": 4.0}

@@ -98,6 +98,12 @@ def test_cli_refuses_before_running(tmp_path, capsys):
                  "--out", str(out), "--dry-run", "--", "--batch-tokens", "512", "--stages", "128:1"]) == 0
     text = capsys.readouterr().out
     assert "4 run(s)" in text and "seed1" in text and not out.exists()
+    # --report-only over a directory with nothing finished: trains nothing, names the 4 missing runs
+    assert main(["sweep", "--preset", "tiny", "--set", "attn_res_block_size=1,2", "--seeds", "2", "--steps", "3",
+                 "--out", str(out), "--report-only", "--no-plot", "--", "--batch-tokens", "512",
+                 "--stages", "128:1"]) == 0
+    text = capsys.readouterr().out
+    assert "4 run(s) not trained (--report-only)" in text and not (out / "runs").exists()
 
 
 # ----------------------------------------------------------------------------------------------- a real sweep
@@ -207,6 +213,17 @@ def test_a_point_that_raises_gets_no_row_and_is_retried(tmp_path, micro_base, mo
     rows = s.run()
     assert len(rows) == 1 and rows[0]["linear_attn_config.gate_lower_bound"] == -5 and len(s.errors) == 1
     assert any("No space left on device" in x and "again" in x for x in lines), lines
+    # --report-only trains nothing: it names the missing run and rewrites the report from the finished one
+    def no_training(cfg, callbacks=()):
+        raise AssertionError("report-only trained a point")
+    monkeypatch.setattr(sw, "run_point", no_training)
+    os.remove(os.path.join(out, "summary.md"))
+    lines.clear()
+    s_rep = sw.Sweep(out, axes, base=micro_base, echo=lines.append)
+    rows_rep = s_rep.run(train=False)
+    assert rows_rep == rows and s_rep.ran == [] and not s_rep.errors and len(s_rep.skipped) == 1
+    assert [seed for _, seed in s_rep.missing] == [0] and "-3" in s_rep.missing[0][0]
+    assert "| -5.0 | 1 |" in open(os.path.join(out, "summary.md")).read() and "report only" in lines[0], lines
     monkeypatch.setattr(sw, "run_point", real)
     s2 = sw.Sweep(out, axes, base=micro_base, echo=lines.append)
     rows2 = s2.run()

@@ -29,7 +29,10 @@ def main(argv=None):
     variants = [] if args.no_standard else [("standard", ["attn_res_mode=none"], [norms])]
     variants += [(f"block={b}" + (" (full)" if b == 1 else ""), [f"attn_res_block_size={b}"], [norms]) for b in sizes]
     rows = common.run_variants(args.out, variants, common.seeds(args), base)
-    metrics = ["val_loss", "train_loss", "tokens_per_s", "peak_mem_mb", "act_rms_growth", "num_params"]
+    for r in rows:  # the summary from the per-layer list (rows of earlier runs carry an older definition)
+        if r.get("act_rms_by_layer"):
+            r.update(claim_probes.rms_summary(r["act_rms_by_layer"]))
+    metrics = ["val_loss", "train_loss", "tokens_per_s", "peak_mem_mb", "act_rms_max", "act_rms_growth", "num_params"]
     groups = common.aggregate(rows, metrics)
     ref = next((g for g in groups if g["variant"] == "standard"), None)
     for g in groups:  # throughput relative to the standard residual
@@ -47,7 +50,8 @@ def main(argv=None):
                   "Block AttnRes improves loss at equal compute with small overhead and bounded activation norms",
                   groups, [("val_loss", "val loss", "{:.4f}"), ("train_loss", "train loss", "{:.4f}"),
                            ("tokens_per_s", "tokens/s", "{:.0f}"), ("rel_tokens_per_s", "vs standard", "{:.3f}"),
-                           ("peak_mem_mb", "peak MB", "{:.0f}"), ("act_rms_growth", "RMS last/first layer", "{:.2f}"),
+                           ("peak_mem_mb", "peak MB", "{:.0f}"), ("act_rms_max", "max layer-input RMS", "{:.2f}"),
+                           ("act_rms_growth", "RMS final / after layer 1", "{:.2f}"),
                            ("num_params", "params", "{:.0f}")], rows, None, plots)
 
 

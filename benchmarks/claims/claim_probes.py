@@ -44,8 +44,9 @@ def _is_final_eval(trainer) -> bool:
 
 class ActivationNorms(Callback):
     """RMS of each layer's input (the AttnRes mix, or the residual stream) and of the final hidden state before
-    the last norm, on fixed validation rows, after training: `act_rms_by_layer` [L + 1], `act_rms_growth` (last /
-    first layer input)."""
+    the last norm, on fixed validation rows, after training: `act_rms_by_layer` [L + 1] (entry 0: the first layer's
+    input, i.e. the embedding), `act_rms_max` (the largest past the embedding) and `act_rms_growth` (the final hidden
+    state over the second layer's input: growth across depth, leaving out the embedding's own scale)."""
 
     def __init__(self, seq_len: int = 256, rows: int = 4):
         self.seq_len, self.rows, self.rms = seq_len, rows, None
@@ -71,8 +72,14 @@ class ActivationNorms(Callback):
     def sweep_metrics(self):
         if not self.rms:
             return {}
-        return {"act_rms_by_layer": self.rms, "act_rms_growth": self.rms[-2] / max(self.rms[0], 1e-12),
-                "act_rms_final": self.rms[-1]}
+        return {"act_rms_by_layer": self.rms, **rms_summary(self.rms)}
+
+
+def rms_summary(by_layer: list) -> dict:
+    """`act_rms_max`, `act_rms_growth` and `act_rms_final` of an `act_rms_by_layer` list (ActivationNorms)."""
+    past = by_layer[1:] or by_layer
+    return {"act_rms_max": max(past), "act_rms_growth": by_layer[-1] / max(past[0], 1e-12),
+            "act_rms_final": by_layer[-1]}
 
 
 class GLUMaxAct(Callback):

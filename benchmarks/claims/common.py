@@ -33,6 +33,7 @@ MICRO = dict(hidden_size=64, num_hidden_layers=4, vocab_size=1024, bos_token_id=
 
 
 KEEP = "all"  # --keep-outputs of the script's arguments (set by base_from_args)
+TRAIN = True  # not --report-only (set by base_from_args)
 
 
 def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_tokens: int = 2048) -> argparse.ArgumentParser:
@@ -47,6 +48,9 @@ def parser(name: str, doc: str, steps: int = 200, seq_len: int = 256, batch_toke
     a("--merge", nargs="+", default=[], metavar="DIR",
       help="before running, take the finished runs of these output directories (other jobs of this claim: other "
            "seeds or variants) into --out; with them in place the script trains only what is missing and reports all")
+    a("--report-only", action="store_true",
+      help="train nothing: report the finished runs under --out (with --merge: report what the jobs brought, on any "
+           "machine); a run still missing is named and left out of the report")
     a("--seq-len", type=int, default=seq_len, help=f"training sequence length (one stage) [{seq_len}]")
     a("--batch-tokens", type=int, default=batch_tokens, help=f"tokens per step [{batch_tokens}]")
     a("--lr", type=float, default=None, help="peak learning rate [k3 train's]")
@@ -106,8 +110,9 @@ def base_from_args(args, **extra) -> dict:
     """TrainConfig fields shared by every variant (and, first, --merge's runs taken into --out)."""
     if getattr(args, "merge", None):
         print(f"--merge: took {merge_runs(args.out, args.merge)} finished run(s) into {args.out}", file=sys.stderr)
-    global KEEP
+    global KEEP, TRAIN
     KEEP = args.keep_outputs
+    TRAIN = not args.report_only
     b = dict(preset=args.preset, steps=args.steps, tokens_per_step=args.batch_tokens,
              stages=[(args.seq_len, 1.0)], device=args.device, val_tokens=args.val_tokens, plot=False,
              eval_every=0)
@@ -127,7 +132,10 @@ def run_sweep(out: str, sets: Sequence[str], seeds: Sequence[int], base: dict, c
     point label. A point that raised has no row (the report shows the others; run the script again to retry it)."""
     s = ksweep.Sweep(out, [ksweep.parse_set(t) for t in sets], seeds=seeds, base=base, callbacks=callbacks,
                      keep_outputs=KEEP)
-    rows = s.run()
+    rows = s.run(train=TRAIN)
+    if s.missing:
+        print(f"{out}: {len(s.missing)} run(s) not trained (--report-only): "
+              + ", ".join(f"{pid} seed {seed}" for pid, seed in s.missing), file=sys.stderr)
     if s.errors:
         print(f"{out}: {len(s.errors)} run(s) raised (no row); run the script again to retry them", file=sys.stderr)
     for r in rows:
@@ -237,15 +245,22 @@ def save_plot(fig, path: str) -> str:
     return path
 
 
-def plot_by_layer(rows, variants, key: str, xlabel: str, ylabel: str, path: str, logy: bool = False) -> str:
-    """Per variant, the mean over seeds of a per-layer list metric (`key`), against the layer index."""
+def plot_by_layer(rows, variants, key: str, xlabel: str, ylabel: str, path: str, logy: bool = False,
+                  ref: Optional[float] = None, seeds: bool = False) -> str:
+    """Per variant, the mean over seeds of a per-layer list metric (`key`), against the layer index; `ref` draws a
+    dashed reference level, `seeds` also each seed's values as small dots."""
     p = plt()
     fig, ax = p.subplots(figsize=(6.5, 4.5))
     for v in variants:
         per = [r[key] for r in rows if r["variant"] == v and r.get(key)]
         if per:
             L = min(len(x) for x in per)
-            ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=v)
+            line, = ax.plot(range(L), [sum(x[i] for x in per) / len(per) for i in range(L)], marker="o", label=v)
+            if seeds:
+                for x in per:
+                    ax.scatter(range(L), x[:L], s=9, color=line.get_color(), alpha=0.45)
+    if ref is not None:
+        ax.axhline(ref, color="gray", linestyle="--", linewidth=1)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if logy:

@@ -29,14 +29,18 @@ def main(argv=None):
                             callbacks=[probe])
     for r in rows:
         r["variant"] = "gate" if r["mla_use_output_gate"] else "no gate"
+        u, by_layer = r.get("uniform_mass"), r.get("first_token_mass_by_layer")
+        if u and by_layer:
+            r["first_token_ratio_by_layer"] = [m / u for m in by_layer]
     groups = common.aggregate(rows, ["first_token_mass", "uniform_mass", "first_token_ratio", "val_loss",
                                      "tokens_per_s"])
     plots = [common.plot_bars(groups, "first_token_ratio", "first-token attention mass / uniform",
                               os.path.join(args.out, "first_token_mass.png"),
                               f"mean over MLA layers, heads, queries; 1 = uniform (rows of {T})")]
-    plots.append(common.plot_by_layer(rows, ["gate", "no gate"], "first_token_mass_by_layer",
-                                      "MLA layer (index among MLA layers)", "first-token attention mass",
-                                      os.path.join(args.out, "first_token_mass_by_layer.png")))
+    plots.append(common.plot_by_layer(rows, ["gate", "no gate"], "first_token_ratio_by_layer",
+                                      "MLA layer (index among MLA layers)",
+                                      "first-token attention mass / uniform (dots: seeds)",
+                                      os.path.join(args.out, "first_token_mass_by_layer.png"), ref=1.0, seeds=True))
     common.report(args.out, "mla_gate", "MLA output gate vs none: attention sink",
                   "the MLA output gate removes the first-token attention sink", groups,
                   [("first_token_mass", "first-token mass", "{:.5f}"), ("uniform_mass", "uniform", "{:.5f}"),

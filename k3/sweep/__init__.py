@@ -242,6 +242,7 @@ class Sweep:
         self.ran: list[tuple[str, int]] = []      # (point id, seed) trained by the last run()
         self.skipped: list[tuple[str, int]] = []  # finished before
         self.errors: list[tuple[str, int]] = []   # raised in the last run(): no row, run again by the next run()
+        self.missing: list[tuple[str, int]] = []  # not trained by a run(train=False)
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise K3ConfigError(f"--seeds: need at least one seed, without repeats, got {self.seeds}")
         for k in self.base:
@@ -355,8 +356,10 @@ class Sweep:
                     f"to compare values).")
 
     # ------------------------------------------------------------------ run
-    def run(self) -> list[dict]:
-        """Train every point and seed without a finished row; write the results after each. Returns all rows."""
+    def run(self, train: bool = True) -> list[dict]:
+        """Train every point and seed without a finished row; write the results after each. Returns all rows.
+        train=False (`--report-only`): train nothing, rewrite the results, summary and plots from the finished runs;
+        `self.missing` lists the (point id, seed) runs left out."""
         plan = self.plan()
         if not plan:
             raise K3ConfigError("the sweep has no point")
@@ -369,14 +372,18 @@ class Sweep:
         rows = self.load_rows()
         done = {(r.get("point"), r.get("seed"), r.get("steps")) for r in rows if r.get("status") in ("completed", "failed")}
         todo = []
-        self.ran, self.skipped, self.errors = [], [], []
+        self.ran, self.skipped, self.errors, self.missing = [], [], [], []
         for p, seed, cfg in plan:
             if (p.id, seed, cfg.steps) in done:
                 self.skipped.append((p.id, seed))
             else:
                 todo.append((p, seed, cfg))
         self.echo(f"k3 sweep: {len(plan)} run(s) ({len(self.points())} point(s) x {len(self.seeds)} seed(s)), "
-                  f"{len(self.skipped)} finished before, {len(todo)} to run -> {self.out_dir}")
+                  f"{len(self.skipped)} finished before, {len(todo)} to run -> {self.out_dir}"
+                  + ("" if train or not todo else " (report only: not trained)"))
+        if not train:
+            self.missing = [(p.id, seed) for p, seed, _ in todo]
+            todo = []
 
         def record(p: Point, seed: int, cfg, metrics: dict) -> None:
             row = {**{a.key: p.values.get(a.key) for a in self.axes}, "seed": seed, **metrics,
@@ -538,6 +545,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
       help="run N points at a time, one subprocess per GPU (CUDA_VISIBLE_DEVICES) [0: sequential]")
     a("--subprocess", action="store_true", help="run each point in its own process (sequentially)")
     a("--dry-run", action="store_true", help="validate and list the runs; train nothing")
+    a("--report-only", action="store_true",
+      help="train nothing: rewrite results, summary and plots from the finished runs (e.g. after copying runs in)")
     a("--no-plot", action="store_true", help="no plots")
     a("--keep-outputs", choices=KEEP, default="all",
       help="what a completed run keeps on disk: all (end checkpoint + final model), final (the final model), none "
@@ -585,8 +594,11 @@ def run_cli(args) -> int:
         for p, seed, cfg in plan:
             print(f"  {p.label} seed {seed} -> {cfg.out_dir}")
         return 0
-    rows = sweep.run()
+    rows = sweep.run(train=not args.report_only)
     print(open(os.path.join(args.out, "summary.md")).read(), end="")
+    if sweep.missing:
+        print(f"k3 sweep: {len(sweep.missing)} run(s) not trained (--report-only): "
+              + ", ".join(f"{pid} seed {seed}" for pid, seed in sweep.missing))
     bad = [r for r in rows if r.get("status") != "completed"]
     if bad:
         print(f"k3 sweep: {len(bad)} run(s) failed (see results.csv, column error)")
