@@ -32,7 +32,8 @@ written after every point, so an interrupted sweep loses at most the point it wa
 last checkpoint). A larger `--steps` continues every point's run to the new length. A point that raises (a full
 disk, out of memory) is reported with its traceback and gets no row: the sweep goes on with the others, exits
 non-zero, and the next invocation runs that point again. (A run that stops on its own, e.g. on non-finite losses, gets
-a row with status `failed` and is not re-run.)
+a row with status `failed` and is not re-run.) `--report-only` trains nothing: it rewrites the results, summary and
+plots from the finished runs (e.g. runs copied in from other machines) and names each run still missing.
 
 Disk: every run keeps its end checkpoint (model + optimizer state) and its final model by default
 (`--keep-outputs all`); a 1.4B-parameter run leaves ~17 GB. `--keep-outputs final` deletes a completed run's
