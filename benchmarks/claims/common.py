@@ -134,8 +134,7 @@ def run_sweep(out: str, sets: Sequence[str], seeds: Sequence[int], base: dict, c
                      keep_outputs=KEEP)
     rows = s.run(train=TRAIN)
     if s.missing:
-        print(f"{out}: {len(s.missing)} run(s) not trained (--report-only): "
-              + ", ".join(f"{pid} seed {seed}" for pid, seed in s.missing), file=sys.stderr)
+        print(f"{out}: {s.missing_text()}", file=sys.stderr)
     if s.errors:
         print(f"{out}: {len(s.errors)} run(s) raised (no row); run the script again to retry them", file=sys.stderr)
     for r in rows:

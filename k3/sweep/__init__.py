@@ -420,6 +420,11 @@ class Sweep:
         self.write(rows)
         return rows
 
+    def missing_text(self) -> str:
+        """The runs a run(train=False) left out, in one line."""
+        return (f"{len(self.missing)} run(s) not trained (--report-only): "
+                + ", ".join(f"{pid} seed {seed}" for pid, seed in self.missing))
+
     def _run_subprocesses(self, todo, record) -> None:
         slots = list(range(self.gpus)) if self.gpus > 0 else [None]
         queue = list(todo)
@@ -598,8 +603,7 @@ def run_cli(args) -> int:
     rows = sweep.run(train=not args.report_only)
     print(open(os.path.join(args.out, "summary.md")).read(), end="")
     if sweep.missing:
-        print(f"k3 sweep: {len(sweep.missing)} run(s) not trained (--report-only): "
-              + ", ".join(f"{pid} seed {seed}" for pid, seed in sweep.missing))
+        print(f"k3 sweep: {sweep.missing_text()}")
     bad = [r for r in rows if r.get("status") != "completed"]
     if bad:
         print(f"k3 sweep: {len(bad)} run(s) failed (see results.csv, column error)")
